@@ -1,0 +1,96 @@
+"""The `refit` command: demo, check, diagram."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def _check(args: argparse.Namespace) -> int:
+    from refit.invariants import check_trace
+    from refit.trace import load_trace, runs
+
+    try:
+        _header, events, torn = load_trace(args.trace)
+    except (OSError, ValueError) as exc:
+        print(f"refit check: cannot read {args.trace}: {exc}", file=sys.stderr)
+        return 2
+    violations = check_trace(events, torn=torn)
+    n_runs = len(runs(events))
+    if args.json:
+        print(json.dumps({"runs": n_runs, "events": len(events), "violations": [v.__dict__ for v in violations]}))
+    elif violations:
+        for v in violations:
+            print(f"VIOLATION {v}")
+            if v.seq is not None:
+                event = next((e for e in events if e.get("seq") == v.seq), None)
+                print(f"  event: {json.dumps(event)}")
+        print(f"{len(violations)} violation(s) in {n_runs} run(s), {len(events)} events: {args.trace}")
+    else:
+        print(f"ok: {n_runs} run(s), {len(events)} events, every invariant holds: {args.trace}")
+    return 1 if violations else 0
+
+
+def _diagram(args: argparse.Namespace) -> int:
+    from refit import diagram
+
+    if args.check:
+        if diagram.is_current(args.out):
+            print(f"{Path(args.out) / diagram.DIAGRAM_FILE} is current")
+            return 0
+        print(f"{Path(args.out) / diagram.DIAGRAM_FILE} is stale: run `refit diagram`", file=sys.stderr)
+        return 1
+    print(f"wrote {diagram.write(args.out)}")
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from refit.demo import run_demo
+
+    return run_demo(args)
+
+
+def _demo_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--engines", type=int, default=2, help="reference engines to refit (default 2)")
+    p.add_argument("--refits", type=int, default=3, help="refits to run (default 3)")
+    p.add_argument("--steps", type=int, default=20, help="optimizer steps between refits (default 20)")
+    p.add_argument("--mode", choices=("colocated", "disaggregated"), default="colocated")
+    p.add_argument("--pause-mode", choices=("abort", "retract", "in_place"), default="retract")
+    p.add_argument("--bucket-bytes", type=int, default=64 << 10, help="bucket size in bytes (default 64 KiB)")
+    p.add_argument("--deadline", type=float, default=60.0, help="seconds each refit may take (default 60)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--trace", metavar="PATH", help="write the JSONL trace of every refit here")
+    p.add_argument(
+        "--fail-at",
+        metavar="SPEC",
+        help="inject a fault, e.g. transferring:engine=1:bucket=2 (keys: engine, bucket, call, kind=raise)",
+    )
+    p.add_argument("--in-thread", action="store_true", help="run engines on threads instead of processes")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="refit", description="Refit trainer weights into rollout engines, checked.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="a real CPU refit into reference-engine processes")
+    _demo_arguments(demo)
+    demo.set_defaults(func=_demo)
+
+    check = sub.add_parser("check", help="check a recorded trace against the refit invariants")
+    check.add_argument("trace", help="a JSONL trace (refit demo --trace PATH writes one)")
+    check.add_argument("--json", action="store_true", help="print a JSON summary")
+    check.set_defaults(func=_check)
+
+    diag = sub.add_parser("diagram", help="regenerate docs/diagrams from the state table")
+    diag.add_argument("--out", default="docs/diagrams", help="output directory (default docs/diagrams)")
+    diag.add_argument("--check", action="store_true", help="exit 1 if the committed diagram is stale")
+    diag.set_defaults(func=_diagram)
+
+    args = parser.parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,180 @@
+"""Trainer-side handle on a reference engine running in a spawned process or a thread.
+
+Calls are matched to replies by id on a reader thread, so many threads may call at once; every
+call waits at most `timeout` seconds. If the engine dies, every pending and later call raises
+`EngineDied` at once instead of hanging.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import weakref
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from multiprocessing.connection import Connection
+from typing import Any
+
+from refit.errors import EngineDied, EngineError
+from refit.reference.engine import EngineCore
+from refit.reference.model import ModelConfig
+from refit.reference.server import SHUTDOWN, Channel, EngineServer, LocalChannel, PipeChannel, serve
+
+
+class EngineClient:
+    def __init__(
+        self,
+        channel: Channel,
+        name: str,
+        *,
+        pid: int | None = None,
+        process: Any = None,
+        thread: threading.Thread | None = None,
+    ) -> None:
+        self.name = name
+        self.pid = pid
+        self.process = process
+        self._thread = thread
+        self._channel = channel
+        self._send_lock = threading.Lock()
+        self._pending: dict[int, Future[Any]] = {}
+        self._pending_lock = threading.Lock()
+        self._ids = itertools.count()
+        self._dead: EngineDied | None = None
+        self._reader = threading.Thread(target=self._read, name=f"refit-client-{name}", daemon=True)
+        self._reader.start()
+
+    # ---- plumbing ---------------------------------------------------------------------------
+
+    def _read(self) -> None:
+        try:
+            while True:
+                call_id, ok, value = self._channel.recv()
+                with self._pending_lock:
+                    fut = self._pending.pop(call_id, None)
+                if fut is None:
+                    continue  # a reply to a call that already timed out
+                if ok:
+                    fut.set_result(value)
+                else:
+                    fut.set_exception(EngineError(*value))
+        except (EOFError, OSError, ConnectionResetError):
+            pass
+        code = self.process.poll() if self.process is not None else None
+        self._dead = EngineDied(f"engine {self.name} is gone" + (f" (exit code {code})" if code is not None else ""))
+        with self._pending_lock:
+            pending, self._pending = self._pending, {}
+        for fut in pending.values():
+            fut.set_exception(self._dead)
+
+    @property
+    def alive(self) -> bool:
+        return self._dead is None
+
+    def call_async(self, method: str, *args: Any, **kwargs: Any) -> Future[Any]:
+        fut: Future[Any] = Future()
+        if self._dead is not None:
+            fut.set_exception(self._dead)
+            return fut
+        call_id = next(self._ids)
+        with self._pending_lock:
+            self._pending[call_id] = fut
+        try:
+            with self._send_lock:
+                self._channel.send((call_id, method, args, kwargs))
+        except (OSError, BrokenPipeError) as exc:
+            with self._pending_lock:
+                self._pending.pop(call_id, None)
+            fut.set_exception(EngineDied(f"engine {self.name}: cannot send {method}: {exc}"))
+        return fut
+
+    def call(self, method: str, *args: Any, timeout: float, **kwargs: Any) -> Any:
+        fut = self.call_async(method, *args, **kwargs)
+        try:
+            return fut.result(timeout=max(timeout, 0.0))
+        except FutureTimeout:
+            raise TimeoutError(f"engine {self.name}: {method} did not answer within {timeout:.3g}s") from None
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the engine (politely, then by force) and wait for it."""
+        if self._dead is None:
+            try:
+                with self._send_lock:
+                    self._channel.send(SHUTDOWN)
+            except (OSError, BrokenPipeError):
+                pass
+        if self.process is not None:
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout)
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self._reader.join(timeout)
+        self._channel.close()
+
+
+def spawn_process(
+    name: str,
+    config: ModelConfig,
+    seed: int,
+    *,
+    version: int = 0,
+    threads: int = 1,
+    start_timeout: float = 120.0,
+) -> EngineClient:
+    """Start an engine in its own process and wait until it is ready.
+
+    The engine runs `python -m refit.reference.server` over one end of a socket pair, so starting
+    it never re-imports the caller's main module (as multiprocessing's spawn would).
+    """
+    ours, theirs = socket.socketpair()
+    spec = {"config": config.to_dict(), "seed": seed, "name": name, "version": version, "threads": threads}
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "refit.reference.server", str(theirs.fileno()), json.dumps(spec)],
+        pass_fds=(theirs.fileno(),),
+        env=env,
+    )
+    theirs.close()
+    _CHILDREN.add(proc)
+    conn = Connection(ours.detach())
+    if not conn.poll(start_timeout):
+        proc.kill()
+        raise TimeoutError(f"engine {name} did not start within {start_timeout}s")
+    try:
+        tag, pid = conn.recv()
+    except EOFError:
+        code = proc.wait(5)
+        raise EngineDied(f"engine {name} exited during start-up (exit code {code})") from None
+    if tag != "ready":
+        proc.kill()
+        raise EngineDied(f"engine {name} sent {tag!r} instead of ready")
+    return EngineClient(PipeChannel(conn), name, pid=pid, process=proc)
+
+
+_CHILDREN: weakref.WeakSet[subprocess.Popen[bytes]] = weakref.WeakSet()
+
+
+@atexit.register
+def _reap_children() -> None:
+    for proc in list(_CHILDREN):
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(5)
+
+
+def start_thread(name: str, config: ModelConfig, seed: int, *, version: int = 0) -> EngineClient:
+    """Run an engine on a thread of this process (same loop as the process version)."""
+    ours, theirs = LocalChannel.pair()
+    server = EngineServer(EngineCore(config, seed, version=version), name)
+    thread = threading.Thread(target=serve, args=(theirs, server), name=f"refit-engine-{name}", daemon=True)
+    thread.start()
+    return EngineClient(ours, name, thread=thread)

@@ -1,0 +1,494 @@
+"""The reference engine core: a small but real CPU inference engine (no transport in here).
+
+What it has, and why each part exists:
+  * model     fused layout like SGLang: q/k/v load into one `qkv_proj`, gate/up into one
+              `gate_up_proj`, so the engine's layout differs from the trainer's. Loads write the
+              live weights in place: a refit cut short leaves the engine with mixed weights.
+  * session   `begin(plan)` validates the whole plan against the model (names, shapes, dtypes,
+              duplicates, coverage) before any byte is applied; `load` copies one bucket;
+              `finalize` runs post-load processing exactly once and checks every bucket arrived.
+              Post-load processing rebuilds the output head's serving copy (the part quantized /
+              repacked layouts play in real engines): skip finalize and the engine keeps serving
+              the old head.
+  * cache     a prefix (radix-like) KV cache keyed by token ids. Every KV position remembers the
+              weights epoch that computed it; a forward that reads KV from another epoch counts
+              `stale_kv_tokens`, which is how "served stale KV" is observed.
+  * scheduler waiting/running queues, one token per running request per step; pause modes:
+              abort (finish requests now), retract (drop their KV, requeue, recompute later),
+              in_place (freeze them with their KV). `flush` refuses while a request holds KV.
+  * version   the label published after a complete update; tokens record the label they were
+              generated under.
+  * memory    release/resume of "weights" and "kv_cache" (colocated refits): released weights
+              come back as zeros unless a CPU backup was kept.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from refit.drivers.buckets import BucketManifest, dtype_name
+from refit.errors import EngineError
+from refit.reference.model import ModelConfig, attention, init_weights, rms_norm, rope
+
+PAUSE_MODES = ("abort", "retract", "in_place")
+MEMORY_TAGS = ("weights", "kv_cache")
+ENGINE_DTYPE = "float32"
+
+
+class WeightLayout:
+    """HF name -> (engine parameter, first row, last row): the fusing the loader performs."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        self.hf_shapes = config.hf_shapes()
+        h, kv, inter = config.hidden_size, config.num_kv_heads * config.head_dim, config.intermediate_size
+        fused = {
+            "self_attn.q_proj.weight": ("self_attn.qkv_proj.weight", 0, h),
+            "self_attn.k_proj.weight": ("self_attn.qkv_proj.weight", h, h + kv),
+            "self_attn.v_proj.weight": ("self_attn.qkv_proj.weight", h + kv, h + 2 * kv),
+            "mlp.gate_proj.weight": ("mlp.gate_up_proj.weight", 0, inter),
+            "mlp.up_proj.weight": ("mlp.gate_up_proj.weight", inter, 2 * inter),
+        }
+        self.targets: dict[str, tuple[str, int, int]] = {}
+        self.engine_shapes: dict[str, tuple[int, ...]] = {}
+        for name, shape in self.hf_shapes.items():
+            prefix, _, suffix = name.partition("layers.")
+            layer, _, rest = suffix.partition(".")
+            if prefix and rest in fused:
+                target, lo, hi = fused[rest]
+                engine_name = f"{prefix}layers.{layer}.{target}"
+                rows = self.engine_shapes.get(engine_name, (0, shape[1]))[0]
+                self.engine_shapes[engine_name] = (max(rows, hi), shape[1])
+                self.targets[name] = (engine_name, lo, hi)
+            else:
+                self.engine_shapes[name] = shape
+                self.targets[name] = (name, 0, shape[0])
+
+
+@dataclass
+class Request:
+    rid: int
+    prompt: list[int]
+    max_new_tokens: int
+    output: list[int] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    kv_epochs: list[int] = field(default_factory=list)
+    stale_kv_tokens: int = 0
+    cached_tokens: int = 0
+    num_retractions: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "rid": self.rid,
+            "prompt": self.prompt,
+            "output": self.output,
+            "finish_reason": self.finish_reason,
+            "weight_versions": self.versions,
+            "stale_kv_tokens": self.stale_kv_tokens,
+            "cached_tokens": self.cached_tokens,
+            "num_retractions": self.num_retractions,
+        }
+
+
+class _Node:
+    __slots__ = ("children", "epoch", "kv")
+
+    def __init__(self, kv: torch.Tensor | None, epoch: int) -> None:
+        self.children: dict[int, _Node] = {}
+        self.kv = kv  # [layers, 2, kv_heads, head_dim] for this token position
+        self.epoch = epoch
+
+
+class PrefixCache:
+    """Token-level trie of KV entries; each entry remembers the weights epoch that computed it."""
+
+    def __init__(self) -> None:
+        self.root = _Node(None, -1)
+        self.size = 0
+
+    def match(self, tokens: Sequence[int], limit: int) -> list[_Node]:
+        node, path = self.root, []
+        for tok in tokens[:limit]:
+            node = node.children.get(tok)  # type: ignore[assignment]
+            if node is None:
+                break
+            path.append(node)
+        return path
+
+    def insert(self, tokens: Sequence[int], kv: list[tuple[torch.Tensor, torch.Tensor]], epochs: list[int]) -> None:
+        stacked = torch.stack([torch.stack([k[0], v[0]]) for k, v in kv])  # [L, 2, KV, T, D]
+        node = self.root
+        for pos, tok in enumerate(tokens):
+            child = node.children.get(tok)
+            if child is None:
+                child = _Node(stacked[:, :, :, pos].clone(), epochs[pos])
+                node.children[tok] = child
+                self.size += 1
+            node = child
+
+    def clear(self) -> int:
+        n, self.root, self.size = self.size, _Node(None, -1), 0
+        return n
+
+
+@dataclass
+class _Session:
+    plan: dict[int, BucketManifest]
+    loaded: set[int] = field(default_factory=set)
+
+
+class EngineCore:
+    """One reference engine. Not thread-safe: one adapter thread drives it."""
+
+    def __init__(self, config: ModelConfig, seed: int, *, max_running: int = 8, version: int = 0) -> None:
+        self.config = config
+        self.layout = WeightLayout(config)
+        self.params: dict[str, torch.Tensor] = {
+            name: torch.zeros(shape) for name, shape in self.layout.engine_shapes.items()
+        }
+        with torch.no_grad():
+            for name, tensor in init_weights(config, seed).items():
+                self._write(name, tensor)
+        self.head_serving = self.params["lm_head.weight"].clone()
+        self.version = version
+        self.weights_epoch = 0
+        self.dirty = False  # weights differ from what `version` names
+        self.ready_to_publish = False  # last session completed and post-processed
+        self.session: _Session | None = None
+        self.paused = False
+        self.quarantined: str | None = None
+        self.weights_released = False
+        self.kv_released = False
+        self._backup: dict[str, torch.Tensor] | None = None
+        self.cache = PrefixCache()
+        self.max_running = max_running
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[int, Request] = {}
+        self._finished: list[int] = []
+        self._rids = itertools.count()
+
+    # ---- weights ---------------------------------------------------------------------------
+
+    def _write(self, hf_name: str, tensor: torch.Tensor) -> None:
+        target, lo, hi = self.layout.targets[hf_name]
+        self.params[target][lo:hi].copy_(tensor)
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """The weights read back and unfused, in HF names (what a refit's check compares)."""
+        self._require_weights()
+        out = {}
+        for name, (target, lo, hi) in self.layout.targets.items():
+            out[name] = self.params[target][lo:hi].clone()
+        return out
+
+    def _require_weights(self) -> None:
+        if self.weights_released:
+            raise EngineError("weights_released", "weight memory is released; resume it first")
+
+    def begin(self, plan: Sequence[BucketManifest]) -> None:
+        if self.session is not None:
+            raise EngineError("session_open", "a weight-update session is already open; finalize it first")
+        self._require_weights()
+        problems: list[str] = []
+        seen: dict[str, int] = {}
+        indexes = [m.index for m in plan]
+        if len(set(indexes)) != len(indexes):
+            problems.append(f"bucket indexes repeat: {indexes}")
+        for manifest in plan:
+            for entry in manifest.entries:
+                meta = entry.meta
+                shape = self.layout.hf_shapes.get(meta.name)
+                if shape is None:
+                    problems.append(f"unknown tensor {meta.name!r}")
+                    continue
+                if meta.name in seen:
+                    problems.append(f"duplicate tensor {meta.name!r} (buckets {seen[meta.name]} and {manifest.index})")
+                seen[meta.name] = manifest.index
+                if tuple(meta.shape) != shape:
+                    problems.append(f"{meta.name}: shape {list(meta.shape)} != model {list(shape)}")
+                if meta.dtype != ENGINE_DTYPE:
+                    problems.append(f"{meta.name}: dtype {meta.dtype} != model {ENGINE_DTYPE}")
+        missing = [n for n in self.layout.hf_shapes if n not in seen]
+        if missing:
+            problems.append(f"{len(missing)} model tensors missing from the plan, first {missing[0]!r}")
+        if problems:
+            shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+            raise EngineError("bad_manifest", shown)
+        self.session = _Session(plan={m.index: m for m in plan})
+        self.ready_to_publish = False
+
+    def load(self, manifest: BucketManifest, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+        if self.session is None:
+            raise EngineError("no_session", "load outside a weight-update session (begin was not called)")
+        planned = self.session.plan.get(manifest.index)
+        if planned is None or planned != manifest:
+            raise EngineError("bad_manifest", f"bucket {manifest.index} does not match the plan given to begin()")
+        if manifest.index in self.session.loaded:
+            raise EngineError("bad_manifest", f"bucket {manifest.index} was already loaded in this session")
+        names = [n for n, _ in tensors]
+        if names != manifest.names:
+            missing = sorted(set(manifest.names) - set(names))
+            raise EngineError(
+                "bad_manifest",
+                f"bucket {manifest.index} is truncated or reordered: missing {missing[:3]}, got {len(names)} "
+                f"of {len(manifest.names)} tensors",
+            )
+        for (name, tensor), entry in zip(tensors, manifest.entries, strict=True):
+            if tuple(tensor.shape) != entry.meta.shape or dtype_name(tensor.dtype) != entry.meta.dtype:
+                raise EngineError(
+                    "bad_manifest",
+                    f"{name}: payload {dtype_name(tensor.dtype)}{list(tensor.shape)} != manifest "
+                    f"{entry.meta.dtype}{list(entry.meta.shape)}",
+                )
+        with torch.no_grad():
+            for name, tensor in tensors:
+                self._write(name, tensor)
+        self.session.loaded.add(manifest.index)
+        self.weights_epoch += 1
+        self.dirty = True
+
+    def finalize(self) -> dict[str, Any]:
+        session = self.session
+        if session is None:
+            raise EngineError("no_session", "finalize without an open weight-update session")
+        self.session = None
+        if not session.loaded:
+            return {"post_processed": False}
+        missing = sorted(set(session.plan) - session.loaded)
+        if missing:
+            raise EngineError(
+                "incomplete",
+                f"finalize after {len(session.loaded)} of {len(session.plan)} buckets; missing {missing}",
+            )
+        self.head_serving = self.params["lm_head.weight"].clone()
+        self.ready_to_publish = True
+        return {"post_processed": True}
+
+    def publish(self, version: int) -> None:
+        if self.session is not None:
+            raise EngineError("session_open", "publish while a weight-update session is open")
+        if not self.ready_to_publish:
+            raise EngineError("not_ready", "publish without a complete, finalized update: the weights match no version")
+        if version <= self.version:
+            raise EngineError("version", f"version {version} is not newer than the engine's {self.version}")
+        self.version = version
+        self.dirty = False
+        self.ready_to_publish = False
+        self.quarantined = None
+
+    def quarantine(self, reason: str) -> None:
+        self.quarantined = reason
+        self.paused = True
+        for req in [*self.running, *self.waiting]:
+            self._finish(req, "quarantined")
+        self.running.clear()
+        self.waiting.clear()
+
+    # ---- memory (colocated refits) --------------------------------------------------------
+
+    def release_memory(self, tags: Sequence[str], *, cpu_backup: bool = False) -> None:
+        self._check_tags(tags)
+        if any(r.kv is not None for r in self.running):
+            raise EngineError("busy", "release_memory while requests hold KV; pause them first")
+        if "kv_cache" in tags:
+            self.cache.clear()
+            self.kv_released = True
+        if "weights" in tags and not self.weights_released:
+            self._backup = {k: v.clone() for k, v in self.params.items()} if cpu_backup else None
+            self.params = {k: torch.empty(0) for k in self.params}
+            self.head_serving = torch.empty(0)
+            self.weights_released = True
+
+    def resume_memory(self, tags: Sequence[str]) -> dict[str, Any]:
+        self._check_tags(tags)
+        intact = True
+        if "weights" in tags and self.weights_released:
+            if self._backup is not None:
+                self.params, self._backup = self._backup, None
+            else:
+                self.params = {name: torch.zeros(shape) for name, shape in self.layout.engine_shapes.items()}
+                intact = False
+                self.dirty = True  # zeros are no version's weights until a refit completes
+            self.head_serving = self.params["lm_head.weight"].clone()
+            self.weights_released = False
+            self.weights_epoch += 1
+        if "kv_cache" in tags:
+            self.kv_released = False
+        return {"weights_intact": intact}
+
+    @staticmethod
+    def _check_tags(tags: Sequence[str]) -> None:
+        bad = [t for t in tags if t not in MEMORY_TAGS]
+        if bad:
+            raise EngineError("bad_request", f"unknown memory tags {bad}; known {list(MEMORY_TAGS)}")
+
+    # ---- generation control -----------------------------------------------------------------
+
+    def pause(self, mode: str) -> dict[str, int]:
+        if mode not in PAUSE_MODES:
+            raise EngineError("bad_request", f"pause mode {mode!r}; known {list(PAUSE_MODES)}")
+        self.paused = True
+        if mode == "abort":
+            aborted = len(self.running) + len(self.waiting)
+            for req in [*self.running, *self.waiting]:
+                self._finish(req, "abort")
+            self.running.clear()
+            self.waiting.clear()
+            return {"aborted": aborted}
+        if mode == "retract":
+            retracted = 0
+            for req in reversed(self.running):
+                if req.kv is not None:
+                    retracted += 1
+                req.kv, req.kv_epochs = None, []
+                req.num_retractions += 1
+                self.waiting.appendleft(req)
+            self.running.clear()
+            return {"retracted": retracted}
+        return {"frozen": len(self.running)}
+
+    def continue_generation(self) -> None:
+        if self.quarantined:
+            raise EngineError("quarantined", f"engine is quarantined ({self.quarantined}); restart it or refit it")
+        self.paused = False
+
+    def flush(self) -> dict[str, int]:
+        holders = [r.rid for r in self.running if r.kv is not None]
+        if holders:
+            raise EngineError(
+                "flush_refused",
+                f"{len(holders)} running requests hold KV (rids {holders[:5]}); pause with abort or retract",
+            )
+        return {"flushed_tokens": self.cache.clear()}
+
+    # ---- requests ---------------------------------------------------------------------------
+
+    def submit(self, prompt: Sequence[int], max_new_tokens: int) -> int:
+        if self.quarantined:
+            raise EngineError("quarantined", f"engine is quarantined ({self.quarantined})")
+        c = self.config
+        if not prompt or any(not 0 <= t < c.vocab_size for t in prompt):
+            raise EngineError("bad_request", f"prompt must be non-empty token ids in [0, {c.vocab_size})")
+        if max_new_tokens < 1 or len(prompt) + max_new_tokens > c.max_seq_len:
+            raise EngineError("bad_request", f"prompt + max_new_tokens exceeds max_seq_len {c.max_seq_len}")
+        req = Request(next(self._rids), list(prompt), max_new_tokens)
+        self.requests[req.rid] = req
+        self.waiting.append(req)
+        return req.rid
+
+    def has_work(self) -> bool:
+        return (
+            not self.paused
+            and not self.weights_released
+            and not self.kv_released
+            and bool(self.running or self.waiting)
+        )
+
+    def step(self) -> None:
+        """Admit waiting requests, then advance every running request by one token."""
+        if not self.has_work():
+            return
+        while self.waiting and len(self.running) < self.max_running:
+            self.running.append(self.waiting.popleft())
+        for req in list(self.running):
+            self._advance(req)
+
+    def pop_finished(self) -> list[int]:
+        done, self._finished = self._finished, []
+        return done
+
+    def result(self, rid: int) -> dict[str, Any]:
+        return self.requests[rid].to_dict()
+
+    def _finish(self, req: Request, reason: str) -> None:
+        req.finish_reason = reason
+        req.kv, req.kv_epochs = None, []
+        self._finished.append(req.rid)
+
+    @torch.no_grad()
+    def _advance(self, req: Request) -> None:
+        tokens = req.prompt + req.output
+        if req.kv is None:  # prefill (first time, or after a retraction)
+            nodes = self.cache.match(tokens, len(tokens) - 1)
+            past = self._stack(nodes) if nodes else None
+            epochs = [n.epoch for n in nodes]
+            req.cached_tokens += len(nodes)
+            req.stale_kv_tokens += sum(e != self.weights_epoch for e in epochs)
+            logits, kv = self._forward(tokens[len(nodes) :], past, len(nodes))
+            req.kv = kv
+            req.kv_epochs = epochs + [self.weights_epoch] * (len(tokens) - len(nodes))
+            self.cache.insert(req.prompt, kv, req.kv_epochs)
+        else:  # decode the last token against the request's own KV
+            req.stale_kv_tokens += sum(e != self.weights_epoch for e in req.kv_epochs)
+            logits, req.kv = self._forward(tokens[-1:], req.kv, len(tokens) - 1)
+            req.kv_epochs.append(self.weights_epoch)
+        req.output.append(int(torch.argmax(logits[-1])))
+        req.versions.append(self.version)
+        if len(req.output) >= req.max_new_tokens:
+            self.running.remove(req)
+            self._finish(req, "length")
+
+    @staticmethod
+    def _stack(nodes: list[_Node]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        kv = torch.stack([n.kv for n in nodes], dim=3)  # [L, 2, KV, T, D]
+        return [(kv[i, 0][None], kv[i, 1][None]) for i in range(kv.shape[0])]
+
+    # ---- forward ----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def score(self, tokens: Sequence[int]) -> torch.Tensor:
+        """Logits [T, V] for every position, computed fresh (the cache is neither read nor written)."""
+        self._require_weights()
+        return self._forward(list(tokens), None, 0)[0]
+
+    def _forward(
+        self, tokens: list[int], past: list[tuple[torch.Tensor, torch.Tensor]] | None, start: int
+    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        c, p = self.config, self.params
+        h, kvd, t = c.hidden_size, c.num_kv_heads * c.head_dim, len(tokens)
+        pos = torch.arange(start, start + t)
+        x = F.embedding(torch.tensor([tokens]), p["model.embed_tokens.weight"])
+        new_kv = []
+        for i in range(c.num_layers):
+            pre = f"model.layers.{i}."
+            n = rms_norm(x, p[pre + "input_layernorm.weight"], c.rms_norm_eps)
+            qkv = F.linear(n, p[pre + "self_attn.qkv_proj.weight"])
+            q = qkv[..., :h].contiguous().view(1, t, c.num_heads, c.head_dim).transpose(1, 2)
+            k = qkv[..., h : h + kvd].contiguous().view(1, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
+            v = qkv[..., h + kvd :].contiguous().view(1, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
+            q, k = rope(q, pos, c.rope_theta), rope(k, pos, c.rope_theta)
+            if past is not None:
+                k = torch.cat([past[i][0], k], dim=2)
+                v = torch.cat([past[i][1], v], dim=2)
+            new_kv.append((k, v))
+            out = attention(q, k, v, start).transpose(1, 2).reshape(1, t, h)
+            x = x + F.linear(out, p[pre + "self_attn.o_proj.weight"])
+            n = rms_norm(x, p[pre + "post_attention_layernorm.weight"], c.rms_norm_eps)
+            gate, up = F.linear(n, p[pre + "mlp.gate_up_proj.weight"]).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, p[pre + "mlp.down_proj.weight"])
+        logits = F.linear(rms_norm(x, p["model.norm.weight"], c.rms_norm_eps), self.head_serving)
+        return logits[0], new_kv
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "version": self.version,
+            "dirty": self.dirty,
+            "paused": self.paused,
+            "quarantined": self.quarantined,
+            "session_open": self.session is not None,
+            "weights_epoch": self.weights_epoch,
+            "weights_released": self.weights_released,
+            "kv_released": self.kv_released,
+            "running": len(self.running),
+            "waiting": len(self.waiting),
+            "cached_tokens": self.cache.size,
+        }
