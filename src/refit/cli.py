@@ -36,13 +36,15 @@ def _check(args: argparse.Namespace) -> int:
 def _diagram(args: argparse.Namespace) -> int:
     from refit import diagram
 
+    target = Path(args.out) / diagram.DIAGRAM_FILE
     if args.check:
-        if diagram.is_current(args.out):
-            print(f"{Path(args.out) / diagram.DIAGRAM_FILE} is current")
+        if diagram.is_current(args.out, args.readme):
+            print(f"{target} is current")
             return 0
-        print(f"{Path(args.out) / diagram.DIAGRAM_FILE} is stale: run `refit diagram`", file=sys.stderr)
+        print(f"{target} (or the README's copy) is stale: run `refit diagram`", file=sys.stderr)
         return 1
-    print(f"wrote {diagram.write(args.out)}")
+    for path in diagram.write(args.out, args.readme):
+        print(f"wrote {path}")
     return 0
 
 
@@ -85,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
 
     diag = sub.add_parser("diagram", help="regenerate docs/diagrams from the state table")
     diag.add_argument("--out", default="docs/diagrams", help="output directory (default docs/diagrams)")
+    diag.add_argument("--readme", default="README.md", help="README whose diagram block to refresh (default README.md)")
     diag.add_argument("--check", action="store_true", help="exit 1 if the committed diagram is stale")
     diag.set_defaults(func=_diagram)
 

@@ -85,12 +85,13 @@ def run_demo(args: argparse.Namespace) -> int:
     model = TinyLlama(config, seed=args.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     gen = torch.Generator().manual_seed(args.seed + 1)
-    make = ReferenceEngine.in_thread if args.in_thread else ReferenceEngine.spawn
-    print(
-        f"starting {args.engines} reference engines ({'threads' if args.in_thread else 'processes'}) ...",
-        flush=True,
-    )
-    engines = [make(f"engine-{i}", config, seed=args.seed) for i in range(args.engines)]
+    names = [f"engine-{i}" for i in range(args.engines)]
+    kind = "threads" if args.in_thread else "processes"
+    print(f"starting {args.engines} reference engines ({kind}) ...", flush=True)
+    if args.in_thread:
+        engines = [ReferenceEngine.in_thread(n, config, seed=args.seed) for n in names]
+    else:
+        engines = ReferenceEngine.spawn_many(names, config, seed=args.seed)
     try:
         ctx = protocol.RefitContext(
             source=TorchSource(model, optimizer=opt),
@@ -125,9 +126,9 @@ def run_demo(args: argparse.Namespace) -> int:
             if args.mode == "colocated":
                 for e in engines:  # the rollout phase is over: the engines give their memory to training
                     e.release_memory(["weights", "kv_cache"])
-            else:  # rollouts keep running while the trainer trains; the refit will pause them
-                inflight = [e.submit(list(p), 48) for e in engines for p in PROMPTS[:2]]
             loss = _train(model, opt, gen, args.steps)
+            if args.mode == "disaggregated":  # rollouts are still generating when the refit starts
+                inflight = [e.submit(list(p), 200) for e in engines for p in PROMPTS[:2]]
             result = protocol.run(ctx)
             if not result.ok:
                 print(f"\nrefit {r} FAILED in {result.state}: {result.error}")
@@ -151,8 +152,9 @@ def run_demo(args: argparse.Namespace) -> int:
             if spans:
                 versions = sorted({v for s in spans for v in s["weight_versions"]})
                 retracted = sum(s["num_retractions"] for s in spans)
+                reasons = sorted({s["finish_reason"] for s in spans})
                 print(
-                    f"      {len(spans)} in-flight requests finished; {retracted} were retracted; "
+                    f"      {len(spans)} in-flight requests finished ({', '.join(reasons)}); {retracted} retractions; "
                     f"token versions {versions}"
                 )
     finally:

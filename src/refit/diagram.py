@@ -35,13 +35,40 @@ def render() -> str:
     )
 
 
-def write(directory: str | Path) -> Path:
+README_START, README_END = "<!-- diagram:start -->", "<!-- diagram:end -->"
+
+
+def _readme_block() -> str:
+    return f"{README_START}\n```mermaid\n{mermaid()}```\n{README_END}"
+
+
+def refreshed_readme(text: str) -> str:
+    """`text` with the diagram between the README markers replaced by the current one."""
+    start, end = text.find(README_START), text.find(README_END)
+    if start < 0 or end < start:
+        return text
+    return text[:start] + _readme_block() + text[end + len(README_END) :]
+
+
+def write(directory: str | Path, readme: str | Path | None = None) -> list[Path]:
+    """Write docs/diagrams and refresh the README's copy of the diagram (between its markers)."""
     path = Path(directory) / DIAGRAM_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(render(), encoding="utf-8")
-    return path
+    written = [path]
+    if readme is not None and Path(readme).is_file():
+        text = Path(readme).read_text(encoding="utf-8")
+        if refreshed_readme(text) != text:
+            Path(readme).write_text(refreshed_readme(text), encoding="utf-8")
+            written.append(Path(readme))
+    return written
 
 
-def is_current(directory: str | Path) -> bool:
+def is_current(directory: str | Path, readme: str | Path | None = None) -> bool:
     path = Path(directory) / DIAGRAM_FILE
-    return path.is_file() and path.read_text(encoding="utf-8") == render()
+    if not path.is_file() or path.read_text(encoding="utf-8") != render():
+        return False
+    if readme is not None and Path(readme).is_file():
+        text = Path(readme).read_text(encoding="utf-8")
+        return refreshed_readme(text) == text
+    return True

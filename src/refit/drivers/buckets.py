@@ -40,11 +40,17 @@ def dtype_name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def itemsize(name: str) -> int:
+    try:
+        return ITEMSIZE[name]
+    except KeyError:
+        raise ValueError(f"dtype {name!r} is not one refit moves (known: {', '.join(sorted(ITEMSIZE))})") from None
+
+
 def torch_dtype(name: str) -> torch.dtype:
     import torch
 
-    if name not in ITEMSIZE:
-        raise ValueError(f"dtype {name!r} is not one refit moves (known: {', '.join(sorted(ITEMSIZE))})")
+    itemsize(name)
     return getattr(torch, name)
 
 
@@ -65,7 +71,7 @@ class TensorMeta:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * ITEMSIZE[self.dtype]
+        return self.numel * itemsize(self.dtype)
 
     @classmethod
     def of(cls, name: str, tensor: torch.Tensor) -> TensorMeta:

@@ -62,6 +62,23 @@ class ReferenceEngine(EngineDriver):
         return cls(spawn_process(name, config or ModelConfig(), seed, version=version, threads=threads))
 
     @classmethod
+    def spawn_many(
+        cls,
+        names: Sequence[str],
+        config: ModelConfig | None = None,
+        seed: int = 0,
+        *,
+        version: int = 0,
+        threads: int = 1,
+    ) -> list[ReferenceEngine]:
+        """Several engine processes, started in parallel."""
+        from refit.reference.client import await_ready, launch_process
+        from refit.reference.model import ModelConfig
+
+        launches = [launch_process(n, config or ModelConfig(), seed, version=version, threads=threads) for n in names]
+        return [cls(await_ready(launch)) for launch in launches]
+
+    @classmethod
     def in_thread(
         cls, name: str, config: ModelConfig | None = None, seed: int = 0, *, version: int = 0
     ) -> ReferenceEngine:

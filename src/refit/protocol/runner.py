@@ -66,6 +66,7 @@ class _Engine:
     bytes_ok: int = 0
     published: bool = False
     continued: bool = False
+    kv_resumed: bool = False  # colocated: KV memory given back after continuing
     quarantined: bool = False
     error: str | None = None
 
@@ -352,9 +353,9 @@ class _Run:
 
         if ctx.colocated:
             self.enter(T.RESTORE)
-            self.offloaded = False
             self.inline("restore", "source", ctx.source.restore)
-            self.raise_first(self.fanout("resume_memory", lambda d, t: d.resume_memory(["kv_cache"], timeout=t)))
+            self.offloaded = False
+            self.resume_kv(self.engines, cleanup=False)
         self.enter(T.FINISH)
 
     def transfer(self) -> None:
@@ -409,6 +410,15 @@ class _Run:
             if not quiet:
                 raise first_error
 
+    def resume_kv(self, engines: Sequence[_Engine], *, cleanup: bool) -> None:
+        results = self.fanout(
+            "resume_memory", lambda d, t: d.resume_memory(["kv_cache"], timeout=t), engines, cleanup=cleanup
+        )
+        for e, ok, _, _ in results:
+            e.kv_resumed = ok
+        if not cleanup:
+            self.raise_first(results)
+
     def finalize_all(self, engines: Sequence[_Engine], *, cleanup: bool) -> None:
         owed = [e for e in engines if e.session and e.finalize is None]
         results = self.fanout("finalize", lambda d, t: d.finalize(timeout=t), owed, cleanup=cleanup)
@@ -431,16 +441,20 @@ class _Run:
             self.drain_oldest(quiet=True)
         self.finalize_all(self.engines, cleanup=True)
 
-        clean = [e for e in self.engines if e.paused and not e.continued and not e.poisoned]
+        # Engines that received no byte go back to serving their old weights. One whose call failed
+        # before it was paused is continued too: continuing is idempotent, and if it fails the
+        # engine is reported failed rather than vouched for.
+        clean = [e for e in self.engines if (e.paused or e.error) and not e.continued and not e.poisoned]
         if clean:
             for e, ok, _, _ in self.fanout("continue_generation", _continue, clean, cleanup=True):
                 e.continued = ok
         if self.offloaded:
-            self.offloaded = False
             self._quietly(lambda: self.inline("restore", "source", ctx.source.restore, cleanup=True))
-            back = [e for e in self.engines if e.continued and not e.published and e.weights_ok]
+            self.offloaded = False
+        if ctx.colocated:
+            back = [e for e in self.engines if e.continued and not e.kv_resumed]
             if back:
-                self.fanout("resume_memory", lambda d, t: d.resume_memory(["kv_cache"], timeout=t), back, cleanup=True)
+                self.resume_kv(back, cleanup=True)
         if self.connection_dirty or any(e.loads_attempted and not e.published for e in self.engines):
             disconnect(ctx, timeout=self.cleanup_deadline.remaining(), run=self)
 
@@ -467,7 +481,7 @@ class _Run:
                 status, version = "updated", self.version
             elif e.quarantined:
                 status, version = "quarantined", None
-            elif e.poisoned or (e.paused and not e.continued) or (e.published and not e.continued):
+            elif e.poisoned or ((e.paused or e.error or e.published) and not e.continued):
                 status, version = "failed", None
             else:
                 status, version = "unchanged", e.previous_version

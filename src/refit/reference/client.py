@@ -18,6 +18,7 @@ import threading
 import weakref
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -121,16 +122,15 @@ class EngineClient:
         self._channel.close()
 
 
-def spawn_process(
-    name: str,
-    config: ModelConfig,
-    seed: int,
-    *,
-    version: int = 0,
-    threads: int = 1,
-    start_timeout: float = 120.0,
-) -> EngineClient:
-    """Start an engine in its own process and wait until it is ready.
+@dataclass
+class _Launch:
+    name: str
+    proc: subprocess.Popen[bytes]
+    conn: Connection
+
+
+def launch_process(name: str, config: ModelConfig, seed: int, *, version: int = 0, threads: int = 1) -> _Launch:
+    """Start an engine process without waiting for it (see `await_ready`).
 
     The engine runs `python -m refit.reference.server` over one end of a socket pair, so starting
     it never re-imports the caller's main module (as multiprocessing's spawn would).
@@ -145,7 +145,11 @@ def spawn_process(
     )
     theirs.close()
     _CHILDREN.add(proc)
-    conn = Connection(ours.detach())
+    return _Launch(name, proc, Connection(ours.detach()))
+
+
+def await_ready(launch: _Launch, start_timeout: float = 120.0) -> EngineClient:
+    name, proc, conn = launch.name, launch.proc, launch.conn
     if not conn.poll(start_timeout):
         proc.kill()
         raise TimeoutError(f"engine {name} did not start within {start_timeout}s")
@@ -158,6 +162,13 @@ def spawn_process(
         proc.kill()
         raise EngineDied(f"engine {name} sent {tag!r} instead of ready")
     return EngineClient(PipeChannel(conn), name, pid=pid, process=proc)
+
+
+def spawn_process(
+    name: str, config: ModelConfig, seed: int, *, version: int = 0, threads: int = 1, start_timeout: float = 120.0
+) -> EngineClient:
+    """Start an engine in its own process and wait until it is ready."""
+    return await_ready(launch_process(name, config, seed, version=version, threads=threads), start_timeout)
 
 
 _CHILDREN: weakref.WeakSet[subprocess.Popen[bytes]] = weakref.WeakSet()

@@ -1,0 +1,87 @@
+"""Shared fixtures: a tiny trainer model, reference engines on threads (fast) or processes (real)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+from hypothesis import settings
+
+from refit import protocol
+from refit.drivers.reference import ReferenceEngine
+from refit.drivers.shm import SharedMemoryTransport, leaked_segments
+from refit.drivers.torch_source import TorchSource
+from refit.reference.model import ModelConfig, TinyLlama
+
+settings.register_profile("refit", derandomize=True, deadline=None, max_examples=40, print_blob=True)
+settings.register_profile("long", deadline=None, max_examples=500)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "refit"))
+
+CONFIG = ModelConfig()
+SMALL_BUCKET = 64 << 10  # 8 buckets for the default model
+
+
+@pytest.fixture
+def config() -> ModelConfig:
+    return CONFIG
+
+
+def perturbed(model: TinyLlama, seed: int, scale: float = 0.05) -> TinyLlama:
+    """Take a 'training step': change every weight, deterministically."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=gen))
+    return model
+
+
+@pytest.fixture
+def trainer() -> TinyLlama:
+    """Starts from the same checkpoint (seed 0) as the engines, then takes one 'step'."""
+    return perturbed(TinyLlama(CONFIG, seed=0), seed=100)
+
+
+@pytest.fixture
+def thread_engines() -> Iterator[Callable[[int], list[ReferenceEngine]]]:
+    made: list[ReferenceEngine] = []
+
+    def make(n: int = 2) -> list[ReferenceEngine]:
+        engines = [ReferenceEngine.in_thread(f"t{len(made) + i}", CONFIG, seed=0) for i in range(n)]
+        made.extend(engines)
+        return engines
+
+    yield make
+    for e in made:
+        e.close()
+
+
+@pytest.fixture
+def make_ctx() -> Iterator[Callable[..., protocol.RefitContext]]:
+    made: list[protocol.RefitContext] = []
+
+    def make(model: TinyLlama, engines: list[ReferenceEngine], **kw: object) -> protocol.RefitContext:
+        kw.setdefault("bucket_bytes", SMALL_BUCKET)
+        kw.setdefault("deadline_s", 30.0)
+        if "version" not in kw:
+            kw["version"] = max(e.info()["version"] for e in engines)
+        ctx = protocol.RefitContext(
+            source=TorchSource(model),
+            transport=SharedMemoryTransport(),
+            engines=engines,
+            **kw,  # type: ignore[arg-type]
+        )
+        made.append(ctx)
+        return ctx
+
+    yield make
+    for ctx in made:
+        ctx.close()
+    assert leaked_segments(pid=os.getpid()) == []
+
+
+def matches(engine: ReferenceEngine, model: TinyLlama) -> bool:
+    """The engine's weights, read back and unfused, equal the model's bit for bit."""
+    state = engine.state_dict()
+    return all(torch.equal(state[k], v) for k, v in model.state_dict().items())

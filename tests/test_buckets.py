@@ -1,0 +1,85 @@
+"""Bucket planning and packing: properties over random tensors (Hypothesis) and the error cases."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from refit.drivers.buckets import ALIGN, BucketManifest, TensorEntry, TensorMeta, pack_into, plan_buckets, unpack
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int8, torch.bool, torch.float64]
+
+
+@st.composite
+def named_tensors(draw: st.DrawFn) -> list[tuple[str, torch.Tensor]]:
+    n = draw(st.integers(1, 12))
+    out = []
+    for i in range(n):
+        dtype = draw(st.sampled_from(DTYPES))
+        shape = tuple(draw(st.lists(st.integers(0, 7), min_size=0, max_size=3)))
+        gen = torch.Generator().manual_seed(i)
+        t = (torch.randn(shape, generator=gen) * 10).to(dtype)
+        if draw(st.booleans()) and t.dim() == 2:
+            t = t.t()  # non-contiguous (slime#1608, NeMo RL#2417: non-contiguous tensors broke packing)
+        out.append((f"layer.{i}.w", t))
+    return out
+
+
+@given(named_tensors(), st.integers(1, 600))
+def test_plan_covers_every_tensor_once_in_order(tensors: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> None:
+    metas = [TensorMeta.of(n, t) for n, t in tensors]
+    plan = plan_buckets(metas, bucket_bytes)
+    assert [e.meta for b in plan for e in b.entries] == metas
+    assert [b.index for b in plan] == list(range(len(plan)))
+    for b in plan:
+        assert all(e.offset % ALIGN == 0 for e in b.entries)
+        last = b.entries[-1]
+        assert b.nbytes >= last.offset + last.meta.nbytes
+        if len(b.entries) > 1:  # only a lone tensor may exceed the bucket size
+            assert last.offset + last.meta.nbytes <= bucket_bytes
+
+
+@given(named_tensors(), st.integers(1, 600))
+def test_pack_unpack_round_trip_is_bit_exact(tensors: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> None:
+    plan = plan_buckets([TensorMeta.of(n, t) for n, t in tensors], bucket_bytes)
+    source = dict(tensors)
+    for manifest in plan:
+        buf = torch.full((manifest.nbytes,), 0xAB, dtype=torch.uint8)
+        pack_into(buf, manifest, [(n, source[n]) for n in manifest.names])
+        for name, view in unpack(buf, manifest):
+            assert view.dtype == source[name].dtype and view.shape == source[name].shape
+            assert torch.equal(view, source[name])
+            assert view.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()  # zero-copy
+
+
+def test_oversized_tensor_travels_alone() -> None:
+    metas = [TensorMeta("a", "float32", (4,)), TensorMeta("big", "float32", (1000,)), TensorMeta("b", "float32", (4,))]
+    plan = plan_buckets(metas, 256)
+    assert [b.names for b in plan] == [["a"], ["big"], ["b"]]
+
+
+def test_duplicate_names_and_bad_sizes_are_refused() -> None:
+    with pytest.raises(ValueError, match="appears twice"):
+        plan_buckets([TensorMeta("a", "float32", (1,))] * 2, 100)
+    with pytest.raises(ValueError, match="positive"):
+        plan_buckets([], 0)
+
+
+def test_pack_refuses_a_tensor_that_does_not_match_the_manifest() -> None:
+    (manifest,) = plan_buckets([TensorMeta("w", "float32", (2, 3))], 1 << 20)
+    buf = torch.empty(manifest.nbytes, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="does not match manifest entry"):
+        pack_into(buf, manifest, [("w", torch.zeros(3, 2))])
+    with pytest.raises(ValueError, match="source gave 0 tensors"):
+        pack_into(buf, manifest, [])
+
+
+def test_unpack_refuses_a_truncated_buffer_and_unknown_dtypes() -> None:
+    (manifest,) = plan_buckets([TensorMeta("w", "float32", (16,))], 1 << 20)
+    with pytest.raises(ValueError, match="truncated"):
+        unpack(torch.empty(10, dtype=torch.uint8), manifest)
+    bad = BucketManifest(0, (TensorEntry(TensorMeta("w", "complex64", (1,)), 0),), 64)
+    with pytest.raises(ValueError, match="dtype 'complex64' is not one refit moves"):
+        unpack(torch.empty(64, dtype=torch.uint8), bad)

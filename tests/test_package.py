@@ -1,0 +1,104 @@
+"""Packaging promises: a light `import refit`, the console script, traces as structlog JSON lines."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from refit.cli import main
+from refit.drivers.buckets import TensorMeta, pack_into, plan_buckets, unpack
+from refit.drivers.torch_source import TorchSource
+from refit.reference.model import TinyLlama
+from refit.trace import SCHEMA, TraceRecorder, load_trace
+
+from .conftest import CONFIG
+
+
+def test_import_refit_stays_light() -> None:
+    code = (
+        "import sys, refit, refit.protocol, refit.states, refit.invariants, refit.drivers, refit.trace\n"
+        "heavy = [m for m in ('torch', 'ray', 'sglang', 'megatron', 'vllm') if m in sys.modules]\n"
+        "print(heavy)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_console_script_help() -> None:
+    out = subprocess.run([sys.executable, "-m", "refit.cli", "--help"], capture_output=True, text=True, check=True)
+    for command in ("demo", "check", "diagram"):
+        assert command in out.stdout
+
+
+def test_check_reports_an_unreadable_trace(tmp_path: Path, capsys) -> None:
+    assert main(["check", str(tmp_path / "missing.jsonl")]) == 2
+    assert "cannot read" in capsys.readouterr().err
+
+
+def test_trace_lines_are_json_with_a_header(tmp_path: Path) -> None:
+    rec = TraceRecorder(tmp_path / "t.jsonl", config={"mode": "colocated"})
+    rec.emit("call", "pause", run="r1", state="PAUSING", engine="e0", outcome="ok", duration_s=0.001, error=None)
+    rec.close()
+    rec.close()  # idempotent
+    lines = (tmp_path / "t.jsonl").read_text().splitlines()
+    header = json.loads(lines[0])
+    assert header["kind"] == "header" and header["schema"] == SCHEMA and header["config"] == {"mode": "colocated"}
+    assert "torch" in header["versions"] and "structlog" in header["versions"]
+    event = json.loads(lines[1])
+    assert list(event)[:6] == ["seq", "t", "run", "state", "kind", "event"]
+    assert event["engine"] == "e0" and "error" not in event  # None fields are left out
+    assert json.loads(lines[2]) | {"t": 0} == {"seq": 1, "t": 0, "kind": "trace", "event": "end"}
+    h, events, torn = load_trace(tmp_path / "t.jsonl")
+    assert h == header and len(events) == 2 and not torn
+
+
+def test_torch_source_renames_casts_and_buckets() -> None:
+    model = TinyLlama(CONFIG, seed=0)
+    src = TorchSource(
+        model, rename=lambda n: None if n == "lm_head.weight" else n.replace("model.", "m."), dtype=torch.bfloat16
+    )
+    metas = src.metas()
+    assert "lm_head.weight" not in {m.name for m in metas} and metas[0].name == "m.embed_tokens.weight"
+    assert {m.dtype for m in metas} == {"bfloat16"}
+    plan = plan_buckets(metas, 32 << 10)
+    got = {}
+    for manifest, bucket in zip(plan, src.iter_buckets(plan), strict=True):
+        buf = torch.empty(manifest.nbytes, dtype=torch.uint8)
+        pack_into(buf, manifest, bucket)
+        got.update((n, t.clone()) for n, t in unpack(buf, manifest))
+    sd = model.state_dict()
+    assert torch.equal(got["m.norm.weight"], sd["model.norm.weight"].to(torch.bfloat16))
+    assert len(got) == len(sd) - 1
+
+
+def test_torch_source_offload_drops_grads() -> None:
+    model = TinyLlama(CONFIG, seed=0)
+    model(torch.tensor([[1, 2, 3]])).sum().backward()
+    opt = torch.optim.AdamW(model.parameters())
+    opt.step()
+    src = TorchSource(model, optimizer=opt)
+    src.offload()
+    assert all(p.grad is None for p in model.parameters())
+    src.restore()  # CPU optimizer state has nowhere to move; restore is a no-op that must not fail
+    assert all(s["exp_avg"].device.type == "cpu" for s in opt.state.values())
+
+
+def test_torch_source_gathers_dtensors(tmp_path: Path) -> None:
+    """A DTensor-sharded state dict (FSDP2's form) is sent as full tensors."""
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        full = torch.arange(12.0).reshape(4, 3)
+        src = TorchSource({"w": distribute_tensor(full, mesh, [Shard(0)])})
+        assert src.metas() == [TensorMeta("w", "float32", (4, 3))]
+        ((name, tensor),) = next(iter(src.iter_buckets(plan_buckets(src.metas(), 1 << 20))))
+        assert name == "w" and type(tensor) is torch.Tensor and torch.equal(tensor, full)
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,295 @@
+"""protocol.run over reference engines on threads: the whole protocol, fast, no processes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from refit import invariants, protocol
+from refit.drivers.reference import ReferenceEngine
+from refit.errors import EngineError
+from refit.reference.model import TinyLlama, greedy
+
+from .conftest import CONFIG, matches, perturbed
+
+PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
+HAPPY_COLOCATED = ["offload", "connect", "pause", "invalidate", "transfer"] + ["next_bucket"] * 7 + [
+    "post_process", "publish", "restore", "finish",
+]  # fmt: skip
+HAPPY_DISAGGREGATED = ["connect", "pause", "invalidate", "transfer"] + ["next_bucket"] * 7 + [
+    "post_process", "publish", "finish",
+]  # fmt: skip
+
+
+def transitions(ctx: protocol.RefitContext, run_id: str) -> list[str]:
+    return [e["event"] for e in ctx.recorder.events if e.get("run") == run_id and e["kind"] == "transition"]
+
+
+def calls(ctx: protocol.RefitContext, run_id: str | None = None) -> list[dict]:
+    return [e for e in ctx.recorder.events if e["kind"] == "call" and (run_id is None or e.get("run") == run_id)]
+
+
+@pytest.mark.parametrize(("mode", "expected"), [("colocated", HAPPY_COLOCATED), ("disaggregated", HAPPY_DISAGGREGATED)])
+def test_a_refit_lands(mode: str, expected: list[str], trainer: TinyLlama, thread_engines, make_ctx) -> None:
+    engines = thread_engines(2)
+    if mode == "colocated":
+        for e in engines:
+            e.release_memory(["weights", "kv_cache"])  # the trainer had the memory while training
+    ctx = make_ctx(trainer, engines, mode=mode)
+    result = protocol.run(ctx)
+    assert result.ok and result.state == "DONE" and result.error is None
+    assert result.version == 1 and ctx.published_version == 1
+    assert {o.status for o in result.engines.values()} == {"updated"}
+    assert transitions(ctx, result.run_id) == expected
+    assert result.buckets == 8 and result.bytes_moved >= sum(t.nbytes for t in trainer.state_dict().values())
+    assert result.bytes_delivered == 2 * result.bytes_moved
+    assert set(result.phase_seconds) >= {"CONNECTING", "TRANSFERRING", "CONTINUING"}
+    assert ("OFFLOADING" in result.phase_seconds) == (mode == "colocated")
+    for e in engines:
+        assert matches(e, trainer)
+        assert e.generate(PROMPT, 8)["output"] == greedy(trainer, PROMPT, 8)
+        assert e.info()["version"] == 1
+    assert ctx.lock.holder is None
+    assert invariants.check_run([e for e in ctx.recorder.events if e.get("run") == result.run_id]) == []
+
+
+def test_consecutive_refits_reuse_the_connection(trainer: TinyLlama, thread_engines, make_ctx) -> None:
+    engines = thread_engines(2)
+    ctx = make_ctx(trainer, engines)
+    versions = []
+    for step in range(3):
+        perturbed(trainer, seed=step)
+        result = protocol.run(ctx)
+        assert result.ok
+        versions.append(result.version)
+        assert all(matches(e, trainer) for e in engines)
+    assert versions == [1, 2, 3]
+    assert [c["event"] for c in calls(ctx) if c["event"] in ("connect", "attach")] == ["connect", "attach", "attach"]
+    ctx.close()
+    assert invariants.check_trace(ctx.recorder.events) == []
+
+
+def test_a_restarted_engine_gets_a_fresh_connection(trainer: TinyLlama, thread_engines, make_ctx) -> None:
+    first = thread_engines(2)
+    ctx = make_ctx(trainer, first)
+    assert protocol.run(ctx).ok
+    replacement = ReferenceEngine.in_thread(first[1].name, CONFIG, seed=0)  # same name, new incarnation
+    try:
+        ctx.engines[1] = replacement
+        result = protocol.run(ctx)
+        assert result.ok
+        assert [c["event"] for c in calls(ctx, result.run_id) if c["event"] in ("disconnect", "connect")] == [
+            "disconnect", "connect",
+        ]  # fmt: skip
+        assert matches(replacement, trainer)
+    finally:
+        ctx.close()
+        replacement.close()
+
+
+def test_unsafe_configurations_are_refused_before_anything_runs(trainer: TinyLlama, thread_engines) -> None:
+    engines = thread_engines(2)
+    with pytest.raises(protocol.ConfigError, match=r"in_place.*cannot make that KV fresh"):
+        protocol.RefitContext(TorchSourceFor(trainer), Shm(), engines, pause_mode="in_place")
+    with pytest.raises(protocol.ConfigError, match="unique"):
+        protocol.RefitContext(TorchSourceFor(trainer), Shm(), [engines[0], engines[0]])
+    with pytest.raises(protocol.ConfigError, match="at least one engine"):
+        protocol.RefitContext(TorchSourceFor(trainer), Shm(), [])
+    assert all(e.info()["paused"] is False and e.info()["version"] == 0 for e in engines)
+
+
+def TorchSourceFor(model: TinyLlama):
+    from refit.drivers.torch_source import TorchSource
+
+    return TorchSource(model)
+
+
+def Shm():
+    from refit.drivers.shm import SharedMemoryTransport
+
+    return SharedMemoryTransport()
+
+
+def test_a_second_run_while_one_holds_the_lock_fails_at_once(trainer: TinyLlama, thread_engines, make_ctx) -> None:
+    engines = thread_engines(2)
+    ctx = make_ctx(trainer, engines)
+    assert ctx.lock.acquire("another-run")  # another refit of the same engines is in flight
+    with pytest.raises(protocol.RefitBusyError, match="being refit by another run"):
+        protocol.run(ctx)
+    assert ctx.lock.holder == "another-run"  # not stolen
+    assert calls(ctx) == []  # nothing was touched
+    assert all(e.info()["version"] == 0 and not e.info()["paused"] for e in engines)
+    assert not ctx.lock.release("a-stale-owner")  # a late release from someone else is ignored
+    assert ctx.lock.holder == "another-run"
+    assert ctx.lock.release("another-run")
+    assert protocol.run(ctx).ok
+
+
+def test_two_contexts_over_the_same_engines_share_the_lock(trainer: TinyLlama, thread_engines, make_ctx) -> None:
+    engines = thread_engines(2)
+    a, b = make_ctx(trainer, engines), make_ctx(trainer, engines)
+    assert a.lock is b.lock
+
+
+# ---- an exception injected at every driver call of a real run ---------------------------------------
+
+
+def call_points(mode: str) -> list[tuple[str, str, int | None, int | None]]:
+    """Every (state, call, engine, bucket) a clean run of this mode makes, read from its own trace."""
+    engines = [ReferenceEngine.in_thread(f"probe{i}", CONFIG, seed=0) for i in range(2)]
+    model = perturbed(TinyLlama(CONFIG, seed=0), seed=100)
+    ctx = protocol.RefitContext(TorchSourceFor(model), Shm(), engines, mode=mode, bucket_bytes=64 << 10)  # type: ignore[arg-type]
+    try:
+        protocol.run(ctx)
+        index = {e.name: i for i, e in enumerate(engines)}
+        points = [(c["state"], c["event"], index.get(c.get("engine")), c.get("bucket")) for c in calls(ctx)]
+    finally:
+        ctx.close()
+        for e in engines:
+            e.close()
+    return list(dict.fromkeys(points))
+
+
+POINTS = {mode: call_points(mode) for mode in ("colocated", "disaggregated")}
+CASES = [(mode, p) for mode, points in POINTS.items() for p in points]
+
+
+def check_no_mixed_weights(
+    engines: list[ReferenceEngine],
+    old: dict[str, torch.Tensor],
+    new: dict[str, torch.Tensor],
+    result: protocol.RefitResult,
+) -> None:
+    """Every engine either serves weights its version names (old@0 or new@1), or is out of service."""
+    for e in engines:
+        info = e.info()
+        outcome = result.engines[e.name]
+        if info["quarantined"]:
+            assert outcome.status == "quarantined" and outcome.version is None
+            with pytest.raises(EngineError, match="quarantined"):
+                e.generate(PROMPT, 2)
+            continue
+        assert not info["paused"], f"{e.name} left paused: {info}"
+        state = e.state_dict()
+        want = new if info["version"] == 1 else old
+        assert info["version"] in (0, 1)
+        assert all(torch.equal(state[k], v) for k, v in want.items()), (
+            f"{e.name} serves weights version {info['version']} does not name"
+        )
+        assert outcome.version == info["version"]
+        assert outcome.status == ("updated" if info["version"] == 1 else "unchanged")
+
+
+@pytest.mark.parametrize(("mode", "point"), CASES, ids=[f"{m}-{s}-{c}-e{e}-b{b}" for m, (s, c, e, b) in CASES])
+def test_a_fault_anywhere_leaves_no_lock_no_mixed_engine(
+    mode: str, point, trainer: TinyLlama, thread_engines, make_ctx
+) -> None:
+    state, call, engine, bucket = point
+    engines = thread_engines(2)
+    old = {k: v.clone() for k, v in TinyLlama(CONFIG, seed=0).state_dict().items()}
+    new = {k: v.clone() for k, v in trainer.state_dict().items()}
+    faults = protocol.FaultPlan().fail_at(state, engine=engine, bucket=bucket, call=call)
+    ctx = make_ctx(trainer, engines, mode=mode, faults=faults)
+    result = protocol.run(ctx)  # raises InvariantViolation if the run's own events break an invariant
+
+    assert not result.ok and result.state == "FAILED"
+    assert faults.faults[0].fired == 1
+    assert isinstance(result.error, protocol.DriverCallError)
+    assert result.error.state == state and result.error.call == call
+    assert ctx.lock.holder is None
+    committed = state == "CONTINUING" or state == "RESTORING"
+    if committed:  # the fault came after the commit gate: the version reached the engines that completed
+        assert result.version == 1
+    else:
+        assert result.version is None and ctx.published_version == 0
+    check_no_mixed_weights(engines, old, new, result)
+    ctx.close()
+    assert invariants.check_trace(ctx.recorder.events) == []
+
+
+def test_lost_weights_are_never_served(trainer: TinyLlama, thread_engines, make_ctx) -> None:
+    """Colocated: weights released without a backup come back as zeros. If the refit then fails before
+    its commit, those engines must be quarantined, not continued on zeros."""
+    engines = thread_engines(2)
+    for e in engines:
+        e.release_memory(["weights", "kv_cache"])
+    ctx = make_ctx(trainer, engines, mode="colocated", faults=protocol.FaultPlan().fail_at("pausing", engine=1))
+    result = protocol.run(ctx)
+    assert not result.ok
+    assert {o.status for o in result.engines.values()} == {"quarantined"}
+    for e in engines:
+        with pytest.raises(EngineError, match="quarantined"):
+            e.generate(PROMPT, 2)
+    ctx.faults = None
+    retry = protocol.run(ctx)  # a later successful refit heals them
+    assert retry.ok and retry.version == 2
+    assert all(e.generate(PROMPT, 8)["output"] == greedy(trainer, PROMPT, 8) for e in engines)
+
+
+# ---- property: any configuration, any single fault, invariants hold ---------------------------------
+
+
+@settings(max_examples=25, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    mode=st.sampled_from(["colocated", "disaggregated"]),
+    pause_mode=st.sampled_from(["abort", "retract"]),
+    n_engines=st.integers(1, 3),
+    bucket_kib=st.sampled_from([8, 64, 1024]),
+    fault_at=st.one_of(st.none(), st.integers(0, 10_000)),
+    in_flight=st.booleans(),
+)
+def test_any_refit_keeps_every_invariant(
+    mode: str,
+    pause_mode: str,
+    n_engines: int,
+    bucket_kib: int,
+    fault_at: int | None,
+    in_flight: bool,
+    make_ctx: Callable,
+) -> None:
+    engines = [ReferenceEngine.in_thread(f"h{i}", CONFIG, seed=0) for i in range(n_engines)]
+    model = perturbed(TinyLlama(CONFIG, seed=0), seed=n_engines + bucket_kib)
+    try:
+        ctx = make_ctx(model, engines, mode=mode, pause_mode=pause_mode, bucket_bytes=bucket_kib << 10)
+        if fault_at is not None:
+            points = [
+                (c["state"], c["event"], c.get("engine"), c.get("bucket"))
+                for c in _dry_run_points(mode, n_engines, bucket_kib)
+            ]
+            state, call, engine, bucket = points[fault_at % len(points)]
+            index = {f"h{i}": i for i in range(n_engines)}
+            ctx.faults = protocol.FaultPlan().fail_at(state, call=call, engine=index.get(engine), bucket=bucket)
+        pending = [e.submit(PROMPT, 60) for e in engines] if in_flight and mode == "disaggregated" else []
+        result = protocol.run(ctx)
+        assert ctx.lock.holder is None
+        assert result.ok == (fault_at is None)
+        old = TinyLlama(CONFIG, seed=0).state_dict()
+        check_no_mixed_weights(engines, old, model.state_dict(), result)
+        for fut in pending:
+            assert fut.result(timeout=30)["finish_reason"] in ("length", "abort", "quarantined")
+    finally:
+        for e in engines:
+            e.close()
+
+
+_POINT_CACHE: dict[tuple[str, int, int], list[dict]] = {}
+
+
+def _dry_run_points(mode: str, n_engines: int, bucket_kib: int) -> list[dict]:
+    key = (mode, n_engines, bucket_kib)
+    if key not in _POINT_CACHE:
+        engines = [ReferenceEngine.in_thread(f"h{i}", CONFIG, seed=0) for i in range(n_engines)]
+        model = perturbed(TinyLlama(CONFIG, seed=0), seed=1)
+        ctx = protocol.RefitContext(TorchSourceFor(model), Shm(), engines, mode=mode, bucket_bytes=bucket_kib << 10)  # type: ignore[arg-type]
+        try:
+            protocol.run(ctx)
+            _POINT_CACHE[key] = calls(ctx)
+        finally:
+            ctx.close()
+            for e in engines:
+                e.close()
+    return _POINT_CACHE[key]
