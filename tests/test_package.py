@@ -102,3 +102,11 @@ def test_torch_source_gathers_dtensors(tmp_path: Path) -> None:
         assert name == "w" and type(tensor) is torch.Tensor and torch.equal(tensor, full)
     finally:
         dist.destroy_process_group()
+
+
+def test_torch_source_leaves_grad_mode_alone() -> None:
+    """A half-consumed bucket iterator (a refit that failed mid-transfer) must not leave autograd off."""
+    src = TorchSource(TinyLlama(CONFIG, seed=0))
+    buckets = src.iter_buckets(plan_buckets(src.metas(), 32 << 10))
+    next(buckets)
+    assert torch.is_grad_enabled()

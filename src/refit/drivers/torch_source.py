@@ -71,23 +71,23 @@ class TorchSource(Source):
         ]
 
     def iter_buckets(self, plan: Sequence[BucketManifest]) -> Iterator[NamedTensors]:
-        import torch
-
         named = dict(self._named())
-        with torch.no_grad():
-            for manifest in plan:
-                bucket = []
-                for name in manifest.names:
-                    if name not in named:
-                        raise KeyError(f"torch source: planned tensor {name!r} is no longer in the state dict")
-                    bucket.append((name, self._materialize(named[name])))
-                yield bucket
+        for manifest in plan:
+            bucket = []
+            for name in manifest.names:
+                if name not in named:
+                    raise KeyError(f"torch source: planned tensor {name!r} is no longer in the state dict")
+                bucket.append((name, self._materialize(named[name])))
+            yield bucket  # no grad-mode context is held across this yield: the trainer's thread is untouched
 
     def _materialize(self, tensor: torch.Tensor) -> torch.Tensor:
-        full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor  # DTensor / FSDP2
-        full = full.detach()
-        target = self._out_dtype(full)
-        return full if full.dtype == target else full.to(target)
+        import torch
+
+        with torch.no_grad():
+            full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor  # DTensor / FSDP2
+            full = full.detach()
+            target = self._out_dtype(full)
+            return full if full.dtype == target else full.to(target)
 
     def offload(self) -> None:
         from torch import nn

@@ -362,6 +362,15 @@ class _Run:
         ctx = self.ctx
         self.enter(T.TRANSFER)
         buckets = iter(ctx.source.iter_buckets(self.plan))
+        try:
+            self._stream(buckets)
+        finally:
+            close = getattr(buckets, "close", None)
+            if close is not None:  # a generator source releases what it holds now, not at GC
+                close()
+
+    def _stream(self, buckets: Any) -> None:
+        ctx = self.ctx
         for manifest in self.plan:
             i = manifest.index
             if i > 0:
