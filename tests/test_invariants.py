@@ -104,13 +104,13 @@ def test_publish_before_the_last_bucket(clean: list[dict]) -> None:
 def test_versions_must_increase(clean: list[dict]) -> None:
     ev = copy.deepcopy(clean)
     ends = [e for e in ev if e["kind"] == "run" and e["event"] == "end"]
-    ends[1]["version"] = ends[0]["version"]
+    ends[1]["published"] = ends[0]["published"]
     assert any("does not increase" in v.message for v in invariants.check_trace(ev))
 
 
 def test_failed_run_that_claims_a_version(failed: list[dict]) -> None:
     ev = copy.deepcopy(failed)
-    ev[find(ev, "end", kind="run")]["version"] = 1
+    ev[find(ev, "end", kind="run")]["published"] = 1
     assert "version" in names(invariants.check_trace(ev))
 
 

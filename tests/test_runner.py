@@ -293,3 +293,14 @@ def _dry_run_points(mode: str, n_engines: int, bucket_kib: int) -> list[dict]:
             for e in engines:
                 e.close()
     return _POINT_CACHE[key]
+
+
+def test_the_demo_landing_check_can_fail(trainer: TinyLlama, thread_engines) -> None:
+    """The demo's check compares with the trainer; an engine that missed the refit fails it."""
+    from refit.demo import PROMPTS, check_engine
+    from refit.reference.model import prompt_logits
+
+    (engine,) = thread_engines(1)
+    previous = [prompt_logits(TinyLlama(CONFIG, seed=0), list(p)) for p in PROMPTS]
+    missed = check_engine(engine, trainer, previous)
+    assert not missed["ok"] and not missed["weights"] and missed["max_diff"] > 1e-3 and missed["min_change"] == 0.0

@@ -58,7 +58,7 @@ def _train(model: TinyLlama, opt: torch.optim.Optimizer, gen: torch.Generator, s
     return float(loss.detach())
 
 
-def _check(engine: ReferenceEngine, model: TinyLlama, previous: list[torch.Tensor]) -> dict[str, Any]:
+def check_engine(engine: ReferenceEngine, model: TinyLlama, previous: list[torch.Tensor]) -> dict[str, Any]:
     """Compare one engine with the trainer: tokens, logits (and their distance to the old weights), weights."""
     tokens_ok, max_diff, min_change = True, 0.0, float("inf")
     for prompt, prev in zip(PROMPTS, previous, strict=True):
@@ -136,7 +136,7 @@ def run_demo(args: argparse.Namespace) -> int:
                     print(f"  {o.name}: {o.status}, serves version {o.version}, {o.buckets} buckets acked")
                 print(f"  lock holder after the run: {ctx.lock.holder if ctx.lock else None}")
                 return 1
-            checks = [_check(e, model, previous) for e in engines]
+            checks = [check_engine(e, model, previous) for e in engines]
             spans = [f.result(timeout=60) for f in inflight]
             ok = all(c["ok"] for c in checks)
             failures += not ok

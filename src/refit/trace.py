@@ -2,10 +2,18 @@
 
 Line 1 is a header (schema, package versions, configuration). Every later line is an event with
 `seq` (0, 1, 2, ... across the file), `t` (seconds since the trace began), `run` (the run's id),
-`state` (the run's state when the event happened), `kind` (run, lock, transition, call, trace)
-and `event` (the trigger, the driver call, start/end...). Call events add `side`, `engine`,
-`bucket`, `outcome` (ok / error / timeout), `duration_s` and `error`. Tensors are never stored:
-a bucket is named by its manifest (names, dtypes, shapes, byte count).
+`state` (the run's state when the event happened), `version` (the version the run refits to),
+`kind` and `event`:
+  run/start, run/end     configuration, owner token, deadline; the end says the final state, the
+                         version `published` (or null) and each engine's status and version
+  lock/acquire|release   owner token and outcome (ok, busy, not_owner)
+  transition/<trigger>   `src` and `dst` states (and `bucket` in the bucket loop)
+  plan/buckets           how many buckets, tensors and bytes the run will move
+  call/<driver call>     `side` (engine, source, transport), `engine`, `bucket`, `outcome`
+                         (ok / error / timeout), `duration_s`, `error`, small `result` dicts;
+                         `pack` calls carry the bucket's manifest (names, dtypes, shapes, bytes)
+  fault/injected         a planned fault that fired
+Tensors are never stored.
 
 A trace that was closed ends with ``{"kind": "trace", "event": "end"}``; one without that line,
 or with a run that has no ``end`` event, was cut off, and `refit check` says so.

@@ -172,19 +172,19 @@ def check_version(events: Sequence[Event]) -> list[Violation]:
         before = [e for e in events if e["seq"] < first["seq"]]
         for problem in commit_gate(before, engines, _n_buckets(events)):
             out.append(_v("version", f"published before the refit was complete: {problem}", first, events))
-    if end is not None and end.get("version") is not None:
-        if end["version"] != target:
+    if end is not None and end.get("published") is not None:
+        if end["published"] != target:
             out.append(
                 _v(
                     "version",
-                    f"run ended claiming version {end['version']}, its target was {target}",
+                    f"run ended claiming version {end['published']}, its target was {target}",
                     end,
                     events,
                 )
             )
         if not _ok(publishes):
             out.append(_v("version", "run claims a published version but no engine published it", end, events))
-    if end is not None and end.get("result") == "FAILED" and _ok(publishes) and end.get("version") is None:
+    if end is not None and end.get("result") == "FAILED" and _ok(publishes) and end.get("published") is None:
         out.append(_v("version", "engines published a version the failed run does not report", end, events))
     for name in engines:
         lost = any(
@@ -360,18 +360,18 @@ def check_trace(events: Sequence[Event], *, torn: bool = False) -> list[Violatio
     last: int | None = None
     for run_events in by_run.values():
         end = _end(run_events)
-        if end is None or end.get("version") is None:
+        if end is None or end.get("published") is None:
             continue
-        if last is not None and end["version"] <= last:
+        if last is not None and end["published"] <= last:
             out.append(
                 _v(
                     "version",
-                    f"published version {end['version']} does not increase on {last}",
+                    f"published version {end['published']} does not increase on {last}",
                     end,
                     run_events,
                 )
             )
-        last = end["version"]
+        last = end["published"]
 
     connected: Event | None = None
     for e in _calls(events, side="transport"):

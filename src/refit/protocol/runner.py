@@ -122,6 +122,7 @@ class _Run:
     # ---- recording ---------------------------------------------------------------------------
 
     def emit(self, kind: str, event: str, *, state: str | None = None, **fields: Any) -> dict[str, Any]:
+        fields.setdefault("version", self.version)  # the version this run is refitting to
         record = self.ctx.recorder.emit(kind, event, run=self.run_id, state=state or str(self.machine.state), **fields)
         self.events.append(record)
         return record
@@ -599,7 +600,7 @@ def run(ctx: RefitContext) -> RefitResult:
             "run",
             "end",
             result=str(r.machine.state),
-            version=published,
+            published=published,
             engine_outcomes={n: {"status": o.status, "version": o.version} for n, o in outcomes.items()},
             error=None if r.error is None else str(r.error),
         )
