@@ -27,7 +27,6 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -166,7 +165,7 @@ class _Run:
         if isinstance(exc, RefitError):
             return exc
         where = {"state": state, "engine": engine, "call": call, "bucket": bucket}
-        if isinstance(exc, TimeoutError | FutureTimeout):
+        if isinstance(exc, TimeoutError):  # concurrent.futures.TimeoutError is TimeoutError
             return DeadlineExceeded(f"{call} did not finish inside the deadline: {exc}", cause=exc, **where)
         return DriverCallError(f"{call} failed: {type(exc).__name__}: {exc}", cause=exc, **where)
 
@@ -230,37 +229,25 @@ class _Run:
 
     def collect(self, p: _Pending) -> tuple[bool, Any, RefitError | None]:
         """Wait for one engine call (bounded) and record it."""
+        value: Any = None
+        exc: Exception | None = None
         try:
             value = p.future.result(timeout=p.deadline.remaining() + SLACK_S)
-        except (FutureTimeout, TimeoutError, Exception) as exc:
-            if isinstance(exc, FutureTimeout):
+        except Exception as caught:
+            exc = caught
+            if isinstance(caught, TimeoutError) and not p.future.done():  # our wait ran out, not the driver's
                 exc = TimeoutError(f"{p.call} on engine {p.engine.name} did not return inside the deadline")
-            outcome = "timeout" if isinstance(exc, TimeoutError) else "error"
-            self._record_call(
-                p.call,
-                "engine",
-                p.state,
-                outcome,
-                time.perf_counter() - p.start,
-                engine=p.engine.name,
-                bucket=p.bucket,
-                error=exc,
-            )
-            err = self._wrap(exc, p.call, p.state, p.engine.name, p.bucket)
-            p.engine.error = p.engine.error or str(err)
-            return False, None, err
+        outcome = "ok" if exc is None else "timeout" if isinstance(exc, TimeoutError) else "error"
         extra = {"result": value} if isinstance(value, dict) else {}
+        duration = time.perf_counter() - p.start
         self._record_call(
-            p.call,
-            "engine",
-            p.state,
-            "ok",
-            time.perf_counter() - p.start,
-            engine=p.engine.name,
-            bucket=p.bucket,
-            **extra,
+            p.call, "engine", p.state, outcome, duration, engine=p.engine.name, bucket=p.bucket, error=exc, **extra
         )
-        return True, value, None
+        if exc is None:
+            return True, value, None
+        err = self._wrap(exc, p.call, p.state, p.engine.name, p.bucket)
+        p.engine.error = p.engine.error or str(err)
+        return False, None, err
 
     def fanout(
         self,
@@ -302,10 +289,8 @@ class _Run:
         self.enter(T.CONNECT)
         metas = self.inline("metas", "source", ctx.source.metas)
         self.plan = plan_buckets(metas, ctx.bucket_bytes)
-        key = (
-            tuple(e.driver.incarnation for e in self.engines),
-            tuple(m.summary()["nbytes"] for m in self.plan),
-        )
+        # the connection stays valid while the same engine processes are there and every bucket fits its buffers
+        key = (tuple(e.driver.incarnation for e in self.engines), max([m.nbytes for m in self.plan] + [0]))
         self.emit(
             "plan",
             "buckets",
@@ -448,7 +433,7 @@ class _Run:
         self.enter(T.FAIL)
         self.emit("run", "error", error=str(self.error))
         while self.inflight:  # collect what engines did with in-flight buckets before touching buffers
-            self.drain_oldest(quiet=True)
+            self._quietly(lambda: self.drain_oldest(quiet=True))
         self.finalize_all(self.engines, cleanup=True)
 
         # Engines that received no byte go back to serving their old weights. One whose call failed
@@ -528,7 +513,7 @@ def disconnect(ctx: RefitContext, *, timeout: float, run: _Run | None = None) ->
             fut.result(timeout=deadline.remaining() + SLACK_S)
             outcome, error = "ok", None
         except Exception as exc:  # a dead engine cannot detach; the transport is freed anyway
-            outcome = "timeout" if isinstance(exc, TimeoutError | FutureTimeout) else "error"
+            outcome = "timeout" if isinstance(exc, TimeoutError) else "error"
             error = f"{type(exc).__name__}: {exc}"
         emit(
             "call",
@@ -573,9 +558,11 @@ def run(ctx: RefitContext) -> RefitResult:
         deadline_s=ctx.deadline_s,
         cleanup_grace_s=ctx.cleanup_grace_s,
     )
-    assert ctx.lock is not None
-    if not ctx.lock.acquire(r.owner):
-        r.emit("lock", "acquire", owner=r.owner, outcome="busy", holder=ctx.lock.holder)
+    lock = ctx.lock
+    if lock is None:  # RefitContext.__post_init__ always sets one
+        raise RuntimeError("RefitContext has no lock")
+    if not lock.acquire(r.owner):
+        r.emit("lock", "acquire", owner=r.owner, outcome="busy", holder=lock.holder)
         r.emit("run", "end", result="busy")
         raise RefitBusyError(f"engines {[e.name for e in r.engines]} are being refit by another run", state="IDLE")
     r.emit("lock", "acquire", owner=r.owner, outcome="ok")
@@ -588,7 +575,7 @@ def run(ctx: RefitContext) -> RefitResult:
             interrupt = exc  # KeyboardInterrupt / SystemExit: clean up, then re-raise
         r.abort(exc)
     finally:
-        released = ctx.lock.release(r.owner)
+        released = lock.release(r.owner)
         r.emit("lock", "release", owner=r.owner, outcome="ok" if released else "not_owner")
         ctx._shared.next_version = r.version + 1
         outcomes = r.outcomes()
