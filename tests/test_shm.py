@@ -54,8 +54,8 @@ def test_receiver_refuses_missing_or_resized_buffers(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError):
         SharedMemoryReceiver(info)
     empty = SharedMemoryReceiver(ConnectInfo("shm", info.receiver, {"paths": [], "slot_bytes": 64}))
-    with pytest.raises(ValueError, match="payload names slot 0; this receiver has 0 slots"):
-        empty.read(Payload("shm", plan[0], {"slot": 0}))
+    with pytest.raises(ValueError, match="payload names buffer '/etc/passwd', not a refit shared-memory buffer"):
+        empty.read(Payload("shm", plan[0], {"slot": 0, "path": "/etc/passwd"}))
 
 
 def test_buffers_are_freed_when_the_transport_is_dropped(tmp_path: Path) -> None:
@@ -64,4 +64,20 @@ def test_buffers_are_freed_when_the_transport_is_dropped(tmp_path: Path) -> None
     assert leaked_segments(tmp_path)
     del t
     gc.collect()
+    assert leaked_segments(tmp_path) == []
+
+
+def test_an_abandoned_buffer_is_replaced_never_reused(tmp_path: Path) -> None:
+    """An engine that never answered may still read its buffer: that file is left alone and a new
+    one takes its slot; the receiver maps the new file on first use."""
+    t = SharedMemoryTransport(slots=1, directory=tmp_path)
+    plan = plan_buckets([TensorMeta(f"w{i}", "float32", (8, 8)) for i in range(2)], 256)
+    rx = SharedMemoryReceiver(t.connect(plan, 1))
+    p0 = t.pack(plan[0], _bucket(0, 1.0))
+    t.abandon(p0)
+    p1 = t.pack(plan[1], _bucket(1, 2.0))
+    assert p1.fields["path"] != p0.fields["path"] and len(leaked_segments(tmp_path)) == 2
+    assert torch.equal(rx.read(p0)[0][1], torch.full((8, 8), 1.0))  # the slow reader still sees its bucket
+    assert torch.equal(rx.read(p1)[0][1], torch.full((8, 8), 2.0))
+    t.disconnect()
     assert leaked_segments(tmp_path) == []

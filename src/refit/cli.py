@@ -62,12 +62,15 @@ def _demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pause-mode", choices=("abort", "retract", "in_place"), default="retract")
     p.add_argument("--bucket-bytes", type=int, default=64 << 10, help="bucket size in bytes (default 64 KiB)")
     p.add_argument("--deadline", type=float, default=60.0, help="seconds each refit may take (default 60)")
+    p.add_argument("--retries", type=int, default=1, help="retries for an engine whose update failed (default 1)")
+    p.add_argument("--call-timeout", type=float, default=5.0, help="cap on one engine call in seconds (default 5)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--trace", metavar="PATH", help="write the JSONL trace of every refit here")
     p.add_argument(
         "--fail-at",
         metavar="SPEC",
-        help="inject a fault, e.g. transferring:engine=1:bucket=2 (keys: engine, bucket, call, kind=raise)",
+        help="inject one fault, e.g. transferring:engine=1:bucket=2:kind=kill "
+        "(keys: engine, bucket, call, kind = raise | hang | kill | corrupt)",
     )
     p.add_argument("--in-thread", action="store_true", help="run engines on threads instead of processes")
 

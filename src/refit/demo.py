@@ -101,6 +101,8 @@ def run_demo(args: argparse.Namespace) -> int:
             pause_mode=args.pause_mode,
             bucket_bytes=args.bucket_bytes,
             deadline_s=args.deadline,
+            retries=args.retries,
+            call_timeout_s=args.call_timeout,
             trace=args.trace,
             faults=protocol.FaultPlan.parse(args.fail_at) if args.fail_at else None,
         )
@@ -131,11 +133,19 @@ def run_demo(args: argparse.Namespace) -> int:
                 inflight = [e.submit(list(p), 200) for e in engines for p in PROMPTS[:2]]
             result = protocol.run(ctx)
             if not result.ok:
-                print(f"\nrefit {r} FAILED in {result.state}: {result.error}")
+                print(f"\nrefit {r} did not reach every engine (run state {result.state}): {result.error}")
                 for o in result.engines.values():
-                    print(f"  {o.name}: {o.status}, serves version {o.version}, {o.buckets} buckets acked")
+                    print(
+                        f"  {o.name}: {o.status}, serves version {o.version}, {o.attempts} attempt(s), "
+                        f"{o.buckets} buckets acked in the last"
+                    )
                 print(f"  lock holder after the run: {ctx.lock.holder if ctx.lock else None}")
+                updated = [e for e in engines if result.engines[e.name].status == "updated"]
+                if updated:  # the healthy engines really hold the new weights
+                    checks = [check_engine(e, model, previous) for e in updated]
+                    print(f"  healthy engines match the trainer: {all(c['ok'] for c in checks)}")
                 return 1
+            retried = [o.name for o in result.engines.values() if o.attempts > 1]
             checks = [check_engine(e, model, previous) for e in engines]
             spans = [f.result(timeout=60) for f in inflight]
             ok = all(c["ok"] for c in checks)
@@ -149,6 +159,8 @@ def run_demo(args: argparse.Namespace) -> int:
                 + f" {max(c['max_diff'] for c in checks):11.2e} {min(c['min_change'] for c in checks):8.3f}"
                 + f" {'exact' if all(c['weights'] for c in checks) else 'DIFFER':>7}"
             )
+            if retried:
+                print(f"      retried and caught up: {', '.join(retried)}")
             if spans:
                 versions = sorted({v for s in spans for v in s["weight_versions"]})
                 retracted = sum(s["num_retractions"] for s in spans)

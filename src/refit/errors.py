@@ -72,16 +72,28 @@ class InvariantViolation(RefitError):
     """A refit invariant failed on the run's own events: the protocol or a driver is broken."""
 
 
+NO_EFFECT_KINDS = frozenset(
+    {"bad_manifest", "bad_payload", "bad_request", "not_attached", "no_session", "session_open"}
+)
+
+
 class EngineError(RuntimeError):
     """Raised by a rollout engine for a request it refuses (bad manifest, flush refused, ...).
 
     `kind` is a short machine-readable tag (for example ``flush_refused``) that survives the trip
-    across a process boundary.
+    across a process boundary. `no_effect` is True when the engine guarantees it changed nothing
+    (the request was rejected by validation before any byte was applied): a bucket refused that
+    way does not poison the engine.
     """
 
     def __init__(self, kind: str, message: str) -> None:
         self.kind = kind
+        self.message = message
         super().__init__(f"{kind}: {message}")
+
+    @property
+    def no_effect(self) -> bool:
+        return self.kind in NO_EFFECT_KINDS
 
 
 class EngineDied(RuntimeError):

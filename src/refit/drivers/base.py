@@ -23,6 +23,8 @@ from refit.drivers.buckets import BucketManifest, TensorMeta
 if TYPE_CHECKING:
     import torch
 
+    from refit.protocol.lock import EngineLock
+
 PauseMode = Literal["abort", "retract", "in_place"]
 PAUSE_MODES: tuple[str, ...] = ("abort", "retract", "in_place")
 
@@ -90,7 +92,9 @@ class Transport(ABC):
       TRANSFERRING   `pack(manifest, tensors)`: copy one bucket into a free buffer; returns the
                      Payload sent to every engine. Raises if no buffer is free: the runner must
                      `release(payload)` a bucket only after every engine acknowledged it, and
-                     only then may its buffer be reused.
+                     only then may its buffer be reused. When an engine did not answer (it may
+                     still be reading), the runner calls `abandon(payload)` instead: that buffer
+                     is never reused, and a transport that can replaces it so streaming goes on.
       disconnect     `disconnect()`: free everything. Idempotent; safe after a failed run.
 
     `slots` is how many buckets may be in flight at once (2 = double buffering).
@@ -110,6 +114,9 @@ class Transport(ABC):
 
     @abstractmethod
     def disconnect(self) -> None: ...
+
+    def abandon(self, payload: Payload) -> None:  # noqa: B027 - optional: default keeps the slot busy
+        """Never reuse this payload's buffer (an engine may still read it); replace it if possible."""
 
     @property
     @abstractmethod
@@ -154,7 +161,15 @@ class EngineDriver(ABC):
       RESTORING (colocated)    `resume_memory(["kv_cache"])`.
       QUARANTINING             `quarantine(reason)`: keep the engine out of service (it holds
                                weights no version names); it is STALE until a refit completes.
+                               (Also inside CONTINUING, for engines that failed while others
+                               committed.)
       disconnect               `detach()`.
+
+    An engine whose call fails leaves the run; if it failed with an error (not a timeout, not
+    death) after it was paused, the runner retries its whole update (`flush`, `begin`, every
+    bucket, `finalize`) while attempts and time remain. A driver should raise
+    `refit.errors.EngineError` with a kind in `NO_EFFECT_KINDS` when the engine refused a request
+    before changing anything: such a refused bucket does not poison the engine.
 
     Capabilities (class attributes) tell the runner what is safe: `supports_in_place_pause`
     means the engine can make in-place-paused requests KV-safe after an update (otherwise the
@@ -203,3 +218,15 @@ class EngineDriver(ABC):
 
     @abstractmethod
     def quarantine(self, reason: str, *, timeout: float) -> None: ...
+
+    # ---- optional hooks -------------------------------------------------------------------------
+
+    def engine_lock(self) -> EngineLock | None:
+        """The lock the engines themselves host (e.g. a rollout manager's lock actor), if any.
+        When None for every engine, the context uses a process-wide lock per engine set."""
+        return None
+
+    def arm_fault(self, kind: str, call: str, *, bucket: int | None, seconds: float, timeout: float) -> bool:
+        """Make the engine really hang / die / receive corrupted bytes on its next `call` (fault
+        injection). Return False when unsupported: the runner then simulates the fault."""
+        return False

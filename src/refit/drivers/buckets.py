@@ -158,6 +158,19 @@ def pack_into(buffer: torch.Tensor, manifest: BucketManifest, tensors: Sequence[
         view.copy_(tensor)
 
 
+def crc32(tensors: Sequence[tuple[str, torch.Tensor]]) -> int:
+    """CRC-32 over the raw bytes of every tensor, in order (padding excluded, so any transport agrees)."""
+    import zlib
+
+    import torch
+
+    crc = 0
+    for _, tensor in tensors:
+        raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+        crc = zlib.crc32(raw.numpy(), crc)
+    return crc
+
+
 def unpack(buffer: torch.Tensor, manifest: BucketManifest) -> list[tuple[str, torch.Tensor]]:
     """Zero-copy views of each tensor of the bucket inside `buffer` (valid until the buffer is reused)."""
     if buffer.numel() < manifest.nbytes:

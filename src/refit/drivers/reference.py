@@ -54,12 +54,11 @@ class ReferenceEngine(EngineDriver):
         *,
         version: int = 0,
         threads: int = 1,
+        serving: bool = True,
     ) -> ReferenceEngine:
-        """A reference engine in its own process."""
-        from refit.reference.client import spawn_process
-        from refit.reference.model import ModelConfig
-
-        return cls(spawn_process(name, config or ModelConfig(), seed, version=version, threads=threads))
+        """A reference engine in its own process. `serving=False` for a recovered engine: it refuses
+        requests until a refit completes (miles#1724: replacements served before getting weights)."""
+        return cls.spawn_many([name], config, seed, version=version, threads=threads, serving=serving)[0]
 
     @classmethod
     def spawn_many(
@@ -70,23 +69,27 @@ class ReferenceEngine(EngineDriver):
         *,
         version: int = 0,
         threads: int = 1,
+        serving: bool = True,
     ) -> list[ReferenceEngine]:
         """Several engine processes, started in parallel."""
         from refit.reference.client import await_ready, launch_process
         from refit.reference.model import ModelConfig
 
-        launches = [launch_process(n, config or ModelConfig(), seed, version=version, threads=threads) for n in names]
+        launches = [
+            launch_process(n, config or ModelConfig(), seed, version=version, threads=threads, serving=serving)
+            for n in names
+        ]
         return [cls(await_ready(launch)) for launch in launches]
 
     @classmethod
     def in_thread(
-        cls, name: str, config: ModelConfig | None = None, seed: int = 0, *, version: int = 0
+        cls, name: str, config: ModelConfig | None = None, seed: int = 0, *, version: int = 0, serving: bool = True
     ) -> ReferenceEngine:
         """A reference engine on a thread of this process (fast; for unit tests)."""
         from refit.reference.client import start_thread
         from refit.reference.model import ModelConfig
 
-        return cls(start_thread(name, config or ModelConfig(), seed, version=version))
+        return cls(start_thread(name, config or ModelConfig(), seed, version=version, serving=serving))
 
     @property
     def incarnation(self) -> str:
@@ -129,6 +132,16 @@ class ReferenceEngine(EngineDriver):
 
     def quarantine(self, reason: str, *, timeout: float) -> None:
         self.client.call("quarantine", reason, timeout=timeout)
+
+    def arm_fault(self, kind: str, call: str, *, bucket: int | None, seconds: float, timeout: float) -> bool:
+        """Make the engine itself hang, die or receive corrupted bytes on its next `call` (see
+        refit.reference.server); the runner arms it just before that call."""
+        self.client.call("arm_fault", kind, call, bucket, seconds, timeout=timeout)
+        return True
+
+    def audit(self, *, timeout: float = DEFAULT_TIMEOUT) -> list[dict[str, Any]]:
+        """What the engine itself did (engine-side record for refit.invariants.check_engine_audit)."""
+        return self.client.call("audit", timeout=timeout)
 
     # ---- serving and inspection -------------------------------------------------------------
 

@@ -1,27 +1,36 @@
-"""Refit invariants: pure functions over trace events (dicts as `refit.trace` writes them).
+"""Refit invariants: pure functions over trace events (dicts as `refit.trace` writes them) and over
+engine audit records (what an engine itself did, as `ReferenceEngine.audit()` returns them).
 
-The same functions run live (the runner checks every run's events, and its commit gate asks
-`commit_gate` before publishing), offline (`refit check TRACE`) and under Hypothesis. They never
-import a driver: they are an independent oracle over what the drivers reported.
+The trace functions run live (the runner checks every run's events; its commit gate asks
+`commit_gate` before an engine publishes), offline (`refit check TRACE`) and under Hypothesis
+(`refit.testing`). They never import a driver: they are an independent oracle over what drivers
+reported. The audit functions check the other side: what the engine did, whatever its driver
+claimed. An engine's update is per attempt (`attempt` on each event): a retried engine begins,
+loads and finalizes again.
 
-  lock            taken once by the run's owner token before any call; released by that owner
-                  after the last call, on every exit; never released by another token.
-  version         published only in CONTINUING, after every engine of the run acked every bucket
-                  and finalized; only the run's own target version; a run that published nothing
-                  ends with no version; published versions strictly increase across runs; an
-                  engine whose weights changed or were lost is continued only after it published.
-  finalize_once   exactly one finalize per engine iff its begin succeeded, after its last load;
-                  no load after it.
-  pause_continue  every paused engine is continued or quarantined before the run ends; no engine
-                  that received any bucket is continued unless it published the new version.
-  kv_fresh        an engine's first bucket comes after a successful flush that came after a
-                  successful pause.
-  paired          trainer offload -> restore in the same run; a transport buffer is released only
-                  after every engine acked its bucket; connect/disconnect alternate over a trace
-                  and the last connection is closed when the trace is.
+  lock            taken once by the run's owner token before any call, released by that owner
+                  after the last call, on every exit; a release by a token that does not hold
+                  the lock never succeeds.
+  version         an engine publishes only in CONTINUING, only the run's target version, and only
+                  after its last attempt acked every bucket and finalized; a run that failed
+                  before its commit point publishes nothing; published versions strictly
+                  increase; an engine whose weights changed or were lost is continued only after
+                  it published. (Audit: no version label while the weights are not finalized.)
+  finalize_once   per engine and attempt: one finalize iff its begin succeeded (at most one when
+                  the engine died or hung), after its last load, and no load after it.
+                  (Audit: one finalize per update session.)
+  pause_continue  every paused engine is continued or quarantined (or reported dead/hung); no
+                  engine that received a bucket is continued unless it published.
+                  (Audit: never continued while holding weights no version names.)
+  kv_fresh        an attempt's first bucket comes after a successful flush that came after a
+                  successful pause. (Audit: no bucket applied without a flush since the pause.)
+  paired          trainer offload -> restore in the same run; a transport buffer is released
+                  only after every engine it was sent to answered for it; connect/disconnect
+                  alternate and the last connection is closed with the trace. (Audit: an engine
+                  acknowledged a bucket only after it finished copying it out.)
   deadline        a run ends within its deadline plus its cleanup grace.
-  complete        every run has an end event; a closed trace has its end line (a cut-off trace is a
-                  violation, not a pass).
+  complete        every run has an end event; a closed trace has its end line (a cut-off trace is
+                  a violation, not a pass).
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ from typing import Any
 Event = dict[str, Any]
 
 DEADLINE_SLACK_S = 1.0  # scheduling noise allowed past deadline + grace
+POST_COMMIT_STATES = ("CONTINUING", "RESTORING")
 
 
 @dataclass(frozen=True)
@@ -43,21 +53,26 @@ class Violation:
     run: str | None = None
 
     def __str__(self) -> str:
-        where = (
-            f" (run {self.run}, event seq {self.seq})"
-            if self.seq is not None
-            else (f" (run {self.run})" if self.run else "")
-        )
+        if self.seq is not None:
+            where = f" (run {self.run}, event seq {self.seq})"
+        else:
+            where = f" (run {self.run})" if self.run else ""
         return f"{self.invariant}: {self.message}{where}"
 
 
 def _calls(
-    events: Iterable[Event], call: str | None = None, *, side: str = "engine", engine: str | None = None
+    events: Iterable[Event],
+    call: str | None = None,
+    *,
+    side: str = "engine",
+    engine: str | None = None,
+    attempt: int | None = None,
 ) -> list[Event]:
     return [
         e for e in events
         if e.get("kind") == "call" and e.get("side") == side
         and (call is None or e.get("event") == call) and (engine is None or e.get("engine") == engine)
+        and (attempt is None or e.get("attempt", 0) == attempt)
     ]  # fmt: skip
 
 
@@ -89,6 +104,18 @@ def _n_buckets(events: Sequence[Event]) -> int:
     return int(plan["buckets"]) if plan else 0
 
 
+def _attempts(events: Sequence[Event], engine: str) -> list[int]:
+    return sorted({e.get("attempt", 0) for e in _calls(events, "begin", engine=engine)})
+
+
+def _unreachable(events: Sequence[Event], engine: str) -> bool:
+    """The run reported this engine dead or hung (it may not answer cleanup calls)."""
+    drops = [
+        e for e in events if e.get("kind") == "engine" and e.get("event") == "dropped" and e.get("engine") == engine
+    ]
+    return bool(drops) and drops[-1].get("failure") in ("dead", "timeout")
+
+
 def _busy(events: Sequence[Event]) -> bool:
     return any(e.get("kind") == "lock" and e.get("event") == "acquire" and e.get("outcome") == "busy" for e in events)
 
@@ -113,14 +140,8 @@ def check_lock(events: Sequence[Event]) -> list[Violation]:
             out.append(_v("lock", "a run refused as busy still made driver calls or moves", acts[0], events))
         return out
     if len(acquires) != 1 or acquires[0].get("owner") != owner:
-        out.append(
-            _v(
-                "lock",
-                f"expected one acquire by owner {owner}, saw {len(acquires)}",
-                acquires[0] if acquires else None,
-                events,
-            )
-        )
+        got = acquires[0] if acquires else None
+        out.append(_v("lock", f"expected one acquire by owner {owner}, saw {len(acquires)}", got, events))
         return out
     if acts and acts[0]["seq"] < acquires[0]["seq"]:
         out.append(_v("lock", "a driver call or move happened before the lock was taken", acts[0], events))
@@ -131,30 +152,30 @@ def check_lock(events: Sequence[Event]) -> list[Violation]:
     if _end(events) is not None:
         if len(mine) != 1:
             out.append(
-                _v(
-                    "lock",
-                    f"the owner released the lock {len(mine)} times, expected once",
-                    _end(events),
-                    events,
-                )
+                _v("lock", f"the owner released the lock {len(mine)} times, expected once", _end(events), events)
             )
         elif acts and acts[-1]["seq"] > mine[0]["seq"]:
             out.append(_v("lock", "a driver call or move happened after the lock was released", acts[-1], events))
     return out
 
 
-def commit_gate(events: Sequence[Event], engines: Sequence[str], n_buckets: int) -> list[str]:
-    """Reasons the run may not publish yet (empty: every engine acked every bucket and finalized)."""
+def commit_gate(
+    events: Sequence[Event], engines: Sequence[str], n_buckets: int, *, attempt: int | None = None
+) -> list[str]:
+    """Reasons these engines may not publish yet (empty: each one's last attempt, or `attempt`,
+    acked every bucket and finalized exactly once)."""
     problems = []
     for name in engines:
-        if not _ok(_calls(events, "begin", engine=name)):
-            problems.append(f"engine {name} has no open session")
-        acked = {e.get("bucket") for e in _ok(_calls(events, "load", engine=name))}
+        tried = _attempts(events, name)
+        a = attempt if attempt is not None else (tried[-1] if tried else 0)
+        if not _ok(_calls(events, "begin", engine=name, attempt=a)):
+            problems.append(f"engine {name} has no open session in attempt {a}")
+        acked = {e.get("bucket") for e in _ok(_calls(events, "load", engine=name, attempt=a))}
         missing = sorted(set(range(n_buckets)) - acked)
         if missing:
-            problems.append(f"engine {name} did not ack buckets {missing}")
-        if [e.get("outcome") for e in _calls(events, "finalize", engine=name)] != ["ok"]:
-            problems.append(f"engine {name} has not finalized exactly once")
+            problems.append(f"engine {name} did not ack buckets {missing} in attempt {a}")
+        if [e.get("outcome") for e in _calls(events, "finalize", engine=name, attempt=a)] != ["ok"]:
+            problems.append(f"engine {name} has not finalized exactly once in attempt {a}")
     return problems
 
 
@@ -162,71 +183,53 @@ def check_version(events: Sequence[Event]) -> list[Violation]:
     out: list[Violation] = []
     start, end = _start(events), _end(events)
     target = start.get("version")
+    n = _n_buckets(events)
     publishes = _calls(events, "publish")
-    engines = _engines(events)
     for p in publishes:
         if p.get("state") != "CONTINUING":
             out.append(_v("version", f"engine {p.get('engine')} published in state {p.get('state')}", p, events))
-    if publishes:
-        first = publishes[0]
-        before = [e for e in events if e["seq"] < first["seq"]]
-        for problem in commit_gate(before, engines, _n_buckets(events)):
-            out.append(_v("version", f"published before the refit was complete: {problem}", first, events))
+        before = [e for e in events if e["seq"] < p["seq"]]
+        for problem in commit_gate(before, [p["engine"]], n):
+            out.append(_v("version", f"published before its refit was complete: {problem}", p, events))
     if end is not None and end.get("published") is not None:
         if end["published"] != target:
             out.append(
-                _v(
-                    "version",
-                    f"run ended claiming version {end['published']}, its target was {target}",
-                    end,
-                    events,
-                )
+                _v("version", f"run ended claiming version {end['published']}, its target was {target}", end, events)
             )
         if not _ok(publishes):
             out.append(_v("version", "run claims a published version but no engine published it", end, events))
-    if end is not None and end.get("result") == "FAILED" and _ok(publishes) and end.get("published") is None:
-        out.append(_v("version", "engines published a version the failed run does not report", end, events))
-    for name in engines:
-        lost = any(
-            (e.get("result") or {}).get("weights_intact") is False
-            for e in _ok(_calls(events, "resume_memory", engine=name))
-        )
-        if not lost:
+    if end is not None and _ok(publishes) and end.get("published") is None:
+        out.append(_v("version", "engines published a version the run does not report", end, events))
+    fail = _first(events, "transition", "fail")
+    if fail is not None and _ok(publishes) and fail.get("src") not in POST_COMMIT_STATES:
+        out.append(_v("version", f"a run that failed in {fail.get('src')} (before its commit) published", fail, events))
+    for name in _engines(events):
+        resumed = _ok(_calls(events, "resume_memory", engine=name))
+        if not any((e.get("result") or {}).get("weights_intact") is False for e in resumed):
             continue
         published = _ok(_calls(events, "publish", engine=name))
         for c in _calls(events, "continue_generation", engine=name):
             if not published or published[0]["seq"] > c["seq"]:
-                out.append(
-                    _v(
-                        "version",
-                        f"engine {name} lost its weights and was continued before a new version was published",
-                        c,
-                        events,
-                    )
-                )
+                msg = f"engine {name} lost its weights and was continued before a new version was published"
+                out.append(_v("version", msg, c, events))
     return out
 
 
 def check_finalize_once(events: Sequence[Event]) -> list[Violation]:
     out: list[Violation] = []
+    complete = _end(events) is not None
     for name in _engines(events):
-        begun = bool(_ok(_calls(events, "begin", engine=name)))
-        fins = _calls(events, "finalize", engine=name)
-        loads = _calls(events, "load", engine=name)
-        expected = 1 if begun else 0
-        complete = _end(events) is not None
-        if len(fins) > expected or (complete and len(fins) != expected):
-            out.append(
-                _v(
-                    "finalize_once",
-                    f"engine {name}: {len(fins)} finalize calls, expected {expected} "
-                    f"(begin {'ok' if begun else 'not ok'})",
-                    fins[-1] if fins else _end(events),
-                    events,
-                )
-            )
-        if fins and loads and loads[-1]["seq"] > fins[0]["seq"]:
-            out.append(_v("finalize_once", f"engine {name} received a bucket after finalize", loads[-1], events))
+        for a in sorted({e.get("attempt", 0) for e in _calls(events, engine=name)}):
+            begun = bool(_ok(_calls(events, "begin", engine=name, attempt=a)))
+            fins = _calls(events, "finalize", engine=name, attempt=a)
+            loads = _calls(events, "load", engine=name, attempt=a)
+            expected = 1 if begun else 0
+            lenient = _unreachable(events, name)  # a dead or hung engine cannot always be finalized
+            if len(fins) > expected or (complete and not lenient and len(fins) != expected):
+                msg = f"engine {name}: {len(fins)} finalize calls in attempt {a}, expected {expected}"
+                out.append(_v("finalize_once", msg, fins[-1] if fins else _end(events), events))
+            if fins and loads and loads[-1]["seq"] > fins[0]["seq"]:
+                out.append(_v("finalize_once", f"engine {name} received a bucket after finalize", loads[-1], events))
     return out
 
 
@@ -236,59 +239,35 @@ def check_pause_continue(events: Sequence[Event]) -> list[Violation]:
     for name in _engines(events):
         pauses = _calls(events, "pause", engine=name)
         resumed = _calls(events, "continue_generation", engine=name) + _calls(events, "quarantine", engine=name)
-        if pauses and end is not None and not [c for c in resumed if c["seq"] > pauses[0]["seq"]]:
+        after = [c for c in resumed if pauses and c["seq"] > pauses[0]["seq"]]
+        if pauses and end is not None and not after and not _unreachable(events, name):
             out.append(
-                _v(
-                    "pause_continue",
-                    f"engine {name} was paused and neither continued nor quarantined",
-                    end,
-                    events,
-                )
+                _v("pause_continue", f"engine {name} was paused and neither continued nor quarantined", end, events)
             )
         loads = _calls(events, "load", engine=name)
         published = _ok(_calls(events, "publish", engine=name))
         for c in _calls(events, "continue_generation", engine=name):
             got = [ld for ld in loads if ld["seq"] < c["seq"]]
             if got and not [p for p in published if p["seq"] < c["seq"]]:
-                out.append(
-                    _v(
-                        "pause_continue",
-                        f"engine {name} was continued after a partial transfer "
-                        f"({len(_ok(got))} buckets acked) without publishing",
-                        c,
-                        events,
-                    )
-                )
+                acked = len(_ok(got))
+                msg = f"engine {name} was continued after a partial transfer ({acked} buckets acked) without publishing"
+                out.append(_v("pause_continue", msg, c, events))
     return out
 
 
 def check_kv_fresh(events: Sequence[Event]) -> list[Violation]:
     out: list[Violation] = []
     for name in _engines(events):
-        loads = _calls(events, "load", engine=name)
-        if not loads:
-            continue
-        first = loads[0]
-        flushes = [f for f in _ok(_calls(events, "flush", engine=name)) if f["seq"] < first["seq"]]
         pauses = _ok(_calls(events, "pause", engine=name))
-        if not flushes:
-            out.append(
-                _v(
-                    "kv_fresh",
-                    f"engine {name} received bucket {first.get('bucket')} before its KV cache was flushed",
-                    first,
-                    events,
-                )
-            )
-        elif not [p for p in pauses if p["seq"] < flushes[-1]["seq"]]:
-            out.append(
-                _v(
-                    "kv_fresh",
-                    f"engine {name} was flushed before it was paused: requests could refill the cache",
-                    flushes[-1],
-                    events,
-                )
-            )
+        for a in sorted({e.get("attempt", 0) for e in _calls(events, "load", engine=name)}):
+            first = _calls(events, "load", engine=name, attempt=a)[0]
+            flushes = [f for f in _ok(_calls(events, "flush", engine=name)) if f["seq"] < first["seq"]]
+            if not flushes:
+                msg = f"engine {name} received bucket {first.get('bucket')} before its KV cache was flushed"
+                out.append(_v("kv_fresh", msg, first, events))
+            elif not [p for p in pauses if p["seq"] < flushes[-1]["seq"]]:
+                msg = f"engine {name} was flushed before it was paused: requests could refill the cache"
+                out.append(_v("kv_fresh", msg, flushes[-1], events))
     return out
 
 
@@ -298,13 +277,14 @@ def check_paired(events: Sequence[Event]) -> list[Violation]:
     restores = _calls(events, "restore", side="source")
     if offloads and _end(events) is not None and not [r for r in restores if r["seq"] > offloads[0]["seq"]]:
         out.append(_v("paired", "the trainer was offloaded and never restored", _end(events), events))
-    engines = _engines(events)
     for rel in _calls(events, "release", side="transport"):
-        b = rel.get("bucket")
-        acked = {e.get("engine") for e in _ok(_calls(events, "load")) if e.get("bucket") == b and e["seq"] < rel["seq"]}
-        missing = [n for n in engines if n not in acked]
-        if missing:
-            out.append(_v("paired", f"buffer of bucket {b} released before engines {missing} acked it", rel, events))
+        b, a = rel.get("bucket"), rel.get("attempt", 0)
+        sent = [e for e in _calls(events, "load") if e.get("bucket") == b and e.get("attempt", 0) == a]
+        late = [e.get("engine") for e in sent if e["seq"] > rel["seq"] or e.get("outcome") == "timeout"]
+        if late:
+            out.append(
+                _v("paired", f"buffer of bucket {b} released before engines {late} answered for it", rel, events)
+            )
     return out
 
 
@@ -315,14 +295,8 @@ def check_deadline(events: Sequence[Event]) -> list[Violation]:
     budget = float(start["deadline_s"]) + float(start.get("cleanup_grace_s", 0.0))
     took = float(end["t"]) - float(start["t"])
     if took > budget + DEADLINE_SLACK_S:
-        return [
-            _v(
-                "deadline",
-                f"run took {took:.3f}s, deadline {start['deadline_s']}s + grace {start.get('cleanup_grace_s', 0)}s",
-                end,
-                events,
-            )
-        ]
+        msg = f"run took {took:.3f}s, deadline {start['deadline_s']}s + grace {start.get('cleanup_grace_s', 0)}s"
+        return [_v("deadline", msg, end, events)]
     return []
 
 
@@ -348,7 +322,7 @@ def check_run(events: Sequence[Event]) -> list[Violation]:
 
 
 def check_trace(events: Sequence[Event], *, torn: bool = False) -> list[Violation]:
-    """Per-run invariants for every run, then what spans runs: versions, connections, completeness."""
+    """Per-run invariants for every run, then what spans runs: versions, lock, connections, completeness."""
     out: list[Violation] = []
     by_run: dict[str, list[Event]] = {}
     for e in events:
@@ -364,14 +338,15 @@ def check_trace(events: Sequence[Event], *, torn: bool = False) -> list[Violatio
             continue
         if last is not None and end["published"] <= last:
             out.append(
-                _v(
-                    "version",
-                    f"published version {end['published']} does not increase on {last}",
-                    end,
-                    run_events,
-                )
+                _v("version", f"published version {end['published']} does not increase on {last}", end, run_events)
             )
         last = end["published"]
+
+    for e in events:  # lock probes outside runs (a stale owner's late release, for example)
+        stale = e.get("holder") is not None and e.get("owner") != e.get("holder")
+        if (e.get("kind"), e.get("event"), e.get("outcome")) == ("lock", "release", "ok") and stale:
+            msg = f"{e.get('owner')} released a lock held by {e.get('holder')}"
+            out.append(Violation("lock", msg, e.get("seq"), e.get("run")))
 
     connected: Event | None = None
     for e in _calls(events, side="transport"):
@@ -408,11 +383,76 @@ def check_trace(events: Sequence[Event], *, torn: bool = False) -> list[Violatio
     return out
 
 
+# ---- engine-side audit invariants --------------------------------------------------------------------
+
+
+def check_engine_audit(
+    records: Sequence[dict[str, Any]], *, engine: str = "engine", open_session_ok: bool = False
+) -> list[Violation]:
+    """What one engine did, whatever its driver reported. Records are dicts with `t`, `op`, `ok`,
+    `session`, `dirty_before`, `ready_before`, `bucket`, `version` (see refit.reference.server)."""
+    out: list[Violation] = []
+    paused = flushed = False
+    finalizes: dict[int, int] = {}
+    sessions: list[int] = []
+    for rec in records:
+        op, ok = rec.get("op"), rec.get("ok")
+        if (op == "pause" and ok) or (op == "quarantine" and ok):
+            paused, flushed = True, False
+        elif op == "continue_generation" and ok:
+            if rec.get("dirty_before"):
+                out.append(Violation("pause_continue", f"engine {engine} continued serving weights no version names"))
+            paused = flushed = False
+        elif op == "flush" and ok and paused:
+            flushed = True
+        elif op == "begin" and ok:
+            sessions.append(rec["session"])
+        elif op == "load" and ok and not flushed:
+            msg = f"engine {engine} applied bucket {rec.get('bucket')} without a KV flush since it was paused"
+            out.append(Violation("kv_fresh", msg))
+        elif op == "finalize":
+            finalizes[rec["session"]] = finalizes.get(rec["session"], 0) + 1
+        elif op in ("publish", "label_version") and ok and not rec.get("ready_before"):
+            msg = f"engine {engine} was labelled version {rec.get('version')} before its update was finalized"
+            out.append(Violation("version", msg))
+    for s in sessions:
+        count = finalizes.get(s, 0)
+        if count > 1 or (count == 0 and not (open_session_ok and s == sessions[-1])):
+            out.append(Violation("finalize_once", f"engine {engine}: update session {s} was finalized {count} times"))
+    return out
+
+
+def check_acks(records: Sequence[dict[str, Any]], events: Sequence[Event], *, engine: str) -> list[Violation]:
+    """The driver acknowledged each bucket only after the engine finished copying it out.
+
+    The n-th copy of bucket b in the engine's audit (its end time `t`) is paired with the n-th
+    successful `load` of bucket b for this engine in the trace (`done_at`: when the driver
+    returned). Both are CLOCK_MONOTONIC readings on one host."""
+    out: list[Violation] = []
+    copies: dict[int, list[float]] = {}
+    for rec in records:
+        if rec.get("op") == "load" and rec.get("ok"):
+            copies.setdefault(rec.get("bucket"), []).append(rec["t"])
+    acks: dict[int, list[Event]] = {}
+    for e in _ok(_calls(events, "load", engine=engine)):
+        if e.get("done_at") is not None:
+            acks.setdefault(e.get("bucket"), []).append(e)
+    for bucket, evs in acks.items():
+        for n, ack in enumerate(evs):
+            done = copies.get(bucket, [])
+            if n >= len(done) or done[n] > ack["done_at"]:
+                msg = f"engine {engine}'s driver acknowledged bucket {bucket} before the engine finished copying it"
+                out.append(Violation("paired", msg, ack.get("seq"), ack.get("run")))
+    return out
+
+
 __all__ = [
     "RUN_CHECKS",
     "Violation",
+    "check_acks",
     "check_complete",
     "check_deadline",
+    "check_engine_audit",
     "check_finalize_once",
     "check_kv_fresh",
     "check_lock",

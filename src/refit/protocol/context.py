@@ -20,7 +20,7 @@ from refit.protocol.lock import EngineLock, lock_for
 from refit.trace import TraceRecorder
 
 Mode = Literal["colocated", "disaggregated"]
-EngineStatus = Literal["updated", "unchanged", "quarantined", "failed"]
+EngineStatus = Literal["updated", "unchanged", "quarantined", "stale", "failed"]
 
 
 @dataclass
@@ -28,15 +28,17 @@ class EngineOutcome:
     """Where one engine stands after a run.
 
     status: updated (serves the new version), unchanged (serves its previous weights and version),
-    quarantined (holds weights no version names; kept out of service until a refit completes),
-    failed (could not be reached to continue or quarantine it: the caller must restart it).
+    quarantined (holds weights no version names, or none current: kept out of service until a refit
+    completes), stale (was already out of service and this run did not bring it current), failed
+    (died or stopped answering: the caller must restart it; it is stale until a refit completes).
     `version` is the version the engine serves, None when it must not serve.
     """
 
     name: str
     status: EngineStatus
     version: int | None
-    buckets: int = 0
+    buckets: int = 0  # buckets acked in its last attempt
+    attempts: int = 0
     error: str | None = None
 
 
@@ -70,7 +72,9 @@ class _Shared:
     version: int
     next_version: int
     connection_key: tuple[Any, ...] | None = None
-    engine_versions: dict[str, int | None] = field(default_factory=dict)  # None: must not serve
+    attached: set[str] = field(default_factory=set)  # incarnations attached to the open connection
+    engine_versions: dict[str, int | None] = field(default_factory=dict)  # None: stale, must not serve
+    incarnations: dict[str, str] = field(default_factory=dict)  # last incarnation seen per engine name
     pool: concurrent.futures.ThreadPoolExecutor | None = None
     closed: bool = False
 
@@ -87,6 +91,9 @@ class RefitContext:
     deadline_s: the whole run's budget; cleanup_grace_s: extra time must-run cleanup may take
         after the deadline (lock release, continue-or-quarantine, restore).
     version: the version the engines hold now (the next successful run publishes a larger one).
+    retries: how many more times an engine whose update failed is retried within the run.
+    call_timeout_s: cap on a single engine call (None: whatever is left of the deadline); set it
+        to drop a hung engine early and let the healthy ones finish inside the deadline.
     lock: the engines' owner-token lock (default: shared by every context over the same engines).
     trace: a path for the JSONL trace, a TraceRecorder, or None (events are still kept in memory).
     faults: a FaultPlan for tests and `refit demo --fail-at`.
@@ -102,6 +109,8 @@ class RefitContext:
     deadline_s: float = 600.0
     cleanup_grace_s: float = 10.0
     version: int = 0
+    retries: int = 1
+    call_timeout_s: float | None = None
     lock: EngineLock | None = None
     trace: str | Path | TraceRecorder | None = None
     faults: FaultPlan | None = None
@@ -113,7 +122,8 @@ class RefitContext:
         self.engines = list(self.engines)
         self.validate()
         if self.lock is None:
-            self.lock = lock_for(tuple(e.name for e in self.engines))
+            hosted = [lock for lock in (e.engine_lock() for e in self.engines) if lock is not None]
+            self.lock = hosted[0] if hosted else lock_for(tuple(e.name for e in self.engines))
         self.recorder = (
             self.trace if isinstance(self.trace, TraceRecorder) else TraceRecorder(self.trace, config=self.describe())
         )
@@ -142,6 +152,8 @@ class RefitContext:
                 raise ConfigError(f"engine {e.name} cannot receive the {self.transport.kind!r} transport")
         if self.bucket_bytes <= 0 or self.deadline_s <= 0 or self.cleanup_grace_s < 0:
             raise ConfigError("bucket_bytes and deadline_s must be positive, cleanup_grace_s non-negative")
+        if self.retries < 0 or (self.call_timeout_s is not None and self.call_timeout_s <= 0):
+            raise ConfigError("retries must be >= 0 and call_timeout_s positive (or None)")
 
     @property
     def colocated(self) -> bool:

@@ -1,15 +1,25 @@
 """Deterministic, keyed fault injection: make a chosen driver call fail, to prove cleanup works.
 
-`FaultPlan().fail_at("transferring", engine=1, bucket=2)` makes the first matching driver call
-raise `InjectedFault` instead of running. Keys left as None match anything; each fault fires
-once. The runner records every injected fault in the trace.
+`FaultPlan().fail_at("transferring", engine=1, bucket=2, kind="kill")` fires at the first driver
+call that matches (state, engine index, bucket, call); keys left as None match anything; each fault
+fires once and is recorded in the trace. Kinds:
+
+  raise    the call raises InjectedFault instead of running
+  hang     the call does not return inside its time budget (the engine stalls, then carries on late)
+  kill     the engine's process dies (SIGKILL) when the call reaches it
+  corrupt  the call's payload arrives damaged: a bucket's bytes fail their checksum, any other
+           request cannot be decoded
+
+hang, kill and corrupt happen inside the engine when its driver supports `arm_fault` (the
+reference engine does); otherwise the runner simulates them at the driver boundary. On trainer-
+side calls (source, transport) hang stalls the call until the deadline and the others raise.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-FAULT_KINDS = ("raise",)
+FAULT_KINDS = ("raise", "hang", "kill", "corrupt")
 
 
 class InjectedFault(RuntimeError):
@@ -76,7 +86,7 @@ class FaultPlan:
 
     @classmethod
     def parse(cls, spec: str) -> FaultPlan:
-        """'transferring:engine=1:bucket=2[:call=load][:kind=raise]' -> a plan with that one fault."""
+        """'transferring:engine=1:bucket=2[:call=load][:kind=kill]' -> a plan with that one fault."""
         state, *parts = spec.split(":")
         kwargs: dict[str, object] = {}
         for part in parts:

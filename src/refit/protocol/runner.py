@@ -3,20 +3,28 @@
 How a run proceeds:
   1. Take the engines' lock with a fresh owner token (busy -> RefitBusyError, nothing done).
   2. For each phase: commit the move in the machine (a refused move raises IllegalTransition),
-     record the transition, then make the phase's driver calls. Engine calls fan out to all
-     engines at once on the context's thread pool; each is bounded by the run's one deadline
-     and recorded as one event, in engine order, so traces are deterministic.
-  3. TRANSFERRING streams buckets through `transport.slots` buffers: bucket i+1 is packed while
-     engines copy bucket i, and a buffer is released for reuse only after every engine acked it.
-  4. Before CONTINUING, a commit gate re-checks from the run's own events that every engine
-     acked every bucket and finalized; only then is the version published, then generation
-     continued.
-  5. Any failure moves to ABORTING: sessions that were opened are finalized (once), engines that
-     received no byte are continued on their old weights, the trainer is restored, the
-     connection is torn down; engines holding weights no version names (POISONED) are
-     quarantined in QUARANTINING; the run latches FAILED. All of it is bounded by the deadline
-     plus `cleanup_grace_s`, and the lock is released on every exit.
-  6. The run's events are checked against `refit.invariants`; a violation raises.
+     record the transition, then make the phase's driver calls. Engine calls fan out to the
+     engines still in the run, on the context's thread pool; each is bounded by the run's one
+     deadline (and `call_timeout_s`) and recorded as one event, in engine order.
+  3. An engine whose call fails leaves the run (an `engine/dropped` event says why: error,
+     timeout or dead); the others carry on. Engines that failed with an error after being paused
+     are retried (`retry`: INVALIDATING again for them alone) while `retries` and time remain.
+  4. TRANSFERRING streams buckets through `transport.slots` buffers: bucket i+1 is packed while
+     engines copy bucket i; a buffer is reused only after every engine answered for it (a timed
+     out engine leaves its buffer abandoned, never reused).
+  5. CONTINUING: a per-engine commit gate re-checks from the run's own events that the engine's
+     last attempt acked every bucket and finalized; those engines publish the version and
+     continue. Engines that received no byte continue on their old weights; engines holding
+     weights no version names are quarantined (STALE until a refit completes).
+  6. A failure of the run itself (trainer side, deadline, no engine left) moves to ABORTING: owed
+     finalizes run, clean engines continue, the trainer is restored, the connection is torn down,
+     poisoned engines are quarantined (QUARANTINING), the run latches FAILED. Cleanup is bounded
+     by the deadline plus `cleanup_grace_s`; the lock is released on every exit.
+  7. The run's events are checked against `refit.invariants`; a violation raises.
+
+A note on order: the runner commits a move and only then makes that phase's calls, so a failure is
+recorded in the state where it happened (the trace says TRANSFERRING, engine e1, bucket 2), which
+is what `refit check` and `refit replay` need. No I/O happens inside the machine.
 """
 
 from __future__ import annotations
@@ -36,17 +44,20 @@ from refit.drivers.buckets import BucketManifest, plan_buckets
 from refit.errors import (
     DeadlineExceeded,
     DriverCallError,
+    EngineDied,
+    EngineError,
     InvariantViolation,
     RefitBusyError,
     RefitError,
 )
 from refit.protocol.context import EngineOutcome, RefitContext, RefitResult
 from refit.protocol.deadline import Deadline
-from refit.protocol.faults import InjectedFault
+from refit.protocol.faults import Fault, InjectedFault
 from refit.states import RefitMachine, RefitState, Trigger
 
 S, T = RefitState, Trigger
-SLACK_S = 0.5  # how long past the deadline to wait for a driver whose own timeout should fire
+SLACK_S = 0.5  # how long past a call's timeout to wait for a driver whose own timeout should fire
+RETRY_STATES = ("INVALIDATING", "TRANSFERRING", "POST_PROCESSING")  # failures here are retried
 
 
 @dataclass
@@ -55,32 +66,55 @@ class _Engine:
 
     index: int
     driver: EngineDriver
-    previous_version: int | None
+    previous_version: int | None  # None: stale (new incarnation, or left unversioned earlier)
+    active: bool = True  # still on the run's happy path
+    failure: str | None = None  # why it left: "error" | "timeout" (hung) | "dead" | "deadline" (no time left)
+    failed_in: str | None = None  # the state it failed in
+    error: str | None = None
+    exc: RefitError | None = None  # the first error, as raised
     weights_ok: bool = True  # False: its weight memory came back without contents
     paused: bool = False  # a pause call was made (whatever its outcome)
-    session: bool = False  # begin succeeded: finalize is owed exactly once
-    finalize: str | None = None  # None | "ok" | "error"
-    loads_attempted: set[int] = field(default_factory=set)
-    loads_ok: set[int] = field(default_factory=set)
+    attempt: int = -1  # the pass it was last streamed in
+    attempts: int = 0
+    begun: bool = False  # begin succeeded in its current attempt: one finalize is owed
+    finalized: bool = False  # ... and was paid
+    loads_ok: set[int] = field(default_factory=set)  # acked in its current attempt
+    touched: bool = False  # a bucket may have been applied (any attempt)
     bytes_ok: int = 0
     published: bool = False
     continued: bool = False
-    kv_resumed: bool = False  # colocated: KV memory given back after continuing
+    kv_resumed: bool = False  # colocated: KV memory given back
     quarantined: bool = False
-    error: str | None = None
+    starved: bool = False  # its last call never started: the run had no time left
 
     @property
     def name(self) -> str:
         return self.driver.name
 
     @property
-    def touched(self) -> bool:
-        """Its weights may differ from what its old version names."""
-        return bool(self.loads_attempted) or not self.weights_ok
+    def reachable(self) -> bool:
+        return self.failure not in ("dead", "timeout")
+
+    def complete(self, n_buckets: int) -> bool:
+        return self.begun and self.finalized and len(self.loads_ok) == n_buckets
 
     @property
-    def poisoned(self) -> bool:
-        return self.touched and not self.published
+    def must_not_serve(self) -> bool:
+        """Holds weights its version does not name (or has no current version): never continue it."""
+        return not self.published and (self.touched or not self.weights_ok or self.previous_version is None)
+
+
+class _NoTimeLeft(TimeoutError):
+    """The run's budget was spent before this call could start: the engine itself is fine."""
+
+
+@dataclass
+class _Reply:
+    engine: _Engine
+    ok: bool
+    value: Any
+    error: RefitError | None
+    outcome: str  # ok | error | timeout
 
 
 @dataclass
@@ -90,7 +124,7 @@ class _Pending:
     bucket: int | None
     state: str
     future: Future[Any]
-    deadline: Deadline
+    wait_s: float  # how long this call may take
     start: float
 
 
@@ -103,11 +137,15 @@ class _Run:
         shared = ctx._shared
         self.previous_version = shared.version
         self.version = shared.next_version
-        self.engines = [
-            _Engine(i, d, shared.engine_versions.get(d.name, shared.version)) for i, d in enumerate(ctx.engines)
-        ]
+        self.engines = []
+        for i, d in enumerate(ctx.engines):
+            known = shared.incarnations.get(d.name)
+            restarted = known is not None and known != d.incarnation
+            previous = None if restarted else shared.engine_versions.get(d.name, shared.version)
+            self.engines.append(_Engine(i, d, previous))
         self.deadline = Deadline(ctx.deadline_s)
         self.cleanup_deadline = self.deadline.extended(ctx.cleanup_grace_s)
+        self.attempt = 0
         self.events: list[dict[str, Any]] = []
         self.phase_seconds: dict[str, float] = {}
         self._phase_t0 = time.perf_counter()
@@ -116,12 +154,15 @@ class _Run:
         self.offloaded = False
         self.connection_dirty = False
         self.inflight: deque[tuple[Payload, list[_Pending]]] = deque()
+        self.simulated_dead: set[str] = set()
+        self.first_error: RefitError | None = None  # the first engine failure, for attribution
         self.error: RefitError | None = None
 
     # ---- recording ---------------------------------------------------------------------------
 
     def emit(self, kind: str, event: str, *, state: str | None = None, **fields: Any) -> dict[str, Any]:
-        fields.setdefault("version", self.version)  # the version this run is refitting to
+        fields.setdefault("version", self.version)  # the version this run refits to
+        fields.setdefault("attempt", self.attempt)
         record = self.ctx.recorder.emit(kind, event, run=self.run_id, state=state or str(self.machine.state), **fields)
         self.events.append(record)
         return record
@@ -135,32 +176,6 @@ class _Run:
             self._phase_t0 = now
         self.emit("transition", str(trigger), src=str(src), dst=str(dst), bucket=bucket)
 
-    def _record_call(
-        self,
-        call: str,
-        side: str,
-        state: str,
-        outcome: str,
-        duration: float,
-        *,
-        engine: str | None = None,
-        bucket: int | None = None,
-        error: BaseException | None = None,
-        **extra: Any,
-    ) -> None:
-        self.emit(
-            "call",
-            call,
-            state=state,
-            side=side,
-            engine=engine,
-            bucket=bucket,
-            outcome=outcome,
-            duration_s=round(duration, 6),
-            error=None if error is None else f"{type(error).__name__}: {error}",
-            **extra,
-        )
-
     def _wrap(self, exc: BaseException, call: str, state: str, engine: str | None, bucket: int | None) -> RefitError:
         if isinstance(exc, RefitError):
             return exc
@@ -169,15 +184,19 @@ class _Run:
             return DeadlineExceeded(f"{call} did not finish inside the deadline: {exc}", cause=exc, **where)
         return DriverCallError(f"{call} failed: {type(exc).__name__}: {exc}", cause=exc, **where)
 
-    def _fault(self, call: str, engine: int | None, bucket: int | None) -> BaseException | None:
+    def _fault(self, call: str, engine: int | None, bucket: int | None) -> Fault | None:
         plan = self.ctx.faults
         fault = plan.take(str(self.machine.state), call, engine, bucket) if plan else None
-        if fault is None:
-            return None
-        self.emit("fault", "injected", fault=fault.describe(), call=call)
-        return InjectedFault(f"injected {fault.kind} fault at {self.machine.state}/{call}")
+        if fault is not None:
+            self.emit("fault", "injected", fault=fault.describe(), call=call)
+        return fault
 
     # ---- calls ---------------------------------------------------------------------------------
+
+    def _budget(self, cleanup: bool) -> float:
+        left = (self.cleanup_deadline if cleanup else self.deadline).remaining()
+        cap = self.ctx.call_timeout_s
+        return left if cap is None else min(left, cap)
 
     def inline(
         self,
@@ -197,15 +216,34 @@ class _Run:
             if deadline.expired():
                 raise TimeoutError(f"the run's deadline ({deadline.budget_s:g}s) passed before {call}")
             fault = self._fault(call, None, bucket)
+            if fault is not None and fault.kind == "hang":
+                time.sleep(deadline.remaining())  # a trainer-side hang: the call never returns in time
+                raise TimeoutError(f"{call} hung past the deadline (injected)")
             if fault is not None:
-                raise fault
+                raise InjectedFault(f"injected {fault.kind} fault at {state}/{call}")
             value = fn()
         except Exception as exc:
             outcome = "timeout" if isinstance(exc, TimeoutError) else "error"
-            self._record_call(call, side, state, outcome, time.perf_counter() - t0, bucket=bucket, error=exc, **extra)
+            self._record_call(call, side, state, outcome, t0, bucket=bucket, error=exc, **extra)
             raise self._wrap(exc, call, state, None, bucket) from exc
-        self._record_call(call, side, state, "ok", time.perf_counter() - t0, bucket=bucket, **extra)
+        self._record_call(call, side, state, "ok", t0, bucket=bucket, **extra)
         return value
+
+    def _record_call(
+        self,
+        call: str,
+        side: str,
+        state: str,
+        outcome: str,
+        t0: float,
+        *,
+        error: BaseException | None = None,
+        **fields: Any,
+    ) -> None:
+        self.emit(
+            "call", call, state=state, side=side, outcome=outcome, duration_s=round(time.perf_counter() - t0, 6),
+            error=None if error is None else f"{type(error).__name__}: {error}", **fields,
+        )  # fmt: skip
 
     def submit(
         self,
@@ -216,38 +254,62 @@ class _Run:
         bucket: int | None = None,
         cleanup: bool = False,
     ) -> _Pending:
-        deadline = self.cleanup_deadline if cleanup else self.deadline
         state = str(self.machine.state)
+        wait_s = self._budget(cleanup)
         fault = self._fault(call, engine.index, bucket)
-        timeout = deadline.remaining()
-        if fault is not None or timeout <= 0:
-            fut: Future[Any] = Future()
-            fut.set_exception(fault or TimeoutError(f"no time left in the run's deadline for {call}"))
+        fut: Future[Any] = Future()
+        if engine.name in self.simulated_dead:
+            fut.set_exception(EngineDied(f"engine {engine.name} is gone (simulated kill)"))
+        elif fault is not None and fault.kind == "raise":
+            fut.set_exception(InjectedFault(f"injected raise fault at {state}/{call}"))
+        elif fault is not None and not self._arm(engine, fault, call, bucket):
+            self._simulate(fault, engine, call, wait_s, fut)
+        elif wait_s <= 0:
+            fut.set_exception(_NoTimeLeft(f"no time left in the run's deadline for {call}"))
         else:
-            fut = self.ctx.pool().submit(fn, engine.driver, timeout)
-        return _Pending(engine, call, bucket, state, fut, deadline, time.perf_counter())
+            fut = self.ctx.pool().submit(_timed, fn, engine.driver, wait_s)
+        return _Pending(engine, call, bucket, state, fut, wait_s, time.perf_counter())
 
-    def collect(self, p: _Pending) -> tuple[bool, Any, RefitError | None]:
-        """Wait for one engine call (bounded) and record it."""
+    def _arm(self, engine: _Engine, fault: Fault, call: str, bucket: int | None) -> bool:
+        """Ask the engine to misbehave for real on this call; False if its driver cannot."""
+        seconds = self.cleanup_deadline.remaining() + 1.0  # a hang outlasts the whole run
+        try:
+            return bool(engine.driver.arm_fault(fault.kind, call, bucket=bucket, seconds=seconds, timeout=5.0))
+        except Exception:
+            return False
+
+    def _simulate(self, fault: Fault, engine: _Engine, call: str, wait_s: float, fut: Future[Any]) -> None:
+        if fault.kind == "kill":
+            self.simulated_dead.add(engine.name)
+            fut.set_exception(EngineDied(f"engine {engine.name} is gone (simulated kill)"))
+        elif fault.kind == "corrupt":
+            fut.set_exception(EngineError("bad_payload", f"{call}: payload corrupted in transit (simulated)"))
+        else:  # hang: the engine never answers inside the call's budget
+            self.ctx.pool().submit(_sleep_then, wait_s + SLACK_S + 0.1, fut)
+
+    def collect(self, p: _Pending) -> _Reply:
+        """Wait for one engine call (bounded) and record it. An engine already known to be hung
+        is not waited on again: its other calls are only checked, not awaited."""
         value: Any = None
         exc: Exception | None = None
+        done_at = None
+        wait = 0.0 if p.engine.failure == "timeout" else max(p.wait_s, 0.0) + SLACK_S
         try:
-            value = p.future.result(timeout=p.deadline.remaining() + SLACK_S)
+            value, done_at = p.future.result(timeout=wait)
         except Exception as caught:
             exc = caught
+            p.engine.starved = isinstance(caught, _NoTimeLeft)
             if isinstance(caught, TimeoutError) and not p.future.done():  # our wait ran out, not the driver's
-                exc = TimeoutError(f"{p.call} on engine {p.engine.name} did not return inside the deadline")
+                exc = TimeoutError(f"{p.call} on engine {p.engine.name} did not return inside its {p.wait_s:.3g}s")
         outcome = "ok" if exc is None else "timeout" if isinstance(exc, TimeoutError) else "error"
         extra = {"result": value} if isinstance(value, dict) else {}
-        duration = time.perf_counter() - p.start
         self._record_call(
-            p.call, "engine", p.state, outcome, duration, engine=p.engine.name, bucket=p.bucket, error=exc, **extra
-        )
+            p.call, "engine", p.state, outcome, p.start, engine=p.engine.name, bucket=p.bucket, error=exc,
+            done_at=done_at, attempt=max(p.engine.attempt, 0), **extra,
+        )  # fmt: skip
         if exc is None:
-            return True, value, None
-        err = self._wrap(exc, p.call, p.state, p.engine.name, p.bucket)
-        p.engine.error = p.engine.error or str(err)
-        return False, None, err
+            return _Reply(p.engine, True, value, None, "ok")
+        return _Reply(p.engine, False, None, self._wrap(exc, p.call, p.state, p.engine.name, p.bucket), outcome)
 
     def fanout(
         self,
@@ -256,21 +318,46 @@ class _Run:
         engines: Sequence[_Engine] | None = None,
         *,
         cleanup: bool = False,
-        before: Callable[[_Engine], None] | None = None,
-    ) -> list[tuple[_Engine, bool, Any, RefitError | None]]:
-        targets = list(self.engines if engines is None else engines)
-        pendings = []
-        for e in targets:
-            if before is not None:
-                before(e)
-            pendings.append(self.submit(call, e, fn, cleanup=cleanup))
-        return [(p.engine, *self.collect(p)) for p in pendings]
+    ) -> list[_Reply]:
+        targets = [e for e in self.engines if e.active] if engines is None else list(engines)
+        pendings = [self.submit(call, e, fn, cleanup=cleanup) for e in targets]
+        return [self.collect(p) for p in pendings]
 
-    @staticmethod
-    def raise_first(results: list[tuple[_Engine, bool, Any, RefitError | None]]) -> None:
-        for _, ok, _, err in results:
-            if not ok and err is not None:
-                raise err
+    # ---- engines leaving the run -------------------------------------------------------------
+
+    def drop(self, reply: _Reply) -> None:
+        e = reply.engine
+        err = reply.error
+        dead = isinstance(getattr(err, "cause", None), EngineDied) or isinstance(err, EngineDied)
+        if e.failure == "dead":
+            return
+        before = e.failure
+        if e.active or dead or (reply.outcome == "timeout" and not e.starved):
+            if dead:
+                e.failure = "dead"
+            elif reply.outcome == "timeout":
+                e.failure = "deadline" if e.starved else "timeout"
+            else:
+                e.failure = "error"
+        e.error = e.error or str(err)
+        e.exc = e.exc or err
+        if e.active:
+            e.active = False
+            e.failed_in = reply.error.state if reply.error else str(self.machine.state)
+        if e.failure != before:
+            self.emit("engine", "dropped", engine=e.name, failure=e.failure, error=str(err))
+
+    def settle(self, replies: list[_Reply]) -> None:
+        """Engines whose call failed leave the run (the others carry on)."""
+        for r in replies:
+            if not r.ok:
+                self.drop(r)
+                self.first_error = self.first_error or r.error
+
+    def require_engines(self, what: str) -> None:
+        """The run itself fails when no engine is left to carry it."""
+        if not any(e.active for e in self.engines):
+            raise self.first_error or DriverCallError(f"no engine left {what}", state=str(self.machine.state))
 
     # ---- the happy path ------------------------------------------------------------------------
 
@@ -280,82 +367,103 @@ class _Run:
             self.enter(T.OFFLOAD)
             self.offloaded = True
             self.inline("offload", "source", ctx.source.offload)
-            results = self.fanout("resume_memory", lambda d, t: d.resume_memory(["weights"], timeout=t))
-            for e, ok, value, _ in results:
-                if ok and isinstance(value, dict) and value.get("weights_intact") is False:
-                    e.weights_ok = False
-            self.raise_first(results)
+            replies = self.fanout("resume_memory", lambda d, t: d.resume_memory(["weights"], timeout=t))
+            for r in replies:
+                if r.ok and isinstance(r.value, dict) and r.value.get("weights_intact") is False:
+                    r.engine.weights_ok = False
+            self.settle(replies)
+            self.require_engines("after giving engines their weight memory")
 
         self.enter(T.CONNECT)
         metas = self.inline("metas", "source", ctx.source.metas)
         self.plan = plan_buckets(metas, ctx.bucket_bytes)
-        # the connection stays valid while the same engine processes are there and every bucket fits its buffers
-        key = (tuple(e.driver.incarnation for e in self.engines), max([m.nbytes for m in self.plan] + [0]))
         self.emit(
-            "plan",
-            "buckets",
-            buckets=len(self.plan),
-            nbytes=sum(m.nbytes for m in self.plan),
-            tensors=len(metas),
-        )
-        if ctx._shared.connection_key != key or not ctx.transport.connected:
-            if ctx.transport.connected:
-                disconnect(ctx, timeout=self.deadline.remaining(), run=self)
-            self.connection_dirty = True
-            info = self.inline("connect", "transport", lambda: ctx.transport.connect(self.plan, len(self.engines)))
-            self.raise_first(self.fanout("attach", lambda d, t: d.attach(info, timeout=t)))
-            ctx._shared.connection_key = key
-            self.connection_dirty = False
+            "plan", "buckets", buckets=len(self.plan), nbytes=sum(m.nbytes for m in self.plan), tensors=len(metas),
+            manifests=[m.summary() for m in self.plan],
+        )  # fmt: skip
+        self.connect()
+        self.require_engines("attached to the transport")
 
         self.enter(T.PAUSE)
-        self.raise_first(self.fanout("pause", lambda d, t: d.pause(ctx.pause_mode, timeout=t), before=_mark_paused))
+        for e in self.engines:
+            e.paused = e.active
+        self.settle(self.fanout("pause", lambda d, t: d.pause(ctx.pause_mode, timeout=t)))
+        self.require_engines("paused")
 
         self.enter(T.INVALIDATE)
-        self.raise_first(self.fanout("flush", lambda d, t: d.flush(timeout=t)))
-        results = self.fanout("begin", lambda d, t: d.begin(self.plan, timeout=t))
-        for e, ok, _, _ in results:
-            e.session = ok
-        self.raise_first(results)
-
-        self.transfer()
-
-        self.enter(T.POST_PROCESS)
-        self.finalize_all(self.engines, cleanup=False)
+        self.update([e for e in self.engines if e.active])
+        while retry := self.retryable():
+            self.attempt += 1
+            self.enter(T.RETRY)
+            self.update(retry)
+        self.require_engines("with a complete update")
 
         self.enter(T.PUBLISH)
-        problems = invariants.commit_gate(self.events, [e.name for e in self.engines], len(self.plan))
-        if problems:
-            raise InvariantViolation("commit gate refused to publish: " + "; ".join(problems), state=str(S.CONTINUING))
-        results = self.fanout("publish", lambda d, t: d.publish(self.version, timeout=t))
-        for e, ok, _, _ in results:
-            e.published = ok
-        if any(e.published for e in self.engines):
-            ctx._shared.version = self.version
-        self.raise_first(results)
-        results = self.fanout("continue_generation", lambda d, t: d.continue_generation(timeout=t))
-        for e, ok, _, _ in results:
-            e.continued = ok
-        self.raise_first(results)
+        self.commit()
+        if not any(e.published for e in self.engines):
+            raise self.first_error or DriverCallError("no engine published the version", state="CONTINUING")
+        self.settle_rest(cleanup=False)
 
         if ctx.colocated:
             self.enter(T.RESTORE)
             self.inline("restore", "source", ctx.source.restore)
             self.offloaded = False
-            self.resume_kv(self.engines, cleanup=False)
+            self.resume_kv([e for e in self.engines if e.continued], cleanup=False)
+            self.resume_kv([e for e in self.engines if e.continued and not e.kv_resumed and e.reachable], cleanup=False)
         self.enter(T.FINISH)
 
-    def transfer(self) -> None:
-        ctx = self.ctx
+    def connect(self) -> None:
+        ctx, shared = self.ctx, self.ctx._shared
+        incarnations = tuple(e.driver.incarnation for e in self.engines)
+        key = (incarnations, max([m.nbytes for m in self.plan] + [0]))  # same processes, buckets fit
+        if shared.connection_key == key and ctx.transport.connected and shared.attached >= set(incarnations):
+            return
+        if ctx.transport.connected or shared.connection_key is not None:
+            disconnect(ctx, timeout=self.deadline.remaining(), run=self)
+        self.connection_dirty = True
+        info = self.inline("connect", "transport", lambda: ctx.transport.connect(self.plan, len(self.engines)))
+        shared.connection_key = key
+        replies = self.fanout("attach", lambda d, t: d.attach(info, timeout=t))
+        shared.attached = {r.engine.driver.incarnation for r in replies if r.ok}
+        self.connection_dirty = False
+        self.settle(replies)
+
+    def update(self, engines: list[_Engine]) -> None:
+        """INVALIDATING -> TRANSFERRING -> POST_PROCESSING for `engines` (one attempt each)."""
+        for e in engines:
+            e.active, e.failure, e.begun, e.finalized, e.loads_ok = True, None, False, False, set()
+            e.attempt, e.attempts = self.attempt, e.attempts + 1
+        self.settle(self.fanout("flush", lambda d, t: d.flush(timeout=t), [e for e in engines if e.active]))
+        replies = self.fanout("begin", lambda d, t: d.begin(self.plan, timeout=t), [e for e in engines if e.active])
+        for r in replies:
+            r.engine.begun = r.ok
+        self.settle(replies)
+        self.transfer([e for e in engines if e.active])
+        self.enter(T.POST_PROCESS)
+        self.finalize_owed(cleanup=False)
+
+    def retryable(self) -> list[_Engine]:
+        if self.deadline.remaining() <= 0:
+            return []
+        return [
+            e for e in self.engines
+            if not e.active and e.failure == "error" and e.failed_in in RETRY_STATES
+            and e.attempts <= self.ctx.retries
+        ]  # fmt: skip
+
+    def transfer(self, engines: list[_Engine]) -> None:
         self.enter(T.TRANSFER)
-        buckets = iter(ctx.source.iter_buckets(self.plan))
+        if not self.plan:
+            return
+        buckets = iter(self.ctx.source.iter_buckets(self.plan))
         try:
-            self._stream(buckets)
+            self._stream(buckets, engines)
         finally:
             close = getattr(buckets, "close", None)
             if close is not None:  # a generator source releases what it holds now, not at GC
                 close()
 
-    def _stream(self, buckets: Any) -> None:
+    def _stream(self, buckets: Any, engines: list[_Engine]) -> None:
         ctx = self.ctx
         for manifest in self.plan:
             i = manifest.index
@@ -365,127 +473,152 @@ class _Run:
             while len(self.inflight) >= max(ctx.transport.slots, 1):
                 self.drain_oldest()
             payload = self.inline(
-                "pack",
-                "transport",
-                lambda m=manifest, ts=tensors: ctx.transport.pack(m, ts),
-                bucket=i,
+                "pack", "transport", lambda m=manifest, ts=tensors: ctx.transport.pack(m, ts), bucket=i,
                 manifest=manifest.summary(),
-            )
+            )  # fmt: skip
             self.bytes_moved += manifest.nbytes
-            pendings = []
-            for e in self.engines:
-                e.loads_attempted.add(i)
-                pendings.append(self.submit("load", e, lambda d, t, p=payload: d.load(p, timeout=t), bucket=i))
+            targets = [e for e in engines if e.active]
+            pendings = [self.submit("load", e, lambda d, t, p=payload: d.load(p, timeout=t), bucket=i) for e in targets]
             self.inflight.append((payload, pendings))
             del tensors
+            if not targets:
+                break
         while self.inflight:
             self.drain_oldest()
 
-    def drain_oldest(self, *, quiet: bool = False) -> None:
-        """Collect every engine's ack for the oldest in-flight bucket; release its buffer only if all acked."""
+    def drain_oldest(self, *, cleanup: bool = False) -> None:
+        """Collect every engine's answer for the oldest in-flight bucket, then release its buffer
+        (or abandon it, if an engine did not answer and may still be reading it)."""
         payload, pendings = self.inflight.popleft()
-        first_error: RefitError | None = None
-        for p in pendings:
-            ok, _, err = self.collect(p)
-            if ok:
-                p.engine.loads_ok.add(payload.manifest.index)
-                p.engine.bytes_ok += payload.manifest.nbytes
-            elif first_error is None:
-                first_error = err
-        if first_error is None:
+        replies = [self.collect(p) for p in pendings]
+        for r in replies:
+            if r.ok:
+                r.engine.touched = True
+                r.engine.loads_ok.add(payload.manifest.index)
+                r.engine.bytes_ok += payload.manifest.nbytes
+            elif not (isinstance(r.error, DriverCallError) and getattr(r.error.cause, "no_effect", False)):
+                r.engine.touched = True  # the engine may have applied part of it
+        answered = all(r.outcome != "timeout" for r in replies)
+        call = "release" if answered else "abandon"  # never reuse a buffer an engine may still read
+        if not answered:
+            self.connection_dirty = True  # this connection is not reused by the next run
+        with contextlib.suppress(*((RefitError,) if cleanup else ())):
             self.inline(
-                "release",
-                "transport",
-                lambda: self.ctx.transport.release(payload),
-                bucket=payload.manifest.index,
-                cleanup=quiet,
-            )
-        else:
-            self.connection_dirty = True  # an unacked buffer: never reuse this connection
-            if not quiet:
-                raise first_error
+                call, "transport", lambda: getattr(self.ctx.transport, call)(payload),
+                bucket=payload.manifest.index, cleanup=cleanup,
+            )  # fmt: skip
+        self.settle(replies)
+
+    def finalize_owed(self, *, cleanup: bool) -> None:
+        """Every session a begin opened is finalized exactly once (dead or hung engines excepted)."""
+        owed = [e for e in self.engines if e.begun and not e.finalized and e.reachable]
+        replies = self.fanout("finalize", lambda d, t: d.finalize(timeout=t), owed, cleanup=cleanup)
+        for r in replies:
+            r.engine.finalized = r.ok
+            r.engine.begun = r.ok  # a failed finalize closed the session too: it is never repeated
+        self.settle(replies)
+
+    def commit(self) -> None:
+        n = len(self.plan)
+        ready = [e for e in self.engines if e.active and e.complete(n)]
+        for e in ready:
+            problems = invariants.commit_gate(self.events, [e.name], n, attempt=e.attempt)
+            if problems:
+                raise InvariantViolation("commit gate refused to publish: " + "; ".join(problems), state="CONTINUING")
+        replies = self.fanout("publish", lambda d, t: d.publish(self.version, timeout=t), ready)
+        for r in replies:
+            r.engine.published = r.ok
+            r.engine.touched = r.engine.touched or not r.ok  # a failed publish: label unknown
+        if any(e.published for e in self.engines):
+            self.ctx._shared.version = self.version
+        self.settle(replies)
+        replies = self.fanout("continue_generation", _continue, [e for e in self.engines if e.published])
+        for r in replies:
+            r.engine.continued = r.ok
+        self.settle(replies)
+
+    def settle_rest(self, *, cleanup: bool) -> None:
+        """Engines that did not commit: continue the clean ones, quarantine the poisoned ones."""
+        rest = [e for e in self.engines if not e.continued and not e.quarantined and e.failure != "dead"]
+        back = [e for e in rest if not e.must_not_serve and (e.paused or e.error)]
+        replies = self.fanout("continue_generation", _continue, back, cleanup=cleanup)
+        for r in replies:
+            r.engine.continued = r.ok
+        self.settle(replies)
+        out = [e for e in rest if e.must_not_serve and (e.paused or e.touched or not e.weights_ok)]
+        if out and cleanup:
+            self.enter(T.QUARANTINE)
+        reason = f"refit to version {self.version} (run {self.run_id}) did not complete on this engine"
+        replies = self.fanout("quarantine", lambda d, t: d.quarantine(reason, timeout=t), out, cleanup=cleanup)
+        for r in replies:
+            r.engine.quarantined = r.ok
+        self.settle(replies)
 
     def resume_kv(self, engines: Sequence[_Engine], *, cleanup: bool) -> None:
-        results = self.fanout(
+        replies = self.fanout(
             "resume_memory", lambda d, t: d.resume_memory(["kv_cache"], timeout=t), engines, cleanup=cleanup
         )
-        for e, ok, _, _ in results:
-            e.kv_resumed = ok
-        if not cleanup:
-            self.raise_first(results)
-
-    def finalize_all(self, engines: Sequence[_Engine], *, cleanup: bool) -> None:
-        owed = [e for e in engines if e.session and e.finalize is None]
-        results = self.fanout("finalize", lambda d, t: d.finalize(timeout=t), owed, cleanup=cleanup)
-        for e, ok, _, _ in results:
-            e.finalize = "ok" if ok else "error"
-        if not cleanup:
-            self.raise_first(results)
+        for r in replies:
+            r.engine.kv_resumed = r.ok
+        self.settle(replies)
 
     # ---- the failure path ----------------------------------------------------------------------
 
     def abort(self, exc: BaseException) -> None:
-        """ABORTING -> [QUARANTINING] -> FAILED. Never raises; every step is bounded and recorded."""
+        """ABORTING -> [QUARANTINING] -> FAILED. Every step is bounded and recorded."""
         ctx = self.ctx
         self.error = (
             exc if isinstance(exc, RefitError) else self._wrap(exc, "runner", str(self.machine.state), None, None)
         )
         self.enter(T.FAIL)
         self.emit("run", "error", error=str(self.error))
-        while self.inflight:  # collect what engines did with in-flight buckets before touching buffers
-            self._quietly(lambda: self.drain_oldest(quiet=True))
-        self.finalize_all(self.engines, cleanup=True)
-
-        # Engines that received no byte go back to serving their old weights. One whose call failed
-        # before it was paused is continued too: continuing is idempotent, and if it fails the
-        # engine is reported failed rather than vouched for.
-        clean = [e for e in self.engines if (e.paused or e.error) and not e.continued and not e.poisoned]
-        if clean:
-            for e, ok, _, _ in self.fanout("continue_generation", _continue, clean, cleanup=True):
-                e.continued = ok
+        while self.inflight:  # what engines did with in-flight buckets, before buffers are touched
+            self.drain_oldest(cleanup=True)
+        self.finalize_owed(cleanup=True)
         if self.offloaded:
-            self._quietly(lambda: self.inline("restore", "source", ctx.source.restore, cleanup=True))
+            with contextlib.suppress(RefitError):  # recorded; cleanup goes on
+                self.inline("restore", "source", ctx.source.restore, cleanup=True)
             self.offloaded = False
-        if ctx.colocated:
-            back = [e for e in self.engines if e.continued and not e.kv_resumed]
-            if back:
-                self.resume_kv(back, cleanup=True)
-        if self.connection_dirty or any(e.loads_attempted and not e.published for e in self.engines):
+        if self.connection_dirty or any(e.touched and not e.published for e in self.engines):
             disconnect(ctx, timeout=self.cleanup_deadline.remaining(), run=self)
-
-        poisoned = [e for e in self.engines if e.poisoned and not e.quarantined]
-        if poisoned:
-            self.enter(T.QUARANTINE)
-            reason = f"refit run {self.run_id} to version {self.version} did not complete: {self.error.message}"
-            for e, ok, _, _ in self.fanout(
-                "quarantine", lambda d, t: d.quarantine(reason, timeout=t), poisoned, cleanup=True
-            ):
-                e.quarantined = ok
+        self.settle_rest(cleanup=True)
+        if ctx.colocated:
+            self.resume_kv([e for e in self.engines if e.continued and not e.kv_resumed], cleanup=True)
         self.enter(T.LATCH)
-
-    def _quietly(self, fn: Callable[[], Any]) -> None:
-        with contextlib.suppress(RefitError):  # already recorded; cleanup goes on
-            fn()
 
     # ---- result ----------------------------------------------------------------------------------
 
     def outcomes(self) -> dict[str, EngineOutcome]:
         out = {}
+        colocated = self.ctx.colocated
         for e in self.engines:
-            if e.published and e.continued:
+            serving = e.continued and (e.kv_resumed or not colocated)
+            if e.published and serving:
                 status, version = "updated", self.version
             elif e.quarantined:
                 status, version = "quarantined", None
-            elif e.poisoned or ((e.paused or e.error or e.published) and not e.continued):
-                status, version = "failed", None
-            else:
+            elif serving and not e.must_not_serve:
                 status, version = "unchanged", e.previous_version
-            out[e.name] = EngineOutcome(e.name, status, version, len(e.loads_ok), e.error)  # type: ignore[arg-type]
+            elif e.failure in ("dead", "timeout") or e.paused or e.continued:
+                status, version = "failed", None  # died, hung, or left paused / without KV memory
+            elif e.must_not_serve:
+                status, version = "stale", None
+            else:
+                status, version = "unchanged", e.previous_version  # never touched: kept serving throughout
+            out[e.name] = EngineOutcome(e.name, status, version, len(e.loads_ok), e.attempts, e.error)  # type: ignore[arg-type]
         return out
 
 
-def _mark_paused(e: _Engine) -> None:
-    e.paused = True
+def _timed(fn: Callable[[EngineDriver, float], Any], driver: EngineDriver, timeout: float) -> tuple[Any, float]:
+    """Run a driver call and note when it returned (CLOCK_MONOTONIC: comparable with engine audits)."""
+    value = fn(driver, timeout)
+    return value, round(time.monotonic(), 6)
+
+
+def _sleep_then(seconds: float, fut: Future[Any]) -> None:
+    time.sleep(seconds)
+    if not fut.done():
+        fut.set_exception(TimeoutError("engine did not answer (simulated hang)"))
 
 
 def _continue(d: EngineDriver, t: float) -> None:
@@ -501,9 +634,11 @@ def _next_bucket(buckets: Any, index: int) -> Any:
 
 def disconnect(ctx: RefitContext, *, timeout: float, run: _Run | None = None) -> None:
     """Engines detach, the transport frees its buffers; best effort, bounded, recorded."""
-    if not ctx.transport.connected and ctx._shared.connection_key is None:
+    shared = ctx._shared
+    if not ctx.transport.connected and shared.connection_key is None:
         return
-    ctx._shared.connection_key = None
+    shared.connection_key = None
+    shared.attached = set()
     deadline = Deadline(max(timeout, 0.05))
     emit = run.emit if run is not None else ctx.recorder.emit
     pool = ctx.pool()
@@ -516,56 +651,39 @@ def disconnect(ctx: RefitContext, *, timeout: float, run: _Run | None = None) ->
             outcome = "timeout" if isinstance(exc, TimeoutError) else "error"
             error = f"{type(exc).__name__}: {exc}"
         emit(
-            "call",
-            "detach",
-            side="engine",
-            engine=d.name,
-            outcome=outcome,
-            duration_s=round(time.perf_counter() - t0, 6),
-            error=error,
-        )
+            "call", "detach", side="engine", engine=d.name, outcome=outcome,
+            duration_s=round(time.perf_counter() - t0, 6), error=error,
+        )  # fmt: skip
     t0 = time.perf_counter()
     try:
         ctx.transport.disconnect()
-        emit(
-            "call",
-            "disconnect",
-            side="transport",
-            outcome="ok",
-            duration_s=round(time.perf_counter() - t0, 6),
-        )
+        emit("call", "disconnect", side="transport", outcome="ok", duration_s=round(time.perf_counter() - t0, 6))
     except Exception as exc:
         emit("call", "disconnect", side="transport", outcome="error", error=f"{type(exc).__name__}: {exc}")
 
 
 def run(ctx: RefitContext) -> RefitResult:
     """Drive one whole refit. Returns a RefitResult whether it succeeded or failed (errors are data:
-    `result.ok`, `result.error`); raises RefitBusyError when another run holds the engines, and
-    InvariantViolation when the run's own events break an invariant (a refit bug)."""
+    `result.ok`, `result.error`, per-engine `result.engines`); raises RefitBusyError when another
+    run holds the engines, and InvariantViolation when the run's own events break an invariant."""
     if ctx._shared.closed:
         raise RuntimeError("this RefitContext is closed")
     r = _Run(ctx)
     r.emit(
-        "run",
-        "start",
-        version=r.version,
-        previous_version=r.previous_version,
-        owner=r.owner,
-        engines=[e.name for e in r.engines],
-        mode=ctx.mode,
-        pause_mode=ctx.pause_mode,
-        bucket_bytes=ctx.bucket_bytes,
-        deadline_s=ctx.deadline_s,
-        cleanup_grace_s=ctx.cleanup_grace_s,
-    )
+        "run", "start", previous_version=r.previous_version, owner=r.owner, engines=[e.name for e in r.engines],
+        incarnations=[e.driver.incarnation for e in r.engines], mode=ctx.mode, pause_mode=ctx.pause_mode,
+        bucket_bytes=ctx.bucket_bytes, deadline_s=ctx.deadline_s, cleanup_grace_s=ctx.cleanup_grace_s,
+        retries=ctx.retries, call_timeout_s=ctx.call_timeout_s,
+    )  # fmt: skip
     lock = ctx.lock
     if lock is None:  # RefitContext.__post_init__ always sets one
         raise RuntimeError("RefitContext has no lock")
+    holder = lock.holder
     if not lock.acquire(r.owner):
-        r.emit("lock", "acquire", owner=r.owner, outcome="busy", holder=lock.holder)
+        r.emit("lock", "acquire", owner=r.owner, outcome="busy", holder=holder)
         r.emit("run", "end", result="busy")
         raise RefitBusyError(f"engines {[e.name for e in r.engines]} are being refit by another run", state="IDLE")
-    r.emit("lock", "acquire", owner=r.owner, outcome="ok")
+    r.emit("lock", "acquire", owner=r.owner, outcome="ok", holder=holder)
     interrupt: BaseException | None = None
     t0 = time.perf_counter()
     try:
@@ -576,24 +694,37 @@ def run(ctx: RefitContext) -> RefitResult:
         r.abort(exc)
     finally:
         released = lock.release(r.owner)
-        r.emit("lock", "release", owner=r.owner, outcome="ok" if released else "not_owner")
+        r.emit("lock", "release", owner=r.owner, outcome="ok" if released else "not_owner", holder=r.owner)
         ctx._shared.next_version = r.version + 1
         outcomes = r.outcomes()
         ctx._shared.engine_versions.update({name: o.version for name, o in outcomes.items()})
+        ctx._shared.incarnations.update({e.name: e.driver.incarnation for e in r.engines})
         now = time.perf_counter()
         r.phase_seconds[str(r.machine.state)] = r.phase_seconds.get(str(r.machine.state), 0.0) + now - r._phase_t0
         published = r.version if any(e.published for e in r.engines) else None
         r.emit(
-            "run",
-            "end",
-            result=str(r.machine.state),
-            published=published,
+            "run", "end", result=str(r.machine.state), published=published,
             engine_outcomes={n: {"status": o.status, "version": o.version} for n, o in outcomes.items()},
             error=None if r.error is None else str(r.error),
+        )  # fmt: skip
+    failed = [o for o in outcomes.values() if o.status != "updated"]
+    error = r.error
+    if error is None and failed:
+        first = next(e for e in r.engines if e.name == failed[0].name)
+        cause = first.exc
+        error = DriverCallError(
+            f"{len(failed)} of {len(outcomes)} engines did not take version {r.version} "
+            f"({', '.join(f'{o.name} {o.status}' for o in failed)})"
+            + (f": {cause.message}" if cause is not None else ""),
+            cause=cause,
+            state=cause.state if cause is not None else first.failed_in,
+            engine=first.name,
+            call=cause.call if cause is not None else None,
+            bucket=cause.bucket if cause is not None else None,
         )
     result = RefitResult(
         run_id=r.run_id,
-        ok=r.machine.state == S.DONE,
+        ok=r.machine.state == S.DONE and not failed,
         state=str(r.machine.state),
         version=published,
         previous_version=r.previous_version,
@@ -604,7 +735,7 @@ def run(ctx: RefitContext) -> RefitResult:
         bytes_delivered=sum(e.bytes_ok for e in r.engines),
         buckets=len(r.plan),
         trace_path=str(ctx.recorder.path) if ctx.recorder.path else None,
-        error=r.error,
+        error=error,
     )
     if interrupt is not None:
         raise interrupt

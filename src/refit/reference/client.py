@@ -25,7 +25,7 @@ from typing import Any
 from refit.errors import EngineDied, EngineError
 from refit.reference.engine import EngineCore
 from refit.reference.model import ModelConfig
-from refit.reference.server import SHUTDOWN, Channel, EngineServer, LocalChannel, PipeChannel, serve
+from refit.reference.server import SHUTDOWN, Channel, EngineServer, LocalChannel, PipeChannel, encode, serve
 
 
 class EngineClient:
@@ -88,7 +88,7 @@ class EngineClient:
             self._pending[call_id] = fut
         try:
             with self._send_lock:
-                self._channel.send((call_id, method, args, kwargs))
+                self._channel.send((call_id, method, encode(args, kwargs)))
         except (OSError, BrokenPipeError) as exc:
             with self._pending_lock:
                 self._pending.pop(call_id, None)
@@ -129,14 +129,19 @@ class _Launch:
     conn: Connection
 
 
-def launch_process(name: str, config: ModelConfig, seed: int, *, version: int = 0, threads: int = 1) -> _Launch:
+def launch_process(
+    name: str, config: ModelConfig, seed: int, *, version: int = 0, threads: int = 1, serving: bool = True
+) -> _Launch:
     """Start an engine process without waiting for it (see `await_ready`).
 
     The engine runs `python -m refit.reference.server` over one end of a socket pair, so starting
     it never re-imports the caller's main module (as multiprocessing's spawn would).
     """
     ours, theirs = socket.socketpair()
-    spec = {"config": config.to_dict(), "seed": seed, "name": name, "version": version, "threads": threads}
+    spec = {
+        "config": config.to_dict(), "seed": seed, "name": name, "version": version, "threads": threads,
+        "serving": serving,
+    }  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     proc = subprocess.Popen(
         [sys.executable, "-m", "refit.reference.server", str(theirs.fileno()), json.dumps(spec)],
@@ -165,10 +170,18 @@ def await_ready(launch: _Launch, start_timeout: float = 120.0) -> EngineClient:
 
 
 def spawn_process(
-    name: str, config: ModelConfig, seed: int, *, version: int = 0, threads: int = 1, start_timeout: float = 120.0
+    name: str,
+    config: ModelConfig,
+    seed: int,
+    *,
+    version: int = 0,
+    threads: int = 1,
+    serving: bool = True,
+    start_timeout: float = 120.0,
 ) -> EngineClient:
     """Start an engine in its own process and wait until it is ready."""
-    return await_ready(launch_process(name, config, seed, version=version, threads=threads), start_timeout)
+    launch = launch_process(name, config, seed, version=version, threads=threads, serving=serving)
+    return await_ready(launch, start_timeout)
 
 
 _CHILDREN: weakref.WeakSet[subprocess.Popen[bytes]] = weakref.WeakSet()
@@ -182,10 +195,10 @@ def _reap_children() -> None:
             proc.wait(5)
 
 
-def start_thread(name: str, config: ModelConfig, seed: int, *, version: int = 0) -> EngineClient:
+def start_thread(name: str, config: ModelConfig, seed: int, *, version: int = 0, serving: bool = True) -> EngineClient:
     """Run an engine on a thread of this process (same loop as the process version)."""
     ours, theirs = LocalChannel.pair()
-    server = EngineServer(EngineCore(config, seed, version=version), name)
+    server = EngineServer(EngineCore(config, seed, version=version, serving=serving), name, in_process=True)
     thread = threading.Thread(target=serve, args=(theirs, server), name=f"refit-engine-{name}", daemon=True)
     thread.start()
     return EngineClient(ours, name, thread=thread)

@@ -25,6 +25,7 @@ What it has, and why each part exists:
 from __future__ import annotations
 
 import itertools
+import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -148,7 +149,11 @@ class _Session:
 class EngineCore:
     """One reference engine. Not thread-safe: one adapter thread drives it."""
 
-    def __init__(self, config: ModelConfig, seed: int, *, max_running: int = 8, version: int = 0) -> None:
+    def __init__(
+        self, config: ModelConfig, seed: int, *, max_running: int = 8, version: int = 0, serving: bool = True
+    ) -> None:
+        """`serving=False` starts the engine out of service until a refit completes (a recovered
+        engine must not answer requests with checkpoint weights before it has the current ones)."""
         self.config = config
         self.layout = WeightLayout(config)
         self.params: dict[str, torch.Tensor] = {
@@ -175,6 +180,17 @@ class EngineCore:
         self.requests: dict[int, Request] = {}
         self._finished: list[int] = []
         self._rids = itertools.count()
+        self.sessions = 0  # update sessions opened so far; each begin that succeeds opens the next
+        self.audit: list[dict[str, Any]] = []  # what the engine itself did, for engine-side invariants
+        if not serving:
+            self.quarantine("awaiting its first refit")
+
+    def record(self, op: str, ok: bool, **fields: Any) -> None:
+        """Append one engine-side audit record (time is CLOCK_MONOTONIC, comparable across processes)."""
+        self.audit.append(
+            {"t": time.monotonic(), "op": op, "ok": ok, "session": self.sessions, "dirty": self.dirty,
+             "paused": self.paused, "version": self.version, **fields}
+        )  # fmt: skip
 
     # ---- weights ---------------------------------------------------------------------------
 
@@ -224,6 +240,7 @@ class EngineCore:
             shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
             raise EngineError("bad_manifest", shown)
         self.session = _Session(plan={m.index: m for m in plan})
+        self.sessions += 1
         self.ready_to_publish = False
 
     def load(self, manifest: BucketManifest, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
@@ -284,6 +301,11 @@ class EngineCore:
         self.dirty = False
         self.ready_to_publish = False
         self.quarantined = None
+
+    def label_version(self, version: int) -> None:
+        """Set the version label and nothing else (like SGLang's /update_weight_version): no check
+        that the weights are complete. refit never calls it; it exists so tests can show why."""
+        self.version = version
 
     def quarantine(self, reason: str) -> None:
         self.quarantined = reason

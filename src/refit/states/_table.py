@@ -6,9 +6,12 @@ Rule 2: this file knows nothing about drivers, engines, I/O or time. The runner
 and only then performs the phase's driver calls; `docs/diagrams/` is generated from it.
 
 A state names the phase a run is *in*. Colocated runs pass OFFLOADING and RESTORING;
-disaggregated runs skip them (`connect` from IDLE, `finish` from CONTINUING). Any failure in an
-active phase moves to ABORTING; from there the run may quarantine poisoned engines and always
-ends latched in FAILED. DONE and FAILED have no exits.
+disaggregated runs skip them (`connect` from IDLE, `finish` from CONTINUING). An engine whose
+update failed is retried (`retry`: back to INVALIDATING for that engine alone) while attempts and
+time remain; engines that failed for good are quarantined inside CONTINUING while healthy ones
+publish. A failure of the run itself (trainer side, deadline, no engine left) moves to ABORTING;
+from there the run may quarantine poisoned engines and always ends latched in FAILED. DONE and
+FAILED have no exits.
 """
 
 from enum import StrEnum
@@ -38,6 +41,7 @@ class Trigger(StrEnum):
     TRANSFER = "transfer"
     NEXT_BUCKET = "next_bucket"
     POST_PROCESS = "post_process"
+    RETRY = "retry"
     PUBLISH = "publish"
     RESTORE = "restore"
     FINISH = "finish"
@@ -70,6 +74,7 @@ TRANSITIONS: tuple[tuple[Trigger, tuple[RefitState, ...], RefitState], ...] = (
     (T.TRANSFER, (S.INVALIDATING,), S.TRANSFERRING),
     (T.NEXT_BUCKET, (S.TRANSFERRING,), S.TRANSFERRING),
     (T.POST_PROCESS, (S.TRANSFERRING,), S.POST_PROCESSING),
+    (T.RETRY, (S.POST_PROCESSING,), S.INVALIDATING),
     (T.PUBLISH, (S.POST_PROCESSING,), S.CONTINUING),
     (T.RESTORE, (S.CONTINUING,), S.RESTORING),
     (T.FINISH, (S.CONTINUING, S.RESTORING), S.DONE),
