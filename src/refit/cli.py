@@ -33,6 +33,27 @@ def _check(args: argparse.Namespace) -> int:
     return 1 if violations else 0
 
 
+def _replay(args: argparse.Namespace) -> int:
+    from refit.replay import replay
+
+    try:
+        report = replay(args.trace)
+    except (OSError, ValueError, KeyError) as exc:
+        print(f"refit replay: cannot replay {args.trace}: {exc}", file=sys.stderr)
+        return 2
+    print(f"replayed {report.runs} run(s), {report.events} events in {report.seconds:.3f}s: {report.path}")
+    for i, (rec, rep) in enumerate(zip(report.recorded, report.replayed, strict=False)):
+        same = "same" if rec == rep else "DIFFERENT"
+        print(f"  run {i + 1}: recorded {rec.state}, replayed {rep.state} ({same})")
+        if rec.failing_event:
+            print(f"    first failing call: {rec.failing_event}")
+    if report.divergence is not None:
+        print(f"DIVERGED at {report.divergence}")
+        return 1
+    print("reproduced: same events, same final states, same failing calls")
+    return 0
+
+
 def _diagram(args: argparse.Namespace) -> int:
     from refit import diagram
 
@@ -87,6 +108,10 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("trace", help="a JSONL trace (refit demo --trace PATH writes one)")
     check.add_argument("--json", action="store_true", help="print a JSON summary")
     check.set_defaults(func=_check)
+
+    rep = sub.add_parser("replay", help="re-run a recorded trace through the real runner, report divergence")
+    rep.add_argument("trace", help="a JSONL trace (refit demo --trace PATH writes one)")
+    rep.set_defaults(func=_replay)
 
     diag = sub.add_parser("diagram", help="regenerate docs/diagrams from the state table")
     diag.add_argument("--out", default="docs/diagrams", help="output directory (default docs/diagrams)")

@@ -96,5 +96,9 @@ class EngineError(RuntimeError):
         return self.kind in NO_EFFECT_KINDS
 
 
+class NoTimeLeft(TimeoutError):
+    """The run's budget was spent before a call could start: the engine itself is not to blame."""
+
+
 class EngineDied(RuntimeError):
     """The engine's process or connection is gone."""

@@ -8,7 +8,8 @@ a small thread pool for fanning calls out to engines). `close()` disconnects and
 from __future__ import annotations
 
 import concurrent.futures
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -97,6 +98,8 @@ class RefitContext:
     lock: the engines' owner-token lock (default: shared by every context over the same engines).
     trace: a path for the JSONL trace, a TraceRecorder, or None (events are still kept in memory).
     faults: a FaultPlan for tests and `refit demo --fail-at`.
+    clock: the monotonic clock every deadline and timing reads (`refit replay` swaps in the
+        recorded one, so the replayed run makes the same time-based decisions).
     check_invariants: check every run's events against refit.invariants and raise on violation.
     """
 
@@ -115,6 +118,7 @@ class RefitContext:
     trace: str | Path | TraceRecorder | None = None
     faults: FaultPlan | None = None
     check_invariants: bool = True
+    clock: Callable[[], float] = time.monotonic
     _shared: _Shared = field(init=False, repr=False)
     recorder: TraceRecorder = field(init=False, repr=False)
 
@@ -125,7 +129,9 @@ class RefitContext:
             hosted = [lock for lock in (e.engine_lock() for e in self.engines) if lock is not None]
             self.lock = hosted[0] if hosted else lock_for(tuple(e.name for e in self.engines))
         self.recorder = (
-            self.trace if isinstance(self.trace, TraceRecorder) else TraceRecorder(self.trace, config=self.describe())
+            self.trace
+            if isinstance(self.trace, TraceRecorder)
+            else TraceRecorder(self.trace, config=self.describe(), clock=self.clock)
         )
         self._shared = _Shared(version=self.version, next_version=self.version + 1)
 
@@ -174,6 +180,10 @@ class RefitContext:
             "bucket_bytes": self.bucket_bytes,
             "deadline_s": self.deadline_s,
             "cleanup_grace_s": self.cleanup_grace_s,
+            "retries": self.retries,
+            "call_timeout_s": self.call_timeout_s,
+            "slots": self.transport.slots,
+            "version": self.version,
         }
 
     def pool(self) -> concurrent.futures.ThreadPoolExecutor:

@@ -47,6 +47,7 @@ from refit.errors import (
     EngineDied,
     EngineError,
     InvariantViolation,
+    NoTimeLeft,
     RefitBusyError,
     RefitError,
 )
@@ -104,10 +105,6 @@ class _Engine:
         return not self.published and (self.touched or not self.weights_ok or self.previous_version is None)
 
 
-class _NoTimeLeft(TimeoutError):
-    """The run's budget was spent before this call could start: the engine itself is fine."""
-
-
 @dataclass
 class _Reply:
     engine: _Engine
@@ -143,12 +140,13 @@ class _Run:
             restarted = known is not None and known != d.incarnation
             previous = None if restarted else shared.engine_versions.get(d.name, shared.version)
             self.engines.append(_Engine(i, d, previous))
-        self.deadline = Deadline(ctx.deadline_s)
+        self.clock = ctx.clock
+        self.deadline = Deadline(ctx.deadline_s, clock=ctx.clock)
         self.cleanup_deadline = self.deadline.extended(ctx.cleanup_grace_s)
         self.attempt = 0
         self.events: list[dict[str, Any]] = []
         self.phase_seconds: dict[str, float] = {}
-        self._phase_t0 = time.perf_counter()
+        self._phase_t0 = self.clock()
         self.plan: list[BucketManifest] = []
         self.bytes_moved = 0
         self.offloaded = False
@@ -170,7 +168,7 @@ class _Run:
     def enter(self, trigger: Trigger, *, bucket: int | None = None) -> None:
         src = self.machine.state
         dst = self.machine.fire(trigger)
-        now = time.perf_counter()
+        now = self.clock()
         if dst != src:
             self.phase_seconds[str(src)] = self.phase_seconds.get(str(src), 0.0) + now - self._phase_t0
             self._phase_t0 = now
@@ -211,7 +209,7 @@ class _Run:
         """A trainer-side call (source or transport), run on this thread."""
         deadline = self.cleanup_deadline if cleanup else self.deadline
         state = str(self.machine.state)
-        t0 = time.perf_counter()
+        t0 = self.clock()
         try:
             if deadline.expired():
                 raise TimeoutError(f"the run's deadline ({deadline.budget_s:g}s) passed before {call}")
@@ -241,7 +239,7 @@ class _Run:
         **fields: Any,
     ) -> None:
         self.emit(
-            "call", call, state=state, side=side, outcome=outcome, duration_s=round(time.perf_counter() - t0, 6),
+            "call", call, state=state, side=side, outcome=outcome, duration_s=round(self.clock() - t0, 6),
             error=None if error is None else f"{type(error).__name__}: {error}", **fields,
         )  # fmt: skip
 
@@ -265,10 +263,10 @@ class _Run:
         elif fault is not None and not self._arm(engine, fault, call, bucket):
             self._simulate(fault, engine, call, wait_s, fut)
         elif wait_s <= 0:
-            fut.set_exception(_NoTimeLeft(f"no time left in the run's deadline for {call}"))
+            fut.set_exception(NoTimeLeft(f"no time left in the run's deadline for {call}"))
         else:
             fut = self.ctx.pool().submit(_timed, fn, engine.driver, wait_s)
-        return _Pending(engine, call, bucket, state, fut, wait_s, time.perf_counter())
+        return _Pending(engine, call, bucket, state, fut, wait_s, self.clock())
 
     def _arm(self, engine: _Engine, fault: Fault, call: str, bucket: int | None) -> bool:
         """Ask the engine to misbehave for real on this call; False if its driver cannot."""
@@ -298,7 +296,7 @@ class _Run:
             value, done_at = p.future.result(timeout=wait)
         except Exception as caught:
             exc = caught
-            p.engine.starved = isinstance(caught, _NoTimeLeft)
+            p.engine.starved = isinstance(caught, NoTimeLeft)
             if isinstance(caught, TimeoutError) and not p.future.done():  # our wait ran out, not the driver's
                 exc = TimeoutError(f"{p.call} on engine {p.engine.name} did not return inside its {p.wait_s:.3g}s")
         outcome = "ok" if exc is None else "timeout" if isinstance(exc, TimeoutError) else "error"
@@ -639,10 +637,11 @@ def disconnect(ctx: RefitContext, *, timeout: float, run: _Run | None = None) ->
         return
     shared.connection_key = None
     shared.attached = set()
-    deadline = Deadline(max(timeout, 0.05))
+    clock = ctx.clock
+    deadline = Deadline(max(timeout, 0.05), clock=clock)
     emit = run.emit if run is not None else ctx.recorder.emit
     pool = ctx.pool()
-    pendings = [(d, pool.submit(d.detach, timeout=deadline.remaining()), time.perf_counter()) for d in ctx.engines]
+    pendings = [(d, pool.submit(d.detach, timeout=deadline.remaining()), clock()) for d in ctx.engines]
     for d, fut, t0 in pendings:
         try:
             fut.result(timeout=deadline.remaining() + SLACK_S)
@@ -652,12 +651,12 @@ def disconnect(ctx: RefitContext, *, timeout: float, run: _Run | None = None) ->
             error = f"{type(exc).__name__}: {exc}"
         emit(
             "call", "detach", side="engine", engine=d.name, outcome=outcome,
-            duration_s=round(time.perf_counter() - t0, 6), error=error,
+            duration_s=round(clock() - t0, 6), error=error,
         )  # fmt: skip
-    t0 = time.perf_counter()
+    t0 = clock()
     try:
         ctx.transport.disconnect()
-        emit("call", "disconnect", side="transport", outcome="ok", duration_s=round(time.perf_counter() - t0, 6))
+        emit("call", "disconnect", side="transport", outcome="ok", duration_s=round(clock() - t0, 6))
     except Exception as exc:
         emit("call", "disconnect", side="transport", outcome="error", error=f"{type(exc).__name__}: {exc}")
 
@@ -685,7 +684,7 @@ def run(ctx: RefitContext) -> RefitResult:
         raise RefitBusyError(f"engines {[e.name for e in r.engines]} are being refit by another run", state="IDLE")
     r.emit("lock", "acquire", owner=r.owner, outcome="ok", holder=holder)
     interrupt: BaseException | None = None
-    t0 = time.perf_counter()
+    t0 = ctx.clock()
     try:
         r.execute()
     except BaseException as exc:
@@ -699,7 +698,7 @@ def run(ctx: RefitContext) -> RefitResult:
         outcomes = r.outcomes()
         ctx._shared.engine_versions.update({name: o.version for name, o in outcomes.items()})
         ctx._shared.incarnations.update({e.name: e.driver.incarnation for e in r.engines})
-        now = time.perf_counter()
+        now = ctx.clock()
         r.phase_seconds[str(r.machine.state)] = r.phase_seconds.get(str(r.machine.state), 0.0) + now - r._phase_t0
         published = r.version if any(e.published for e in r.engines) else None
         r.emit(

@@ -1,0 +1,119 @@
+"""`refit replay`: recorded runs re-executed through the real runner, divergence reported."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from refit import protocol
+from refit.cli import main
+from refit.drivers.reference import ReferenceEngine
+from refit.drivers.shm import SharedMemoryTransport
+from refit.drivers.torch_source import TorchSource
+from refit.invariants import check_trace
+from refit.reference.model import TinyLlama
+from refit.replay import replay
+from refit.trace import load_trace
+
+from .conftest import CONFIG, perturbed
+
+TRACES = sorted((Path(__file__).parent / "traces").glob("*.jsonl"))
+
+
+def test_fixtures_are_there() -> None:
+    assert len(TRACES) >= 5
+
+
+@pytest.mark.parametrize("path", TRACES, ids=[p.stem for p in TRACES])
+def test_a_recorded_failure_replays_exactly(path: Path) -> None:
+    """Each shipped trace reaches the same events, final state and failing call today."""
+    _, events, torn = load_trace(path)
+    assert check_trace(events, torn=torn) == []  # the recorded run kept every invariant
+    report = replay(path)
+    assert report.divergence is None, str(report.divergence)
+    assert report.same and report.recorded[0].state in ("DONE", "FAILED")
+    assert report.recorded[0].failing_event is not None  # these are failing runs
+
+
+def record_demo_like(path: Path, faults: protocol.FaultPlan | None = None, runs: int = 3) -> None:
+    engines = [ReferenceEngine.in_thread(f"e{i}", CONFIG, seed=0) for i in range(2)]
+    model = TinyLlama(CONFIG, seed=0)
+    ctx = protocol.RefitContext(
+        TorchSource(model),
+        SharedMemoryTransport(),
+        engines,
+        mode="colocated",
+        bucket_bytes=64 << 10,
+        trace=path,
+        faults=faults,
+    )
+    try:
+        for step in range(runs):
+            perturbed(model, seed=step)
+            protocol.run(ctx)
+    finally:
+        ctx.close()
+        for e in engines:
+            e.close()
+
+
+def test_a_fresh_multi_run_trace_replays(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    record_demo_like(path, protocol.FaultPlan().fail_at("transferring", engine=1, bucket=3, kind="kill"))
+    report = replay(path)
+    assert report.divergence is None and report.runs == 3
+    assert [s.state for s in report.replayed] == [s.state for s in report.recorded]
+
+
+def tamper(src: Path, dst: Path, match: dict, change: dict) -> None:
+    lines = []
+    done = False
+    for line in src.read_text().splitlines():
+        event = json.loads(line)
+        if not done and all(event.get(k) == v for k, v in match.items()):
+            event.update(change)
+            done = True
+        lines.append(json.dumps(event))
+    assert done
+    dst.write_text("\n".join(lines) + "\n")
+
+
+def test_a_different_outcome_diverges_where_the_path_changes(tmp_path: Path) -> None:
+    path, bad = tmp_path / "t.jsonl", tmp_path / "bad.jsonl"
+    record_demo_like(path, runs=1)
+    tamper(
+        path,
+        bad,
+        {"event": "load", "engine": "e1", "bucket": 5},
+        {"outcome": "error", "error": "EngineError: bad_payload: x"},
+    )
+    report = replay(bad)
+    d = report.divergence
+    assert d is not None
+    assert d.got is not None and (d.got["kind"], d.got["event"], d.got["engine"]) == ("engine", "dropped", "e1")
+    assert d.expected is not None and d.expected != d.got
+
+
+def test_changed_code_is_reported_at_its_first_different_event(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The corrupt trace was recorded by a runner that retries; a runner that does not diverges at the retry."""
+    monkeypatch.setattr("refit.protocol.runner.RETRY_STATES", ())
+    report = replay(Path(__file__).parent / "traces" / "corrupt-then-retried.jsonl")
+    d = report.divergence
+    assert d is not None
+    assert d.expected is not None and (d.expected["kind"], d.expected["event"]) == ("transition", "retry")
+    assert d.got is not None and d.got["event"] == "publish"
+
+
+def test_replay_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["replay", str(TRACES[0])]) == 0
+    assert "reproduced" in capsys.readouterr().out
+    path, bad = tmp_path / "t.jsonl", tmp_path / "bad.jsonl"
+    record_demo_like(path, runs=1)
+    tamper(
+        path, bad, {"event": "flush", "engine": "e0"}, {"outcome": "error", "error": "EngineError: flush_refused: x"}
+    )
+    assert main(["replay", str(bad)]) == 1
+    assert "DIVERGED at event" in capsys.readouterr().out
+    assert main(["replay", str(tmp_path / "missing.jsonl")]) == 2
