@@ -321,8 +321,9 @@ def check_run(events: Sequence[Event]) -> list[Violation]:
 # ---- whole-trace invariants -------------------------------------------------------------------------
 
 
-def check_trace(events: Sequence[Event], *, torn: bool = False) -> list[Violation]:
-    """Per-run invariants for every run, then what spans runs: versions, lock, connections, completeness."""
+def check_trace(events: Sequence[Event], *, torn: bool = False, open_ok: bool = False) -> list[Violation]:
+    """Per-run invariants for every run, then what spans runs: versions, lock, connections, completeness.
+    `open_ok`: the trace is still being written (a live check between runs): no end line required."""
     out: list[Violation] = []
     by_run: dict[str, list[Event]] = {}
     for e in events:
@@ -361,7 +362,7 @@ def check_trace(events: Sequence[Event], *, torn: bool = False) -> list[Violatio
     closed = bool(events) and events[-1].get("kind") == "trace" and events[-1].get("event") == "end"
     if torn:
         out.append(Violation("complete", "the last line of the trace is cut off"))
-    if not closed:
+    if not closed and not open_ok:
         last_ev = events[-1] if events else {}
         out.append(
             Violation(
@@ -371,7 +372,7 @@ def check_trace(events: Sequence[Event], *, torn: bool = False) -> list[Violatio
                 last_ev.get("run"),
             )
         )
-    elif connected is not None:
+    elif connected is not None and closed:
         out.append(
             Violation(
                 "paired",
@@ -395,10 +396,13 @@ def check_engine_audit(
     paused = flushed = False
     finalizes: dict[int, int] = {}
     sessions: list[int] = []
+    voided: set[int] = set()  # sessions a quarantine closed without finalizing
     for rec in records:
         op, ok = rec.get("op"), rec.get("ok")
-        if (op == "pause" and ok) or (op == "quarantine" and ok):
+        if op in ("pause", "quarantine") and ok:
             paused, flushed = True, False
+            if op == "quarantine" and rec.get("session_open_before"):
+                voided.add(rec["session"])
         elif op == "continue_generation" and ok:
             if rec.get("dirty_before"):
                 out.append(Violation("pause_continue", f"engine {engine} continued serving weights no version names"))
@@ -417,17 +421,20 @@ def check_engine_audit(
             out.append(Violation("version", msg))
     for s in sessions:
         count = finalizes.get(s, 0)
-        if count > 1 or (count == 0 and not (open_session_ok and s == sessions[-1])):
+        if count > 1 or (count == 0 and s not in voided and not (open_session_ok and s == sessions[-1])):
             out.append(Violation("finalize_once", f"engine {engine}: update session {s} was finalized {count} times"))
     return out
 
 
-def check_acks(records: Sequence[dict[str, Any]], events: Sequence[Event], *, engine: str) -> list[Violation]:
+def check_acks(
+    records: Sequence[dict[str, Any]], events: Sequence[Event], *, engine: str, until: float | None = None
+) -> list[Violation]:
     """The driver acknowledged each bucket only after the engine finished copying it out.
 
     The n-th copy of bucket b in the engine's audit (its end time `t`) is paired with the n-th
     successful `load` of bucket b for this engine in the trace (`done_at`: when the driver
-    returned). Both are CLOCK_MONOTONIC readings on one host."""
+    returned). Both are CLOCK_MONOTONIC readings on one host. `until`: when the audit was taken;
+    acknowledgements after it are not checked (the audit cannot show those copies yet)."""
     out: list[Violation] = []
     copies: dict[int, list[float]] = {}
     for rec in records:
@@ -435,7 +442,7 @@ def check_acks(records: Sequence[dict[str, Any]], events: Sequence[Event], *, en
             copies.setdefault(rec.get("bucket"), []).append(rec["t"])
     acks: dict[int, list[Event]] = {}
     for e in _ok(_calls(events, "load", engine=engine)):
-        if e.get("done_at") is not None:
+        if e.get("done_at") is not None and (until is None or e["done_at"] <= until):
             acks.setdefault(e.get("bucket"), []).append(e)
     for bucket, evs in acks.items():
         for n, ack in enumerate(evs):

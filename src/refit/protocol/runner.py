@@ -260,7 +260,7 @@ class _Run:
             fut.set_exception(EngineDied(f"engine {engine.name} is gone (simulated kill)"))
         elif fault is not None and fault.kind == "raise":
             fut.set_exception(InjectedFault(f"injected raise fault at {state}/{call}"))
-        elif fault is not None and not self._arm(engine, fault, call, bucket):
+        elif fault is not None and not self._arm(engine, fault, call, bucket, wait_s):
             self._simulate(fault, engine, call, wait_s, fut)
         elif wait_s <= 0:
             fut.set_exception(NoTimeLeft(f"no time left in the run's deadline for {call}"))
@@ -268,9 +268,9 @@ class _Run:
             fut = self.ctx.pool().submit(_timed, fn, engine.driver, wait_s)
         return _Pending(engine, call, bucket, state, fut, wait_s, self.clock())
 
-    def _arm(self, engine: _Engine, fault: Fault, call: str, bucket: int | None) -> bool:
+    def _arm(self, engine: _Engine, fault: Fault, call: str, bucket: int | None, wait_s: float) -> bool:
         """Ask the engine to misbehave for real on this call; False if its driver cannot."""
-        seconds = self.cleanup_deadline.remaining() + 1.0  # a hang outlasts the whole run
+        seconds = wait_s + SLACK_S + 0.5  # a hang outlasts the call's whole budget
         try:
             return bool(engine.driver.arm_fault(fault.kind, call, bucket=bucket, seconds=seconds, timeout=5.0))
         except Exception:

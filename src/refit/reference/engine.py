@@ -308,7 +308,11 @@ class EngineCore:
         self.version = version
 
     def quarantine(self, reason: str) -> None:
+        """Out of service until a refit completes. An open update session is voided (not
+        finalized): a later refit begins a fresh one instead of finding it "already open"."""
         self.quarantined = reason
+        self.session = None
+        self.ready_to_publish = False
         self.paused = True
         for req in [*self.running, *self.waiting]:
             self._finish(req, "quarantined")

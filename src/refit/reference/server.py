@@ -225,6 +225,7 @@ class EngineServer:
         before = {
             "dirty_before": self.core.dirty,
             "ready_before": self.core.ready_to_publish,
+            "session_open_before": self.core.session is not None,
             "start": time.monotonic(),
         }
         try:
