@@ -5,7 +5,9 @@
     def test_my_driver_conforms():
         check_engine_driver(lambda name: MyEngineDriver.start(name), max_examples=25)
 
-A Hypothesis rule-based state machine drives `protocol.run` over engines built by your factory:
+First a deterministic sweep: one refit with each fault kind (raise, corrupt, kill, hang) in each
+state, on two engines. Then a Hypothesis rule-based state machine drives `protocol.run` over
+engines built by your factory:
 random engine counts (1-3), colocated or disaggregated runs, pause modes, retries, and random
 single faults (raise, hang, kill, corrupt) at random (state, engine, bucket); concurrent attempts
 while another owner holds the lock, late releases by stale owner tokens, and engines restarted
@@ -33,6 +35,7 @@ from typing import Any
 
 import hypothesis.strategies as st
 from hypothesis import HealthCheck, Phase, note, settings
+from hypothesis.errors import InvalidArgument
 from hypothesis.stateful import (
     RuleBasedStateMachine,
     initialize,
@@ -115,13 +118,36 @@ class DriverStateMachine(RuleBasedStateMachine):
             call_timeout_s=0.3,
             version=0,
         )
-        note(f"{n} engines, {mode}, pause {pause_mode}")
+        _note(f"{n} engines, {mode}, pause {pause_mode}")
 
     # ---- rules --------------------------------------------------------------------------------
+
+    def n_buckets(self) -> int:
+        assert self.ctx is not None
+        return len(plan_buckets(self.ctx.source.metas(), self.ctx.bucket_bytes))
+
+    def fault_states(self) -> list[str]:
+        """States a fault can fire in: offload/restore exist only in colocated runs."""
+        assert self.ctx is not None
+        return [str(s) for s in ACTIVE_STATES if self.ctx.colocated or s not in ("OFFLOADING", "RESTORING")]
 
     @rule(data=st.data(), retries=st.integers(0, 1), faulty=st.booleans())
     def refit(self, data: st.DataObject, retries: int, faulty: bool) -> None:
         """A training step, then a refit, maybe with one fault injected somewhere."""
+        fault = None
+        if faulty:  # only faults that can fire: a bucket only in TRANSFERRING
+            state = data.draw(st.sampled_from(self.fault_states()), label="state")
+            n = self.n_buckets()
+            buckets = sorted({0, n // 2, n - 1}) if state == "TRANSFERRING" else [None]
+            fault = Fault(
+                state,
+                data.draw(st.integers(0, len(self.engines) - 1), label="engine"),
+                data.draw(st.sampled_from(buckets), label="bucket"),
+                data.draw(st.sampled_from(FAULT_KINDS), label="kind"),
+            )
+        self.refit_with(fault, retries)
+
+    def refit_with(self, fault: Fault | None, retries: int) -> None:
         import torch
 
         assert self.ctx is not None
@@ -130,18 +156,6 @@ class DriverStateMachine(RuleBasedStateMachine):
             gen = torch.Generator().manual_seed(self.steps)
             for p in self.model.parameters():
                 p.add_(0.01 * torch.randn(p.shape, generator=gen))
-        fault = None
-        if faulty:  # only faults that can fire: a bucket only in TRANSFERRING, offload/restore only colocated
-            n_buckets = len(plan_buckets(self.ctx.source.metas(), self.ctx.bucket_bytes))
-            states = [str(s) for s in ACTIVE_STATES if self.ctx.colocated or s not in ("OFFLOADING", "RESTORING")]
-            state = data.draw(st.sampled_from(states), label="state")
-            buckets = sorted({0, n_buckets // 2, n_buckets - 1}) if state == "TRANSFERRING" else [None]
-            fault = Fault(
-                state,
-                data.draw(st.integers(0, len(self.engines) - 1), label="engine"),
-                data.draw(st.sampled_from(buckets), label="bucket"),
-                data.draw(st.sampled_from(FAULT_KINDS), label="kind"),
-            )
         self.ctx.retries = retries
         self.ctx.faults = (
             protocol.FaultPlan().fail_at(fault.state, engine=fault.engine, bucket=fault.bucket, kind=fault.kind)
@@ -151,7 +165,7 @@ class DriverStateMachine(RuleBasedStateMachine):
         result = protocol.run(self.ctx)  # raises InvariantViolation if the run's own events break one
         for e in self.engines:
             self.runs_of.setdefault(id(e), set()).add(result.run_id)
-        note(f"refit {self.steps}: {fault} -> {result.state} {[(o.name, o.status) for o in result.engines.values()]}")
+        _note(f"refit {self.steps}: {fault} -> {result.state} {[(o.name, o.status) for o in result.engines.values()]}")
         assert self.ctx.lock is not None and self.ctx.lock.holder is None, "lock: still held after the run"
         for name, o in result.engines.items():
             if o.status == "updated":
@@ -184,13 +198,15 @@ class DriverStateMachine(RuleBasedStateMachine):
         """A dead engine is replaced by a fresh process with the same name: a new incarnation that
         must be reconnected and fully refit before it serves."""
         dead = [i for i, e in enumerate(self.engines) if not _alive(e)]
-        i = data.draw(st.sampled_from(dead), label="engine")
+        self.restart(data.draw(st.sampled_from(dead), label="engine"))
+
+    def restart(self, i: int) -> None:
         self._audit(self.engines[i])  # keep what it did before it was replaced
         self.retired.append(self.engines[i])
         self.engines[i] = type(self).factory(self.engines[i].name)
         assert self.ctx is not None
         self.ctx.engines[i] = self.engines[i]
-        note(f"restarted engine {i}")
+        _note(f"restarted engine {i}")
 
     @precondition(lambda self: any(_alive(e) and hasattr(e, "submit") for e in self.engines))
     @rule()
@@ -239,6 +255,12 @@ class DriverStateMachine(RuleBasedStateMachine):
                 close()
 
 
+def _note(message: str) -> None:
+    """Hypothesis' note() inside a test case; silent in the sweep (which names its step on failure)."""
+    with contextlib.suppress(InvalidArgument):
+        note(message)
+
+
 def _alive(engine: EngineDriver) -> bool:
     client = getattr(engine, "client", None)
     return bool(getattr(client, "alive", True))
@@ -251,6 +273,27 @@ def _dropped_unreachable(events: list[dict[str, Any]], name: str) -> bool:
     )
 
 
+def sweep(machine: DriverStateMachine) -> None:
+    """Deterministic coverage before the random exploration: one refit with each fault kind in
+    each state (middle bucket in TRANSFERRING, on the last engine), no retries, every invariant
+    checked after each; dead engines are restarted; then a concurrent attempt."""
+    for kind in ("raise", "corrupt", "kill", "hang"):
+        for state in machine.fault_states():
+            bucket = machine.n_buckets() // 2 if state == "TRANSFERRING" else None
+            fault = Fault(state, len(machine.engines) - 1, bucket, kind)
+            try:
+                machine.refit_with(fault, retries=0)
+                machine.every_invariant_holds()
+            except AssertionError as exc:
+                raise AssertionError(f"{exc}\n(sweep step: refit with {fault}, no retries)") from None
+            for i, e in enumerate(machine.engines):
+                if not _alive(e):
+                    machine.restart(i)
+    machine.refit_with(None, retries=1)
+    machine.concurrent_attempt()
+    machine.every_invariant_holds()
+
+
 def check_engine_driver(
     factory: Callable[[str], EngineDriver],
     *,
@@ -259,6 +302,7 @@ def check_engine_driver(
     model: Callable[[], Any] | None = None,
     transport: Callable[[], Transport] | None = None,
     shrink: bool = True,
+    sweep_first: bool = True,
 ) -> None:
     """Property-test an engine driver against every refit invariant; raises AssertionError (naming
     the invariant) with a minimal failing sequence if one breaks.
@@ -267,6 +311,7 @@ def check_engine_driver(
         is initialized from). model: builds the trainer's nn.Module (default: the reference
         TinyLlama). transport: builds the transport (default: shared memory). steps: rule steps per
         example. shrink: False reports the first failing sequence without minimizing it.
+        sweep_first: run the deterministic sweep (every state x fault kind) before exploring.
     """
 
     class Machine(DriverStateMachine):
@@ -277,6 +322,13 @@ def check_engine_driver(
         Machine.model_factory = staticmethod(model)  # type: ignore[assignment]
     if transport is not None:
         Machine.transport_factory = staticmethod(transport)  # type: ignore[assignment]
+    if sweep_first:
+        machine = Machine()
+        try:
+            machine.setup(n=2, mode="colocated", pause_mode="retract")
+            sweep(machine)
+        finally:
+            machine.teardown()
     phases = [Phase.explicit, Phase.reuse, Phase.generate] + ([Phase.shrink] if shrink else [])
     run_state_machine_as_test(
         Machine,
@@ -292,4 +344,4 @@ def check_engine_driver(
     )
 
 
-__all__ = ["DriverStateMachine", "Fault", "check_engine_driver"]
+__all__ = ["DriverStateMachine", "Fault", "check_engine_driver", "sweep"]
