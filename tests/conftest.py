@@ -85,3 +85,11 @@ def matches(engine: ReferenceEngine, model: TinyLlama) -> bool:
     """The engine's weights, read back and unfused, equal the model's bit for bit."""
     state = engine.state_dict()
     return all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+
+
+SUMMARY: list[str] = []  # lines tests want printed at the end of the run (matrix sizes, counts)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    for line in SUMMARY:
+        terminalreporter.write_line(line)
