@@ -175,8 +175,18 @@ def test_load_refuses_out_of_session_unplanned_and_repeated_buckets(core: Engine
     core.load(plan[0], bucket)
     with pytest.raises(EngineError, match="already loaded"):
         core.load(plan[0], bucket)
+    with pytest.raises(EngineError, match="bucket 2 arrived before bucket 1"):
+        core.load(plan[2], [(n, sd[n]) for n in plan[2].names])
+    with pytest.raises(EngineError, match="session_broken: bucket 1 refused: bucket 2 arrived before bucket 1"):
+        core.load(plan[1], [(n, sd[n]) for n in plan[1].names])  # once refused, the session takes nothing more
+    assert core.session.loaded == {0}
+
+    core.quarantine("start over")
+    core.begin(plan)
     with pytest.raises(EngineError, match="truncated or reordered"):
-        core.load(plan[1], [(n, sd[n]) for n in plan[1].names][:-1])
+        core.load(plan[0], [(n, sd[n]) for n in plan[0].names][:-1])
+    core.quarantine("start over")
+    core.begin(plan)
     with pytest.raises(EngineError, match="does not match the plan"):
         core.load(BucketManifest(99, plan[1].entries, plan[1].nbytes), [])
 

@@ -87,7 +87,7 @@ def test_a_different_outcome_diverges_where_the_path_changes(tmp_path: Path) -> 
         path,
         bad,
         {"event": "load", "engine": "e1", "bucket": 5},
-        {"outcome": "error", "error": "EngineError: bad_payload: x"},
+        {"outcome": "error", "error": "EngineError: internal: x"},
     )
     report = replay(bad)
     d = report.divergence

@@ -73,7 +73,7 @@ class InvariantViolation(RefitError):
 
 
 NO_EFFECT_KINDS = frozenset(
-    {"bad_manifest", "bad_payload", "bad_request", "not_attached", "no_session", "session_open"}
+    {"bad_manifest", "bad_payload", "bad_request", "not_attached", "no_session", "session_open", "session_broken"}
 )
 
 

@@ -30,7 +30,7 @@ from refit.trace import TraceRecorder, load_trace
 
 COMPARED = (
     "kind", "event", "state", "side", "engine", "bucket", "outcome", "attempt", "src", "dst", "failure", "result",
-    "published", "version", "engine_outcomes",
+    "published", "version", "engine_outcomes", "effect",
 )  # fmt: skip
 SKIPPED_KINDS = ("fault",)  # injected faults are not re-injected: their effects are replayed as outcomes
 

@@ -10,7 +10,8 @@ Line 1 is a header (schema, package versions, configuration). Every later line i
   transition/<trigger>   `src` and `dst` states (and `bucket` in the bucket loop)
   plan/buckets           how many buckets, tensors and bytes the run will move
   call/<driver call>     `side` (engine, source, transport), `engine`, `bucket`, `outcome`
-                         (ok / error / timeout), `duration_s`, `error`, small `result` dicts;
+                         (ok / error / timeout), `duration_s`, `error`, `effect: "none"` when
+                         the engine refused the call before changing anything, small `result` dicts;
                          `pack` calls carry the bucket's manifest (names, dtypes, shapes, bytes)
   fault/injected         a planned fault that fired
 Tensors are never stored.

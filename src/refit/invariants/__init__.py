@@ -80,6 +80,11 @@ def _ok(events: Iterable[Event]) -> list[Event]:
     return [e for e in events if e.get("outcome") == "ok"]
 
 
+def _effective(events: Iterable[Event]) -> list[Event]:
+    """Calls that may have changed the engine (not refused by it before any effect)."""
+    return [e for e in events if e.get("effect") != "none"]
+
+
 def _first(events: Iterable[Event], kind: str, event: str) -> Event | None:
     return next((e for e in events if e.get("kind") == kind and e.get("event") == event), None)
 
@@ -244,7 +249,7 @@ def check_pause_continue(events: Sequence[Event]) -> list[Violation]:
             out.append(
                 _v("pause_continue", f"engine {name} was paused and neither continued nor quarantined", end, events)
             )
-        loads = _calls(events, "load", engine=name)
+        loads = _effective(_calls(events, "load", engine=name))
         published = _ok(_calls(events, "publish", engine=name))
         for c in _calls(events, "continue_generation", engine=name):
             got = [ld for ld in loads if ld["seq"] < c["seq"]]

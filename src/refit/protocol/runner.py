@@ -300,7 +300,9 @@ class _Run:
             if isinstance(caught, TimeoutError) and not p.future.done():  # our wait ran out, not the driver's
                 exc = TimeoutError(f"{p.call} on engine {p.engine.name} did not return inside its {p.wait_s:.3g}s")
         outcome = "ok" if exc is None else "timeout" if isinstance(exc, TimeoutError) else "error"
-        extra = {"result": value} if isinstance(value, dict) else {}
+        extra: dict[str, Any] = {"result": value} if isinstance(value, dict) else {}
+        if getattr(exc, "no_effect", False):
+            extra["effect"] = "none"  # the engine refused it before changing anything
         self._record_call(
             p.call, "engine", p.state, outcome, p.start, engine=p.engine.name, bucket=p.bucket, error=exc,
             done_at=done_at, attempt=max(p.engine.attempt, 0), **extra,
@@ -494,7 +496,7 @@ class _Run:
                 r.engine.touched = True
                 r.engine.loads_ok.add(payload.manifest.index)
                 r.engine.bytes_ok += payload.manifest.nbytes
-            elif not (isinstance(r.error, DriverCallError) and getattr(r.error.cause, "no_effect", False)):
+            elif not getattr(getattr(r.error, "cause", None), "no_effect", False):
                 r.engine.touched = True  # the engine may have applied part of it
         answered = all(r.outcome != "timeout" for r in replies)
         call = "release" if answered else "abandon"  # never reuse a buffer an engine may still read

@@ -144,6 +144,7 @@ class PrefixCache:
 class _Session:
     plan: dict[int, BucketManifest]
     loaded: set[int] = field(default_factory=set)
+    broken: str | None = None  # why a bucket was refused: every later bucket is refused too
 
 
 class EngineCore:
@@ -243,14 +244,48 @@ class EngineCore:
         self.sessions += 1
         self.ready_to_publish = False
 
-    def load(self, manifest: BucketManifest, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
-        if self.session is None:
+    def check_load(self, manifest: BucketManifest) -> None:
+        """Refuse (changing nothing) a bucket this session cannot take: no session, not the
+        planned manifest, already loaded, out of plan order, or an earlier bucket was refused."""
+        session = self.session
+        if session is None:
             raise EngineError("no_session", "load outside a weight-update session (begin was not called)")
-        planned = self.session.plan.get(manifest.index)
+        if session.broken:
+            raise EngineError("session_broken", f"bucket {manifest.index} refused: {session.broken}; begin again")
+        planned = session.plan.get(manifest.index)
         if planned is None or planned != manifest:
+            self.break_session(f"bucket {manifest.index} does not match the plan")
             raise EngineError("bad_manifest", f"bucket {manifest.index} does not match the plan given to begin()")
-        if manifest.index in self.session.loaded:
+        if manifest.index in session.loaded:
             raise EngineError("bad_manifest", f"bucket {manifest.index} was already loaded in this session")
+        expected = min(set(session.plan) - session.loaded)
+        if manifest.index != expected:
+            self.break_session(f"bucket {manifest.index} arrived before bucket {expected}")
+            raise EngineError("bad_manifest", f"bucket {manifest.index} arrived before bucket {expected}")
+
+    def break_session(self, reason: str) -> None:
+        if self.session is not None and self.session.broken is None:
+            self.session.broken = reason
+
+    def load(self, manifest: BucketManifest, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """Apply one bucket in place (fused layout). Buckets apply in plan order; a refused one
+        (validation, before any byte) makes the session refuse the rest, so an in-flight next
+        bucket never lands after a gap."""
+        self.check_load(manifest)
+        try:
+            self._check_tensors(manifest, tensors)
+        except EngineError as exc:
+            self.break_session(f"bucket {manifest.index} was refused ({exc.kind})")
+            raise
+        with torch.no_grad():
+            for name, tensor in tensors:
+                self._write(name, tensor)
+        assert self.session is not None
+        self.session.loaded.add(manifest.index)
+        self.weights_epoch += 1
+        self.dirty = True
+
+    def _check_tensors(self, manifest: BucketManifest, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
         names = [n for n, _ in tensors]
         if names != manifest.names:
             missing = sorted(set(manifest.names) - set(names))
@@ -266,12 +301,6 @@ class EngineCore:
                     f"{name}: payload {dtype_name(tensor.dtype)}{list(tensor.shape)} != manifest "
                     f"{entry.meta.dtype}{list(entry.meta.shape)}",
                 )
-        with torch.no_grad():
-            for name, tensor in tensors:
-                self._write(name, tensor)
-        self.session.loaded.add(manifest.index)
-        self.weights_epoch += 1
-        self.dirty = True
 
     def finalize(self) -> dict[str, Any]:
         session = self.session

@@ -295,15 +295,18 @@ class EngineServer:
         if self.receiver is None or payload.kind != self.transport_kind:
             raise EngineError("not_attached", f"no {payload.kind!r} transport attached; attach before load")
         index = payload.manifest.index
+        self.core.check_load(payload.manifest)  # the manifest first: a truncated bucket is named as such
         try:
             tensors = self.receiver.read(payload)
         except (ValueError, KeyError, OSError) as exc:
+            self.core.break_session(f"bucket {index} could not be read")
             raise EngineError("bad_payload", f"bucket {index}: {exc}") from exc
         expected = payload.fields.get("crc32")
         if self._corrupt_next_load:
             self._corrupt_next_load = False
             tensors = _damaged(tensors)
         if expected is not None and crc32(tensors) != expected:
+            self.core.break_session(f"bucket {index} failed its checksum")
             raise EngineError("bad_payload", f"bucket {index}: checksum mismatch, the bytes changed in transit")
         self.core.load(payload.manifest, tensors)
 
