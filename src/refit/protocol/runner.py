@@ -453,8 +453,8 @@ class _Run:
 
     def transfer(self, engines: list[_Engine]) -> None:
         self.enter(T.TRANSFER)
-        if not self.plan:
-            return
+        if not self.plan or not any(e.active for e in engines):
+            return  # nobody left to receive: do not touch the source
         buckets = iter(self.ctx.source.iter_buckets(self.plan))
         try:
             self._stream(buckets, engines)
