@@ -36,7 +36,7 @@ def record(
         ctx.close()
         for e in engines:
             e.close()
-    return copy.deepcopy(ctx.recorder.events)
+    return copy.deepcopy(list(ctx.recorder.events))
 
 
 @pytest.fixture(scope="module")

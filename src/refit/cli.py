@@ -54,6 +54,37 @@ def _replay(args: argparse.Namespace) -> int:
     return 0
 
 
+def _soak(args: argparse.Namespace) -> int:
+    from refit.soak import soak
+
+    report = soak(
+        args.refits, engines=args.engines, mode=args.mode, bucket_bytes=args.bucket_bytes,
+        fault_every=args.fault_every, verify_every=args.verify_every, in_thread=args.in_thread,
+    )  # fmt: skip
+    if args.json:
+        print(json.dumps(report.as_dict()))
+    else:
+        r = report
+        print(
+            f"{r.refits} refits into {r.engines} engine {'threads' if args.in_thread else 'processes'} "
+            f"({r.mode}, {r.buckets_per_refit} buckets each) in {r.seconds:.1f}s: {r.refits_per_second} refits/s"
+        )
+        print(
+            f"  every engine updated: {r.ok}/{r.refits}; injected faults: {r.injected_faults}; "
+            f"weight mismatches at checks: {r.mismatches}"
+        )
+        print(
+            f"  growth while open: shm segments {r.segments_growth}, fds {r.fds_growth}, threads "
+            f"{r.threads_growth}, RSS {r.rss_growth_mib:+.1f} MiB"
+        )
+        print(
+            f"  left after close: shm segments {r.segments_left}, processes {r.processes_left}, "
+            f"threads {r.threads_left}"
+        )
+        print(f"  leaks: {r.leaks}")
+    return 1 if report.leaks or report.mismatches else 0
+
+
 def _diagram(args: argparse.Namespace) -> int:
     from refit import diagram
 
@@ -112,6 +143,19 @@ def main(argv: list[str] | None = None) -> int:
     rep = sub.add_parser("replay", help="re-run a recorded trace through the real runner, report divergence")
     rep.add_argument("trace", help="a JSONL trace (refit demo --trace PATH writes one)")
     rep.set_defaults(func=_replay)
+
+    soak_p = sub.add_parser("soak", help="many consecutive refits, then count leaked segments, fds, threads, processes")
+    soak_p.add_argument("--refits", type=int, default=1000)
+    soak_p.add_argument("--engines", type=int, default=2)
+    soak_p.add_argument("--mode", choices=("colocated", "disaggregated"), default="disaggregated")
+    soak_p.add_argument("--bucket-bytes", type=int, default=64 << 10)
+    soak_p.add_argument(
+        "--fault-every", type=int, default=10, help="inject a raise/corrupt fault every N refits (0: none)"
+    )
+    soak_p.add_argument("--verify-every", type=int, default=100, help="compare engine weights with the trainer every N")
+    soak_p.add_argument("--in-thread", action="store_true", help="engines on threads instead of processes")
+    soak_p.add_argument("--json", action="store_true")
+    soak_p.set_defaults(func=_soak)
 
     diag = sub.add_parser("diagram", help="regenerate docs/diagrams from the state table")
     diag.add_argument("--out", default="docs/diagrams", help="output directory (default docs/diagrams)")

@@ -28,6 +28,7 @@ import json
 import platform
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from importlib import metadata
 from pathlib import Path
@@ -54,8 +55,9 @@ def _canonical_order(_: Any, __: str, event_dict: dict[str, Any]) -> dict[str, A
 
 
 class TraceRecorder:
-    """Keeps every event in memory (for live invariant checks) and, given a path, appends each
-    as a JSON line and flushes it, so a crashed job leaves a readable prefix."""
+    """Keeps the most recent `max_events` events in memory (for live checks; the runner keeps
+    each run's own events separately) and, given a path, appends every event as a JSON line and
+    flushes it, so a crashed job leaves a readable prefix and a long job a complete file."""
 
     def __init__(
         self,
@@ -63,9 +65,10 @@ class TraceRecorder:
         *,
         config: dict[str, Any] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        max_events: int = 10_000,
     ) -> None:
         self.path = Path(path) if path is not None else None
-        self.events: list[dict[str, Any]] = []
+        self.events: deque[dict[str, Any]] = deque(maxlen=max_events)
         self._clock = clock
         self._t0 = clock()
         self._seq = 0
