@@ -84,6 +84,8 @@ def test_demo_with_an_injected_kill_fails_cleanly(tmp_path: Path) -> None:
     assert "healthy engines match the trainer: True" in proc.stdout
     checked = refit_cli("check", str(path))  # the failed run kept every invariant
     assert checked.returncode == 0, checked.stdout
+    replayed = refit_cli("replay", str(path))  # and today's runner takes exactly the same path
+    assert replayed.returncode == 0 and "reproduced" in replayed.stdout, replayed.stdout
 
 
 def test_demo_refuses_in_place_pause() -> None:

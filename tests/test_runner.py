@@ -334,3 +334,19 @@ def test_the_demo_landing_check_can_fail(trainer: TinyLlama, thread_engines) -> 
     previous = [prompt_logits(TinyLlama(CONFIG, seed=0), list(p)) for p in PROMPTS]
     missed = check_engine(engine, trainer, previous)
     assert not missed["ok"] and not missed["weights"] and missed["max_diff"] > 1e-3 and missed["min_change"] == 0.0
+
+
+def test_a_hung_trainer_side_gather_is_bounded_too(trainer, thread_engines, make_ctx) -> None:
+    """A source call that never returns (a stuck collective) ends the run inside the deadline,
+    with an error naming the call; the engines got no byte and go back to serving."""
+    import time
+
+    engines = thread_engines(2)
+    faults = protocol.FaultPlan().fail_at("transferring", bucket=0, call="materialize", kind="hang")
+    ctx = make_ctx(trainer, engines, deadline_s=1.0, cleanup_grace_s=0.5, faults=faults)
+    t0 = time.monotonic()
+    result = protocol.run(ctx)
+    assert time.monotonic() - t0 < 1.0 + 0.5 + invariants.DEADLINE_SLACK_S
+    assert isinstance(result.error, protocol.DeadlineExceeded) and result.error.call == "materialize"
+    assert {o.status for o in result.engines.values()} == {"unchanged"}
+    assert ctx.lock.holder is None

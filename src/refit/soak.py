@@ -35,6 +35,15 @@ def _children() -> list[int]:
     return out
 
 
+def _threads() -> set[threading.Thread]:
+    """Threads other than the context's call pool (which grows lazily up to its fixed size)."""
+    return {t for t in threading.enumerate() if not t.name.startswith("refit-call")}
+
+
+def _pool_threads() -> int:
+    return sum(t.name.startswith("refit-call") for t in threading.enumerate())
+
+
 def _rss_mib() -> float:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -56,7 +65,8 @@ class SoakReport:
     # growth while open (after a warm-up refit) and what is left after closing everything
     segments_growth: int
     fds_growth: int
-    threads_growth: int
+    threads_growth: int  # threads outside the call pool
+    pool_threads: int  # the call pool's workers at the end (bounded by its size)
     rss_growth_mib: float
     segments_left: int
     processes_left: int
@@ -95,7 +105,7 @@ def soak(
     from refit.reference.model import ModelConfig, TinyLlama
 
     rng = random.Random(seed)
-    threads_before = threading.active_count()
+    threads_before = set(threading.enumerate())  # by identity: other threads ending meanwhile do not count
     config = ModelConfig()
     model = TinyLlama(config, seed=seed)
     names = [f"soak-{i}" for i in range(engines)]
@@ -124,7 +134,7 @@ def soak(
     try:
         step()
         protocol.run(ctx).raise_for_error()  # warm-up: connection, pool threads, lazy imports
-        base = (len(leaked_segments(pid=os.getpid())), _fds(), threading.active_count(), _rss_mib())
+        base = (len(leaked_segments(pid=os.getpid())), _fds(), _threads(), _rss_mib())
         t0 = time.perf_counter()
         for i in range(1, refits + 1):
             step()
@@ -142,8 +152,9 @@ def soak(
         seconds = time.perf_counter() - t0
         growth = (
             len(leaked_segments(pid=os.getpid())) - base[0], _fds() - base[1],
-            threading.active_count() - base[2], _rss_mib() - base[3],
+            len(_threads() - base[2]), _rss_mib() - base[3],
         )  # fmt: skip
+        pool_threads = _pool_threads()
     finally:
         ctx.close()
         for e in pool:
@@ -162,9 +173,10 @@ def soak(
         segments_growth=growth[0],
         fds_growth=growth[1],
         threads_growth=growth[2],
+        pool_threads=pool_threads,
         rss_growth_mib=round(growth[3], 1),
         segments_left=len(leaked_segments(pid=os.getpid())),
         processes_left=len(_children()),
-        threads_left=threading.active_count() - threads_before,
+        threads_left=len(set(threading.enumerate()) - threads_before),
         mismatches=mismatches,
     )

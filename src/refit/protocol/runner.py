@@ -30,6 +30,7 @@ is what `refit check` and `refit replay` need. No I/O happens inside the machine
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 import uuid
 from collections import deque
@@ -206,7 +207,9 @@ class _Run:
         cleanup: bool = False,
         **extra: Any,
     ) -> Any:
-        """A trainer-side call (source or transport), run on this thread."""
+        """A trainer-side call (source or transport: gathers, collectives, copies), bounded by the
+        deadline like an engine call: it runs on the pool and the runner stops waiting when the
+        time is up (a hung collective cannot be cancelled, but it no longer holds the run)."""
         deadline = self.cleanup_deadline if cleanup else self.deadline
         state = str(self.machine.state)
         t0 = self.clock()
@@ -214,12 +217,17 @@ class _Run:
             if deadline.expired():
                 raise TimeoutError(f"the run's deadline ({deadline.budget_s:g}s) passed before {call}")
             fault = self._fault(call, None, bucket)
-            if fault is not None and fault.kind == "hang":
-                time.sleep(deadline.remaining())  # a trainer-side hang: the call never returns in time
-                raise TimeoutError(f"{call} hung past the deadline (injected)")
-            if fault is not None:
+            if fault is not None and fault.kind == "hang":  # the call does not return before the run ends
+                fn = functools.partial(time.sleep, self.cleanup_deadline.remaining() + 1.0)
+            elif fault is not None:
                 raise InjectedFault(f"injected {fault.kind} fault at {state}/{call}")
-            value = fn()
+            future = self.ctx.pool().submit(fn)
+            try:
+                value = future.result(timeout=deadline.remaining())
+            except TimeoutError:
+                if future.done():
+                    raise
+                raise TimeoutError(f"{call} did not return inside the deadline ({deadline.budget_s:g}s)") from None
         except Exception as exc:
             outcome = "timeout" if isinstance(exc, TimeoutError) else "error"
             self._record_call(call, side, state, outcome, t0, bucket=bucket, error=exc, **extra)
@@ -461,7 +469,8 @@ class _Run:
         finally:
             close = getattr(buckets, "close", None)
             if close is not None:  # a generator source releases what it holds now, not at GC
-                close()
+                with contextlib.suppress(ValueError):  # still running in a hung call: left to finish
+                    close()
 
     def _stream(self, buckets: Any, engines: list[_Engine]) -> None:
         ctx = self.ctx
