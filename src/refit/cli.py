@@ -75,7 +75,7 @@ def _soak(args: argparse.Namespace) -> int:
         )
         print(
             f"  growth while open: shm segments {r.segments_growth}, fds {r.fds_growth}, threads "
-            f"{r.threads_growth}, RSS {r.rss_growth_mib:+.1f} MiB"
+            f"{r.threads_growth} (call pool: {r.pool_threads} workers), RSS {r.rss_growth_mib:+.1f} MiB"
         )
         print(
             f"  left after close: shm segments {r.segments_left}, processes {r.processes_left}, "
