@@ -230,3 +230,13 @@ class EngineDriver(ABC):
         """Make the engine really hang / die / receive corrupted bytes on its next `call` (fault
         injection). Return False when unsupported: the runner then simulates the fault."""
         return False
+
+    def audit(self, *, timeout: float) -> list[dict[str, Any]] | None:
+        """What the engine itself did (see refit.invariants.check_engine_audit), or None when the
+        engine keeps no such record. The conformance kit checks it against what the driver said."""
+        return None
+
+    @property
+    def alive(self) -> bool:
+        """False once the driver knows its engine is gone (a restart is needed)."""
+        return True

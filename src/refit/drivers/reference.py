@@ -95,6 +95,10 @@ class ReferenceEngine(EngineDriver):
     def incarnation(self) -> str:
         return f"{self.name}@{self.client.pid or id(self.client)}"
 
+    @property
+    def alive(self) -> bool:
+        return self.client.alive
+
     def close(self) -> None:
         self.client.close()
 
@@ -139,7 +143,7 @@ class ReferenceEngine(EngineDriver):
         self.client.call("arm_fault", kind, call, bucket, seconds, timeout=timeout)
         return True
 
-    def audit(self, *, timeout: float = DEFAULT_TIMEOUT) -> list[dict[str, Any]]:
+    def audit(self, *, timeout: float = DEFAULT_TIMEOUT) -> list[dict[str, Any]] | None:
         """What the engine itself did (engine-side record for refit.invariants.check_engine_audit)."""
         return self.client.call("audit", timeout=timeout)
 

@@ -209,8 +209,11 @@ def check_version(events: Sequence[Event]) -> list[Violation]:
     if fail is not None and _ok(publishes) and fail.get("src") not in POST_COMMIT_STATES:
         out.append(_v("version", f"a run that failed in {fail.get('src')} (before its commit) published", fail, events))
     for name in _engines(events):
-        resumed = _ok(_calls(events, "resume_memory", engine=name))
-        if not any((e.get("result") or {}).get("weights_intact") is False for e in resumed):
+        resumes = [e for e in _calls(events, "resume_memory", engine=name) if e.get("state") == "OFFLOADING"]
+        lost = [
+            e for e in resumes if e.get("outcome") != "ok" or (e.get("result") or {}).get("weights_intact") is False
+        ]
+        if not lost:  # a weight-memory resume that failed or came back empty: the weights are gone
             continue
         published = _ok(_calls(events, "publish", engine=name))
         for c in _calls(events, "continue_generation", engine=name):

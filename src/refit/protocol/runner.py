@@ -376,9 +376,9 @@ class _Run:
             self.offloaded = True
             self.inline("offload", "source", ctx.source.offload)
             replies = self.fanout("resume_memory", lambda d, t: d.resume_memory(["weights"], timeout=t))
-            for r in replies:
-                if r.ok and isinstance(r.value, dict) and r.value.get("weights_intact") is False:
-                    r.engine.weights_ok = False
+            for r in replies:  # a failed resume leaves the weights unknown: treat them as lost
+                intact = isinstance(r.value, dict) and r.value.get("weights_intact") is not False
+                r.engine.weights_ok = r.ok and intact
             self.settle(replies)
             self.require_engines("after giving engines their weight memory")
 
@@ -507,15 +507,15 @@ class _Run:
                 r.engine.bytes_ok += payload.manifest.nbytes
             elif not getattr(getattr(r.error, "cause", None), "no_effect", False):
                 r.engine.touched = True  # the engine may have applied part of it
+        transport = self.ctx.transport
         answered = all(r.outcome != "timeout" for r in replies)
-        call = "release" if answered else "abandon"  # never reuse a buffer an engine may still read
         if not answered:
             self.connection_dirty = True  # this connection is not reused by the next run
-        with contextlib.suppress(*((RefitError,) if cleanup else ())):
+        call, free = ("release", transport.release) if answered else ("abandon", transport.abandon)
+        with contextlib.suppress(*((RefitError,) if cleanup else ())):  # never reuse a buffer an engine may read
             self.inline(
-                call, "transport", lambda: getattr(self.ctx.transport, call)(payload),
-                bucket=payload.manifest.index, cleanup=cleanup,
-            )  # fmt: skip
+                call, "transport", functools.partial(free, payload), bucket=payload.manifest.index, cleanup=cleanup
+            )
         self.settle(replies)
 
     def finalize_owed(self, *, cleanup: bool) -> None:

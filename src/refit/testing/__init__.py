@@ -30,7 +30,6 @@ import contextlib
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import hypothesis.strategies as st
@@ -49,20 +48,10 @@ from refit import invariants, protocol
 from refit.drivers.base import EngineDriver, Transport
 from refit.drivers.buckets import plan_buckets
 from refit.errors import RefitBusyError
+from refit.protocol.faults import Fault
 from refit.states import ACTIVE_STATES
 
 FAULT_KINDS = ("kill", "corrupt", "raise", "hang", "corrupt", "raise")  # Hypothesis favours the first ones
-
-
-@dataclass
-class Fault:
-    state: str
-    engine: int
-    bucket: int | None
-    kind: str
-
-    def __repr__(self) -> str:
-        return f"Fault({self.state!r}, engine={self.engine}, bucket={self.bucket}, kind={self.kind!r})"
 
 
 def _default_model() -> Any:
@@ -141,9 +130,9 @@ class DriverStateMachine(RuleBasedStateMachine):
             buckets = sorted({0, n // 2, n - 1}) if state == "TRANSFERRING" else [None]
             fault = Fault(
                 state,
-                data.draw(st.integers(0, len(self.engines) - 1), label="engine"),
-                data.draw(st.sampled_from(buckets), label="bucket"),
-                data.draw(st.sampled_from(FAULT_KINDS), label="kind"),
+                engine=data.draw(st.integers(0, len(self.engines) - 1), label="engine"),
+                bucket=data.draw(st.sampled_from(buckets), label="bucket"),
+                kind=data.draw(st.sampled_from(FAULT_KINDS), label="kind"),
             )
         self.refit_with(fault, retries)
 
@@ -157,11 +146,7 @@ class DriverStateMachine(RuleBasedStateMachine):
             for p in self.model.parameters():
                 p.add_(0.01 * torch.randn(p.shape, generator=gen))
         self.ctx.retries = retries
-        self.ctx.faults = (
-            protocol.FaultPlan().fail_at(fault.state, engine=fault.engine, bucket=fault.bucket, kind=fault.kind)
-            if fault
-            else None
-        )
+        self.ctx.faults = protocol.FaultPlan([fault]) if fault else None
         result = protocol.run(self.ctx)  # raises InvariantViolation if the run's own events break one
         for e in self.engines:
             self.runs_of.setdefault(id(e), set()).add(result.run_id)
@@ -239,11 +224,11 @@ class DriverStateMachine(RuleBasedStateMachine):
 
     def _audit(self, engine: EngineDriver) -> tuple[list[dict[str, Any]], float] | None:
         """The engine's own record of what it did, and when that record was taken."""
-        if not hasattr(engine, "audit"):
-            return None
         if _alive(engine):
             with contextlib.suppress(Exception):  # died or hung just now: keep the last audit it gave
-                self.audits[id(engine)] = (engine.audit(timeout=5.0), time.monotonic())
+                records = engine.audit(timeout=5.0)
+                if records is not None:
+                    self.audits[id(engine)] = (records, time.monotonic())
         return self.audits.get(id(engine))
 
     def teardown(self) -> None:
@@ -262,8 +247,7 @@ def _note(message: str) -> None:
 
 
 def _alive(engine: EngineDriver) -> bool:
-    client = getattr(engine, "client", None)
-    return bool(getattr(client, "alive", True))
+    return engine.alive
 
 
 def _dropped_unreachable(events: list[dict[str, Any]], name: str) -> bool:
@@ -280,7 +264,7 @@ def sweep(machine: DriverStateMachine) -> None:
     for kind in ("raise", "corrupt", "kill", "hang"):
         for state in machine.fault_states():
             bucket = machine.n_buckets() // 2 if state == "TRANSFERRING" else None
-            fault = Fault(state, len(machine.engines) - 1, bucket, kind)
+            fault = Fault(state, engine=len(machine.engines) - 1, bucket=bucket, kind=kind)
             try:
                 machine.refit_with(fault, retries=0)
                 machine.every_invariant_holds()
@@ -344,4 +328,4 @@ def check_engine_driver(
     )
 
 
-__all__ = ["DriverStateMachine", "Fault", "check_engine_driver", "sweep"]
+__all__ = ["DriverStateMachine", "check_engine_driver", "sweep"]
