@@ -97,7 +97,10 @@ class _Script:
         for i, e in enumerate(self.expected):
             if e.get("kind") in ("call", "lock"):
                 self._by_key.setdefault(self._key(e), []).append(i)
-        self.run_starts = [e for e in self.expected if e.get("kind") == "run" and e.get("event") == "start"]
+        self._start_index = [
+            i for i, e in enumerate(self.expected) if (e.get("kind"), e.get("event")) == ("run", "start")
+        ]
+        self.run_starts = [self.expected[i] for i in self._start_index]
         self.plans = [e for e in self.expected if e.get("kind") == "plan"]
 
     @staticmethod
@@ -136,9 +139,11 @@ class _Script:
             self.cursor += 1
 
     def current_run(self) -> dict[str, Any]:
-        starts = [i for i, e in enumerate(self.expected) if e.get("kind") == "run" and e.get("event") == "start"]
-        before = [i for i in starts if i <= self.cursor]
-        return self.expected[before[-1]] if before else (self.run_starts[0] if self.run_starts else {})
+        """The start event of the run the cursor is in (or about to begin)."""
+        k = bisect.bisect_right(self._start_index, self.cursor)
+        if k:
+            return self.run_starts[k - 1]
+        return self.run_starts[0] if self.run_starts else {}
 
 
 def outcome_of(event: dict[str, Any] | None) -> Any:
