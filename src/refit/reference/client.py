@@ -169,21 +169,6 @@ def await_ready(launch: _Launch, start_timeout: float = 120.0) -> EngineClient:
     return EngineClient(PipeChannel(conn), name, pid=pid, process=proc)
 
 
-def spawn_process(
-    name: str,
-    config: ModelConfig,
-    seed: int,
-    *,
-    version: int = 0,
-    threads: int = 1,
-    serving: bool = True,
-    start_timeout: float = 120.0,
-) -> EngineClient:
-    """Start an engine in its own process and wait until it is ready."""
-    launch = launch_process(name, config, seed, version=version, threads=threads, serving=serving)
-    return await_ready(launch, start_timeout)
-
-
 _CHILDREN: weakref.WeakSet[subprocess.Popen[bytes]] = weakref.WeakSet()
 
 
