@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import pytest
 import torch
 
 from refit import protocol
-from refit.drivers.base import NamedTensors, Payload
+from refit.drivers.base import Payload, Topology
 from refit.drivers.buckets import BucketManifest, TensorMeta
 from refit.drivers.reference import ReferenceEngine
 from refit.drivers.shm import SharedMemoryTransport
@@ -50,12 +50,12 @@ class Sneaky:
 class TruncatingTransport(SharedMemoryTransport):
     """Sends bucket 0 with its last tensor cut off."""
 
-    def pack(self, manifest: BucketManifest, tensors: NamedTensors) -> Payload:
-        payload = super().pack(manifest, tensors)
+    def payloads(self, manifest: BucketManifest, parts: Sequence[Any], topology: Topology) -> dict[str, Payload]:
+        out = super().payloads(manifest, parts, topology)
         if manifest.index:
-            return payload
+            return out
         cut = BucketManifest(manifest.index, manifest.entries[:-1], manifest.nbytes)
-        return Payload(payload.kind, cut, payload.fields)
+        return {name: Payload(p.kind, cut, p.fields, p.parts) for name, p in out.items()}
 
 
 class EvilPayloadTransport(SharedMemoryTransport):
@@ -63,11 +63,13 @@ class EvilPayloadTransport(SharedMemoryTransport):
 
     smuggled: Any = Evil()
 
-    def pack(self, manifest: BucketManifest, tensors: NamedTensors) -> Payload:
-        payload = super().pack(manifest, tensors)
+    def payloads(self, manifest: BucketManifest, parts: Sequence[Any], topology: Topology) -> dict[str, Payload]:
+        out = super().payloads(manifest, parts, topology)
         if manifest.index:
-            return payload
-        return Payload(payload.kind, payload.manifest, {**payload.fields, "extra": self.smuggled})
+            return out
+        return {
+            name: Payload(p.kind, p.manifest, {**p.fields, "extra": self.smuggled}, p.parts) for name, p in out.items()
+        }
 
 
 class SneakyPayloadTransport(EvilPayloadTransport):

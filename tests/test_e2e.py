@@ -136,7 +136,7 @@ def test_without_invalidate_a_process_engine_serves_stale_kv(procs: list[Referen
 def test_a_partial_transfer_is_quarantined_not_served(procs: list[ReferenceEngine], make_ctx) -> None:
     model = perturbed(TinyLlama(CONFIG, seed=0), seed=13, scale=0.3)
     before = [e.state_dict() for e in procs]
-    ctx = make_ctx(model, procs, faults=protocol.FaultPlan().fail_at("transferring", bucket=3, call="materialize"))
+    ctx = make_ctx(model, procs, faults=protocol.FaultPlan().fail_at("transferring", bucket=3, call="pack"))
     result = protocol.run(ctx)  # the trainer fails after 3 buckets reached both engines
     assert not result.ok and result.state == "FAILED" and result.version is None
     for e, old in zip(procs, before, strict=True):
@@ -204,7 +204,7 @@ def test_a_hung_engine_ends_the_run_inside_its_deadline(make_ctx) -> None:
         took = time.monotonic() - t0
         assert 2.0 <= took <= 2.0 + 1.0 + invariants.DEADLINE_SLACK_S
         assert isinstance(result.error, protocol.DeadlineExceeded)
-        assert result.error.engine == "h1" and result.error.state == "CONNECTING" and result.error.call == "attach"
+        assert result.error.engine == "h1" and result.error.state == "CONNECTING" and result.error.call == "probe"
         assert ctx.lock.holder is None
         assert result.engines["h0"].status == "unchanged"  # it waited out the deadline, then went back to serving
         assert result.engines["h1"].status == "failed"

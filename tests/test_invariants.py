@@ -47,7 +47,7 @@ def clean() -> list[dict]:
 @pytest.fixture(scope="module")
 def failed() -> list[dict]:
     """The trainer failed mid-transfer: the run fails, both engines are poisoned and quarantined."""
-    return record(faults=protocol.FaultPlan().fail_at("transferring", bucket=2, call="materialize"))
+    return record(faults=protocol.FaultPlan().fail_at("transferring", bucket=2, call="pack"))
 
 
 @pytest.fixture(scope="module")

@@ -88,18 +88,24 @@ def test_torch_source_offload_drops_grads() -> None:
     assert all(s["exp_avg"].device.type == "cpu" for s in opt.state.values())
 
 
-def test_torch_source_gathers_dtensors(tmp_path: Path) -> None:
-    """A DTensor-sharded state dict (FSDP2's form) is sent as full tensors."""
+def test_dtensors_are_gathered_straight_into_the_bucket(tmp_path: Path) -> None:
+    """A DTensor-sharded state dict (FSDP2's form) is sent as full tensors: the source passes the
+    shards through and packing gathers them into the buffer (cast on the way when asked)."""
     from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         mesh = init_device_mesh("cpu", (1,))
         full = torch.arange(12.0).reshape(4, 3)
-        src = TorchSource({"w": distribute_tensor(full, mesh, [Shard(0)])})
-        assert src.metas() == [TensorMeta("w", "float32", (4, 3))]
-        ((name, tensor),) = next(iter(src.iter_buckets(plan_buckets(src.metas(), 1 << 20))))
-        assert name == "w" and type(tensor) is torch.Tensor and torch.equal(tensor, full)
+        src = TorchSource({"w": distribute_tensor(full, mesh, [Shard(0)])}, dtype=torch.bfloat16)
+        assert src.metas() == [TensorMeta("w", "bfloat16", (4, 3))]
+        plan = plan_buckets(src.metas(), 1 << 20)
+        ((name, tensor),) = next(iter(src.iter_buckets(plan)))
+        assert name == "w" and hasattr(tensor, "placements")  # still sharded: nothing gathered yet
+        buf = torch.zeros(plan[0].nbytes, dtype=torch.uint8)
+        pack_into(buf, plan[0], [(name, tensor)])
+        ((_, got),) = unpack(buf, plan[0])
+        assert torch.equal(got, full.to(torch.bfloat16))
     finally:
         dist.destroy_process_group()
 

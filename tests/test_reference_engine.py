@@ -246,7 +246,7 @@ def test_memory_release_and_resume(core: EngineCore) -> None:
     assert not core.has_work()  # no weights: nothing runs
     with pytest.raises(EngineError, match="weights_released"):
         core.hf_state_dict()
-    assert core.resume_memory(["weights"]) == {"weights_intact": False}
+    assert core.resume_memory(["weights"]) == {"weights_intact": False, "resumed": ["weights"]}
     assert core.info()["dirty"]  # zeros match no version
     assert all(float(t.abs().sum()) == 0.0 for t in core.hf_state_dict().values())
     core.resume_memory(["kv_cache"])
@@ -256,7 +256,7 @@ def test_memory_release_and_resume(core: EngineCore) -> None:
     other = EngineCore(CFG, seed=0)
     before = other.hf_state_dict()
     other.release_memory(["weights"], cpu_backup=True)
-    assert other.resume_memory(["weights"]) == {"weights_intact": True}
+    assert other.resume_memory(["weights"]) == {"weights_intact": True, "resumed": ["weights"]}
     assert all(torch.equal(before[k], v) for k, v in other.hf_state_dict().items())
 
 

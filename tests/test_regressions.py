@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from refit import invariants, protocol
-from refit.drivers.base import Payload
+from refit.drivers.base import Payload, Topology
 from refit.drivers.buckets import TensorMeta, plan_buckets
 from refit.drivers.reference import ReferenceEngine
 from refit.drivers.shm import SharedMemoryReceiver, SharedMemoryTransport, leaked_segments
@@ -84,7 +84,7 @@ def test_nemo_rl_3612_a_failed_refit_publishes_no_version(trainer, two, refit_ct
 def test_miles_890_finalize_runs_even_when_the_update_fails(trainer, two, refit_ctx) -> None:
     """radixark/miles#890 (and NeMo RL's end_weight_update in finally): post-processing was not
     invoked on some paths. refit finalizes every engine whose begin succeeded, exactly once."""
-    ctx = refit_ctx(trainer, two, faults=protocol.FaultPlan().fail_at("transferring", bucket=2, call="materialize"))
+    ctx = refit_ctx(trainer, two, faults=protocol.FaultPlan().fail_at("transferring", bucket=2, call="pack"))
     result = protocol.run(ctx)
     assert result.state == "FAILED"
     for e in two:
@@ -146,13 +146,17 @@ def test_slime_2134_an_empty_bucket_travels(tmp_path) -> None:
     tensors and an all-empty bucket pack, checksum and unpack like any other."""
     tensors = [("a", torch.empty(0, 4)), ("b", torch.empty(0)), ("c", torch.ones(3))]
     plan = plan_buckets([TensorMeta.of(n, t) for n, t in tensors], 1)
+    topo = Topology.of(1, [("e", 1)], colocated=False)
     t = SharedMemoryTransport(directory=tmp_path)
-    rx = SharedMemoryReceiver(t.connect(plan, 1))
+    rx = SharedMemoryReceiver(t.attach_infos([t.connect(plan, topo, 0)], topo)["e"])
     source = dict(tensors)
     for manifest in plan:
-        payload = t.pack(manifest, [(n, source[n]) for n in manifest.names])
-        assert all(torch.equal(v, source[n]) for n, v in rx.read(payload))
-        t.release(payload)
+        part = t.pack(manifest, [(n, source[n]) for n in manifest.names])
+        payload = t.payloads(manifest, [part], topo)["e"]
+        got = rx.read(payload)
+        rx.verify(payload, got)
+        assert all(torch.equal(v, source[n]) for n, v in got)
+        t.release(manifest.index)
     t.disconnect()
 
 
@@ -213,8 +217,8 @@ def test_nemo_rl_3929_a_hung_pause_is_bounded_by_the_deadline(trainer, refit_ctx
         t0 = time.monotonic()
         result = protocol.run(ctx)
         assert time.monotonic() - t0 <= 1.0 + 0.5 + invariants.DEADLINE_SLACK_S
-        assert isinstance(result.error, protocol.DeadlineExceeded)
-        assert (result.error.state, result.error.call, result.error.engine) == ("PAUSING", "pause", "hp1")
+        assert isinstance(result.error, protocol.DeadlineExceeded) and result.error.engine == "hp1"
+        assert "'pause'" in str(result.error)  # the call that never answered carried the pause
         assert ctx.lock.holder is None
     finally:
         for e in engines:

@@ -343,11 +343,11 @@ def test_a_hung_trainer_side_gather_is_bounded_too(trainer, thread_engines, make
     import time
 
     engines = thread_engines(2)
-    faults = protocol.FaultPlan().fail_at("transferring", bucket=0, call="materialize", kind="hang")
+    faults = protocol.FaultPlan().fail_at("transferring", bucket=0, call="pack", kind="hang")
     ctx = make_ctx(trainer, engines, deadline_s=1.0, cleanup_grace_s=0.5, faults=faults)
     t0 = time.monotonic()
     result = protocol.run(ctx)
     assert time.monotonic() - t0 < 1.0 + 0.5 + invariants.DEADLINE_SLACK_S
-    assert isinstance(result.error, protocol.DeadlineExceeded) and result.error.call == "materialize"
+    assert isinstance(result.error, protocol.DeadlineExceeded) and result.error.call == "pack"
     assert {o.status for o in result.engines.values()} == {"unchanged"}
     assert ctx.lock.holder is None

@@ -1,4 +1,5 @@
-"""The shared-memory transport: buffers mapped once, reused only after release, never leaked."""
+"""The shared-memory transport: buffers mapped once, reused only after release, never leaked;
+per-TP-rank parts routed from the right trainer rank; an oversized tensor in a buffer of its own."""
 
 from __future__ import annotations
 
@@ -9,31 +10,43 @@ from pathlib import Path
 import pytest
 import torch
 
-from refit.drivers.base import ConnectInfo, Payload
+from refit.drivers.base import ConnectInfo, Payload, Topology
 from refit.drivers.buckets import TensorMeta, plan_buckets
 from refit.drivers.shm import SharedMemoryReceiver, SharedMemoryTransport, leaked_segments
+
+ONE = Topology.of(1, [("e0", 1)], colocated=False)
 
 
 def _bucket(n: int, value: float) -> list[tuple[str, torch.Tensor]]:
     return [(f"w{n}", torch.full((8, 8), value))]
 
 
+def _connect(t: SharedMemoryTransport, plan, topology: Topology = ONE, rank: int = 0) -> ConnectInfo:
+    return t.attach_infos([t.connect(plan, topology, rank)], topology)["e0"]
+
+
+def _payload(t: SharedMemoryTransport, plan, i: int, value: float, topology: Topology = ONE) -> Payload:
+    return t.payloads(plan[i], [t.pack(plan[i], _bucket(i, value))], topology)["e0"]
+
+
 def test_round_trip_through_a_receiver(tmp_path: Path) -> None:
     t = SharedMemoryTransport(slots=2, directory=tmp_path)
     plan = plan_buckets([TensorMeta(f"w{i}", "float32", (8, 8)) for i in range(3)], 256)
-    info = t.connect(plan, n_engines=1)
+    info = _connect(t, plan)
     assert len(leaked_segments(tmp_path)) == 2  # one file per slot, created once
     rx = SharedMemoryReceiver(info)
-    p0 = t.pack(plan[0], _bucket(0, 1.0))
-    p1 = t.pack(plan[1], _bucket(1, 2.0))
+    p0 = _payload(t, plan, 0, 1.0)
+    p1 = _payload(t, plan, 1, 2.0)
     with pytest.raises(RuntimeError, match="no free buffer for bucket 2"):
         t.pack(plan[2], _bucket(2, 3.0))  # both slots wait for acks: nothing is overwritten
-    assert torch.equal(rx.read(p0)[0][1], torch.full((8, 8), 1.0))
-    t.release(p0)
-    with pytest.raises(RuntimeError, match="holds bucket None"):
-        t.release(p0)  # a double release is a bug, not a no-op
-    p2 = t.pack(plan[2], _bucket(2, 3.0))
-    assert p2.fields["slot"] == p0.fields["slot"]
+    got = rx.read(p0)
+    rx.verify(p0, got)
+    assert torch.equal(got[0][1], torch.full((8, 8), 1.0))
+    t.release(0)
+    with pytest.raises(RuntimeError, match="no buffer holds bucket 0"):
+        t.release(0)  # a double release is a bug, not a no-op
+    p2 = _payload(t, plan, 2, 3.0)
+    assert p2.parts[0]["path"] == p0.parts[0]["path"]  # the released slot is the one reused
     assert torch.equal(rx.read(p2)[0][1], torch.full((8, 8), 3.0))
     assert torch.equal(rx.read(p1)[0][1], torch.full((8, 8), 2.0))
     t.disconnect()
@@ -42,25 +55,37 @@ def test_round_trip_through_a_receiver(tmp_path: Path) -> None:
     t.disconnect()  # idempotent
 
 
+def test_a_damaged_bucket_fails_its_checksum(tmp_path: Path) -> None:
+    t = SharedMemoryTransport(directory=tmp_path)
+    plan = plan_buckets([TensorMeta("w0", "float32", (8, 8))], 256)
+    rx = SharedMemoryReceiver(_connect(t, plan))
+    p0 = _payload(t, plan, 0, 1.0)
+    tensors = rx.read(p0)
+    tensors[0][1][3, 3] = 7.0  # the bytes change after packing
+    with pytest.raises(ValueError, match="checksum mismatch"):
+        rx.verify(p0, tensors)
+    t.disconnect()
+
+
 def test_receiver_refuses_missing_or_resized_buffers(tmp_path: Path) -> None:
     t = SharedMemoryTransport(directory=tmp_path)
     plan = plan_buckets([TensorMeta("w", "float32", (4,))], 64)
-    info = t.connect(plan, 1)
-    path = info.fields["paths"][0]
+    info = _connect(t, plan)
+    path = info.parts[0]["paths"][0]
     os.truncate(path, 8)
     with pytest.raises(ValueError, match="has 8 bytes"):
         SharedMemoryReceiver(info)
     t.disconnect()
     with pytest.raises(FileNotFoundError):
         SharedMemoryReceiver(info)
-    empty = SharedMemoryReceiver(ConnectInfo("shm", info.receiver, {"paths": [], "slot_bytes": 64}))
+    empty = SharedMemoryReceiver(ConnectInfo("shm", info.receiver, parts=({"paths": [], "slot_bytes": 64},)))
     with pytest.raises(ValueError, match="payload names buffer '/etc/passwd', not a refit shared-memory buffer"):
-        empty.read(Payload("shm", plan[0], {"slot": 0, "path": "/etc/passwd"}))
+        empty.read(Payload("shm", plan[0], parts=({"path": "/etc/passwd"},)))
 
 
 def test_buffers_are_freed_when_the_transport_is_dropped(tmp_path: Path) -> None:
     t = SharedMemoryTransport(directory=tmp_path)
-    t.connect(plan_buckets([TensorMeta("w", "float32", (4,))], 64), 1)
+    t.connect(plan_buckets([TensorMeta("w", "float32", (4,))], 64), ONE, 0)
     assert leaked_segments(tmp_path)
     del t
     gc.collect()
@@ -72,12 +97,53 @@ def test_an_abandoned_buffer_is_replaced_never_reused(tmp_path: Path) -> None:
     one takes its slot; the receiver maps the new file on first use."""
     t = SharedMemoryTransport(slots=1, directory=tmp_path)
     plan = plan_buckets([TensorMeta(f"w{i}", "float32", (8, 8)) for i in range(2)], 256)
-    rx = SharedMemoryReceiver(t.connect(plan, 1))
-    p0 = t.pack(plan[0], _bucket(0, 1.0))
-    t.abandon(p0)
-    p1 = t.pack(plan[1], _bucket(1, 2.0))
-    assert p1.fields["path"] != p0.fields["path"] and len(leaked_segments(tmp_path)) == 2
+    rx = SharedMemoryReceiver(_connect(t, plan))
+    p0 = _payload(t, plan, 0, 1.0)
+    t.abandon(0)
+    p1 = _payload(t, plan, 1, 2.0)
+    assert p1.parts[0]["path"] != p0.parts[0]["path"] and len(leaked_segments(tmp_path)) == 2
     assert torch.equal(rx.read(p0)[0][1], torch.full((8, 8), 1.0))  # the slow reader still sees its bucket
     assert torch.equal(rx.read(p1)[0][1], torch.full((8, 8), 2.0))
     t.disconnect()
     assert leaked_segments(tmp_path) == []
+
+
+def test_an_oversized_tensor_gets_its_own_buffer_not_bigger_slots(tmp_path: Path) -> None:
+    t = SharedMemoryTransport(slots=2, directory=tmp_path)
+    metas = [
+        TensorMeta("small", "float32", (8, 8)),
+        TensorMeta("huge", "float32", (64, 64)),
+        TensorMeta("s2", "float32", (8,)),
+    ]
+    plan = plan_buckets(metas, 1024)
+    assert [m.oversized for m in plan] == [False, True, False]
+    info = _connect(t, plan)
+    assert info.parts[0]["slot_bytes"] == 256  # slots fit ordinary buckets only
+    rx = SharedMemoryReceiver(info)
+    huge = torch.arange(64 * 64, dtype=torch.float32).view(64, 64)
+    part = t.pack(plan[1], [("huge", huge)])
+    assert t.buffer_bytes == 2 * 256 + 64 * 64 * 4  # two slots plus the one oversized bucket in flight
+    got = rx.read(t.payloads(plan[1], [part], ONE)["e0"])
+    assert torch.equal(got[0][1], huge)
+    t.release(1)
+    assert t.buffer_bytes == 2 * 256 and len(leaked_segments(tmp_path)) == 2  # its file is gone once acked
+    t.disconnect()
+
+
+def test_colocated_parts_come_from_each_tp_ranks_own_trainer_rank(tmp_path: Path) -> None:
+    """Engine i's TP rank j reads trainer rank (offset_i + j): two trainer ranks, two TP=1 engines."""
+    topo = Topology.of(2, [("a", 1), ("b", 1)], colocated=True)
+    plan = plan_buckets([TensorMeta("w0", "float32", (8, 8))], 256)
+    ranks = [SharedMemoryTransport(directory=tmp_path) for _ in range(2)]
+    infos = [t.connect(plan, topo, r) for r, t in enumerate(ranks)]
+    per_engine = ranks[0].attach_infos(infos, topo)
+    assert per_engine["a"].parts[0]["rank"] == 0 and per_engine["b"].parts[0]["rank"] == 1
+    parts = [t.pack(plan[0], _bucket(0, float(r + 1))) for r, t in enumerate(ranks)]
+    payloads = ranks[0].payloads(plan[0], parts, topo)
+    for name, value in (("a", 1.0), ("b", 2.0)):
+        got = SharedMemoryReceiver(per_engine[name]).read(payloads[name])
+        assert torch.equal(got[0][1], torch.full((8, 8), value))
+    disagg = Topology.of(2, [("a", 1), ("b", 1)], colocated=False)
+    assert [ranks[0].feeds(disagg, r) for r in range(2)] == [True, False]  # rank 1 only drains
+    for t in ranks:
+        t.disconnect()

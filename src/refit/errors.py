@@ -1,13 +1,31 @@
 """Every error refit raises, in one small hierarchy (re-exported by `refit.protocol.errors`).
 
 Each error names where it happened: the run's state, the engine, the driver call and, in the
-bucket loop, the bucket. Messages are written for the person reading a failed job's log.
+bucket loop, the bucket. Messages are written for the person reading a failed job's log. Every
+error survives pickling (across a process, a Ray actor or a trace) with its kind, its message,
+where it happened and whether it had no effect.
 """
 
 from __future__ import annotations
 
+from typing import Any
 
-class RefitError(Exception):
+
+def _rebuild(cls: type[BaseException], state: dict[str, Any], args: tuple[Any, ...]) -> BaseException:
+    err = cls.__new__(cls)
+    err.__dict__.update(state)
+    err.args = args
+    return err
+
+
+class _Picklable(Exception):
+    """Pickles by state, not by constructor arguments (so keyword-only fields survive)."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild, (type(self), dict(self.__dict__), self.args))
+
+
+class RefitError(_Picklable):
     """Base class. Not raised directly."""
 
     def __init__(
@@ -39,6 +57,11 @@ class RefitError(Exception):
         ]
         return f"{self.message} [{', '.join(where)}]" if where else self.message
 
+    @property
+    def no_effect(self) -> bool:
+        """True when the failed call is known to have changed nothing."""
+        return bool(getattr(getattr(self, "cause", None), "no_effect", False))
+
 
 class ConfigError(RefitError, ValueError):
     """The RefitContext asks for something the drivers cannot do safely; nothing was started."""
@@ -59,9 +82,9 @@ class RefitBusyError(RefitError):
 class DriverCallError(RefitError):
     """A driver call failed; `cause` is the driver's own exception."""
 
-    def __init__(self, message: str, *, cause: BaseException | None = None, **where: object) -> None:
+    def __init__(self, message: str, *, cause: BaseException | None = None, **where: Any) -> None:
         self.cause = cause
-        super().__init__(message, **where)  # type: ignore[arg-type]
+        super().__init__(message, **where)
 
 
 class DeadlineExceeded(DriverCallError):
@@ -73,11 +96,14 @@ class InvariantViolation(RefitError):
 
 
 NO_EFFECT_KINDS = frozenset(
-    {"bad_manifest", "bad_payload", "bad_request", "not_attached", "no_session", "session_open", "session_broken"}
-)
+    {
+        "bad_manifest", "bad_payload", "bad_request", "not_attached", "no_session", "session_open", "session_broken",
+        "version_ahead",
+    }
+)  # fmt: skip
 
 
-class EngineError(RuntimeError):
+class EngineError(_Picklable, RuntimeError):
     """Raised by a rollout engine for a request it refuses (bad manifest, flush refused, ...).
 
     `kind` is a short machine-readable tag (for example ``flush_refused``) that survives the trip
@@ -96,9 +122,18 @@ class EngineError(RuntimeError):
         return self.kind in NO_EFFECT_KINDS
 
 
-class NoTimeLeft(TimeoutError):
+class NoTimeLeft(_Picklable, TimeoutError):
     """The run's budget was spent before a call could start: the engine itself is not to blame."""
 
 
-class EngineDied(RuntimeError):
+class EngineDied(_Picklable, RuntimeError):
     """The engine's process or connection is gone."""
+
+
+class RankError(_Picklable, RuntimeError):
+    """A trainer rank's share of a step failed (or did not answer); `rank` names it."""
+
+    def __init__(self, rank: int, message: str) -> None:
+        self.rank = rank
+        self.message = message
+        super().__init__(f"rank {rank}: {message}")

@@ -1,11 +1,12 @@
 """`refit replay TRACE`: re-execute recorded runs through the real runner.
 
-Only the nondeterminism is fed back: every driver call gets the outcome (result or error) that
-was recorded for it, the engines' lock answers as it did, and the clock reads the recorded time of
-the next event (so deadline and retry decisions come out the same). Everything else, the order of
-phases, which engine is retried or quarantined, what is published, is computed again by the code
-as it is now. Each event the replayed run emits is compared with the recorded one; the first
-mismatch is the divergence (event index, expected vs got).
+Only the nondeterminism is fed back: every driver call (each step of a batched engine call, each
+trainer-side step) gets the outcome (result or error) that was recorded for it, the engines' lock
+answers as it did, and the clock reads the recorded time of the next event (so deadline and retry
+decisions come out the same). Everything else, the order of phases, which engine is retried or
+quarantined, what is published, is computed again by the code as it is now. Each event the replayed
+run emits is compared with the recorded one; the first mismatch is the divergence (event index,
+expected vs got).
 
 A replay that does not diverge reaches the same final state and the same failing event as the
 recording: a regression fixture. A replay that diverges shows where the code now behaves
@@ -18,14 +19,27 @@ import bisect
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from refit.drivers.base import ConnectInfo, EngineDriver, NamedTensors, PauseMode, Payload, Source, Transport
-from refit.drivers.buckets import BucketManifest, TensorMeta
-from refit.errors import EngineDied, EngineError, NoTimeLeft, RefitBusyError, RefitError
+from refit.drivers.base import (
+    ConnectInfo,
+    EngineDriver,
+    LazyTensors,
+    Payload,
+    Source,
+    Step,
+    StepResult,
+    Topology,
+    Transport,
+    outcome_of,
+)
+from refit.drivers.buckets import BucketManifest, TensorEntry, TensorMeta
+from refit.errors import EngineDied, EngineError, NoTimeLeft, RankError, RefitBusyError, RefitError
 from refit.protocol.faults import InjectedFault
+from refit.protocol.ranks import Ranks, RankStep
 from refit.trace import TraceRecorder, load_trace
 
 COMPARED = (
@@ -114,16 +128,20 @@ class _Script:
         return float(self.expected[min(self.cursor, len(self.expected) - 1)].get("t", 0.0))
 
     def claim(self, kind: str, event: str, *, side: str | None = None, engine: str | None = None,
-              bucket: int | None = None) -> dict[str, Any] | None:  # fmt: skip
-        """The next recorded event for this call at or after the cursor; None once diverged."""
+              bucket: int | None = None, batch: int | None = None) -> dict[str, Any] | None:  # fmt: skip
+        """The next unclaimed recorded event for this call at or after the cursor (within `batch`
+        when given); None once diverged."""
         with self._lock:
             if self.divergence is not None:
                 return None
             indexes = self._by_key.get((kind, side, engine, event, bucket), [])
             for i in indexes[bisect.bisect_left(indexes, self.cursor) :]:
-                if i not in self._claimed:
-                    self._claimed.add(i)
-                    return self.expected[i]
+                if i in self._claimed:
+                    continue
+                if batch is not None and self.expected[i].get("batch") != batch:
+                    return None
+                self._claimed.add(i)
+                return self.expected[i]
             return None
 
     def observe(self, record: dict[str, Any]) -> None:
@@ -146,23 +164,31 @@ class _Script:
         return self.run_starts[0] if self.run_starts else {}
 
 
-def outcome_of(event: dict[str, Any] | None) -> Any:
-    """Return the recorded result, or raise the recorded error as the type the runner acts on."""
+def error_of(event: dict[str, Any]) -> BaseException:
+    """The recorded error, rebuilt as the type the runner acts on."""
+    typ, _, msg = str(event.get("error") or "").partition(": ")
+    if event.get("outcome") == "timeout":
+        return (NoTimeLeft if typ == "NoTimeLeft" else TimeoutError)(msg)
+    if typ == "EngineDied":
+        return EngineDied(msg)
+    if typ == "EngineError":
+        kind, _, text = msg.partition(": ")
+        return EngineError(kind, text)
+    if typ == "InjectedFault":
+        return InjectedFault(msg)
+    if typ == "RankError":
+        rank, _, text = msg.partition(": ")
+        return RankError(int(rank.removeprefix("rank ") or 0), text)
+    return ReplayedError(f"{typ}: {msg}")
+
+
+def outcome_of_event(event: dict[str, Any] | None) -> Any:
+    """Return the recorded result, or raise the recorded error."""
     if event is None:  # diverged, or a call the recording does not have: answer neutrally
         return None
     if event.get("outcome") == "ok":
         return event.get("result")
-    typ, _, msg = str(event.get("error") or "").partition(": ")
-    if event.get("outcome") == "timeout":
-        raise (NoTimeLeft if typ == "NoTimeLeft" else TimeoutError)(msg)
-    if typ == "EngineDied":
-        raise EngineDied(msg)
-    if typ == "EngineError":
-        kind, _, text = msg.partition(": ")
-        raise EngineError(kind, text)
-    if typ == "InjectedFault":
-        raise InjectedFault(msg)
-    raise ReplayedError(f"{typ}: {msg}")
+    raise error_of(event)
 
 
 class ReplayRecorder(TraceRecorder):
@@ -178,23 +204,35 @@ class ReplayRecorder(TraceRecorder):
         return record
 
 
-class ReplaySource(Source):
-    kind = "replay"
+def _done(value: Any = None, exc: BaseException | None = None) -> Future[Any]:
+    fut: Future[Any] = Future()
+    if exc is not None:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(value)
+    return fut
 
-    def __init__(self, script: _Script) -> None:
+
+class ReplayRanks(Ranks):
+    """Every trainer-side step answers as it did on every rank."""
+
+    def __init__(self, script: _Script, world: int) -> None:
         self.script = script
+        self.world = world
 
-    def _call(self, call: str, bucket: int | None = None) -> Any:
-        return outcome_of(self.script.claim("call", call, side="source", bucket=bucket))
+    def start(self, step: RankStep, *, timeout: float) -> Future[list[Any]]:
+        if step.call == "end_run":
+            return _done([])
+        event = self.script.claim("call", step.call, side=step.side, bucket=step.bucket)
+        try:
+            value = outcome_of_event(event)
+        except BaseException as exc:  # the recorded error, as recorded (a rank's, an injected fault...)
+            return _done(exc=exc)
+        if step.call == "metas":
+            value = self._metas()
+        return _done([value] * self.world)
 
-    def offload(self) -> None:
-        self._call("offload")
-
-    def restore(self) -> None:
-        self._call("restore")
-
-    def metas(self) -> list[TensorMeta]:
-        self._call("metas")
+    def _metas(self) -> list[TensorMeta]:
         plans = [e for e in self.script.plans if e["seq"] >= self.script.current_run().get("seq", 0)]
         manifests = plans[0].get("manifests", []) if plans else []
         return [
@@ -203,95 +241,135 @@ class ReplaySource(Source):
             for name, dtype, shape in zip(m["names"], m["dtypes"], m["shapes"], strict=True)
         ]
 
-    def iter_buckets(self, plan: Sequence[BucketManifest]) -> Iterator[NamedTensors]:
-        for manifest in plan:
-            self._call("materialize", manifest.index)
-            yield [(name, None) for name in manifest.names]  # type: ignore[misc]
+
+class ReplaySource(Source):
+    kind = "replay"
+
+    def metas(self) -> list[TensorMeta]:
+        return []
+
+    def iter_buckets(self, plan: Sequence[BucketManifest]) -> Iterator[LazyTensors]:
+        return iter(())
 
 
 class ReplayTransport(Transport):
+    """The leader's transport-side decisions, as recorded: the plan, who is collective."""
+
     kind = "replay"
 
-    def __init__(self, script: _Script, slots: int) -> None:
+    def __init__(self, script: _Script, slots: int, collective: bool) -> None:
         self.script = script
         self.slots = slots
+        self.collective = collective  # type: ignore[misc]
         self._connected = False
 
-    def _call(self, call: str, bucket: int | None = None) -> Any:
-        return outcome_of(self.script.claim("call", call, side="transport", bucket=bucket))
+    def plan(self, metas: Sequence[TensorMeta], bucket_bytes: int) -> list[BucketManifest]:
+        plans = [e for e in self.script.plans if e["seq"] >= self.script.current_run().get("seq", 0)]
+        out = []
+        for m in plans[0].get("manifests", []) if plans else []:
+            entries = tuple(
+                TensorEntry(TensorMeta(n, d, tuple(sh)), 0)
+                for n, d, sh in zip(m["names"], m["dtypes"], m["shapes"], strict=True)
+            )
+            out.append(BucketManifest(m["index"], entries, m["nbytes"], bool(m.get("oversized"))))
+        return out
 
     @property
     def connected(self) -> bool:
         return self._connected
 
-    def connect(self, plan: Sequence[BucketManifest], n_engines: int) -> ConnectInfo:
-        self._call("connect")
+    def connect(self, plan: Sequence[BucketManifest], topology: Topology, rank: int) -> dict[str, Any]:
         self._connected = True
-        return ConnectInfo(self.kind, f"{__name__}:none")
+        return {}
 
-    def pack(self, manifest: BucketManifest, tensors: NamedTensors) -> Payload:
-        self._call("pack", manifest.index)
-        return Payload(self.kind, manifest)
+    def attach_infos(self, rank_infos: Sequence[dict[str, Any]], topology: Topology) -> dict[str, ConnectInfo]:
+        self._connected = True
+        return {e.name: ConnectInfo(self.kind, f"{__name__}:none", parts=({},) * e.tp) for e in topology.engines}
 
-    def release(self, payload: Payload) -> None:
-        self._call("release", payload.manifest.index)
+    def pack(self, manifest: BucketManifest, tensors: LazyTensors) -> dict[str, Any] | None:
+        return None
 
-    def abandon(self, payload: Payload) -> None:
-        self._call("abandon", payload.manifest.index)
+    def payloads(
+        self, manifest: BucketManifest, parts: Sequence[dict[str, Any] | None], topology: Topology
+    ) -> dict[str, Payload]:
+        return {e.name: Payload(self.kind, manifest, parts=({},) * e.tp) for e in topology.engines}
+
+    def release(self, index: int) -> None:
+        pass
 
     def disconnect(self) -> None:
         self._connected = False
-        self._call("disconnect")
 
 
 class ReplayEngine(EngineDriver):
     transports = frozenset({"replay"})
+    pause_modes = frozenset({"abort", "retract", "in_place"})
+    supports_in_place_pause = True
 
     def __init__(self, name: str, script: _Script) -> None:
         self.name = name
         self.script = script
 
+    def _run_field(self, key: str, default: Any) -> Any:
+        run = self.script.current_run()
+        names, values = run.get("engines", []), run.get(key, [])
+        return (
+            values[names.index(self.name)] if self.name in names and len(values) > names.index(self.name) else default
+        )
+
     @property
     def incarnation(self) -> str:
-        run = self.script.current_run()
-        names, incarnations = run.get("engines", []), run.get("incarnations", [])
-        return incarnations[names.index(self.name)] if self.name in names and incarnations else self.name
+        return self._run_field("incarnations", self.name)
 
-    def _call(self, call: str, bucket: int | None = None) -> Any:
-        return outcome_of(self.script.claim("call", call, side="engine", engine=self.name, bucket=bucket))
+    @property
+    def tp_size(self) -> int:
+        return int(self._run_field("engine_tp", 1))
 
-    def resume_memory(self, tags: Sequence[str], *, timeout: float) -> dict[str, Any]:
-        return self._call("resume_memory") or {}
+    def run_steps_async(self, steps: Sequence[Step], *, timeout: float, executor: Executor) -> Future[list[StepResult]]:
+        """The recorded outcome of each step of this call: the recorded batch is followed exactly
+        (a call whose every step failed the same way failed as a whole)."""
+        claimed: list[dict[str, Any]] = []
+        batch = None
+        for step in steps:
+            event = self.script.claim(
+                "call", step.call, side="engine", engine=self.name, bucket=step.bucket, batch=batch
+            )
+            if event is None:
+                break
+            claimed.append(event)
+            batch = event.get("batch")
+            if event.get("outcome") != "ok" and not self._more_in_batch(steps, len(claimed), batch):
+                break
+        if not claimed:
+            return _done([StepResult("ok")] * 1)
+        failures = [e for e in claimed if e.get("outcome") != "ok"]
+        if len(claimed) > 1 and len(failures) == len(claimed):
+            return _done(exc=error_of(claimed[0]))  # the whole call failed (died, hung)
+        results = []
+        for e in claimed:
+            if e.get("outcome") == "ok":
+                results.append(StepResult("ok", e.get("result")))
+            else:
+                err = error_of(e)
+                results.append(StepResult(outcome_of(err), error=err))
+        return _done(results)
 
-    def attach(self, info: ConnectInfo, *, timeout: float) -> None:
-        self._call("attach")
+    def _more_in_batch(self, steps: Sequence[Step], n: int, batch: Any) -> bool:
+        if n >= len(steps):
+            return False
+        nxt = steps[n]
+        with self.script._lock:
+            indexes = self.script._by_key.get(("call", "engine", self.name, nxt.call, nxt.bucket), [])
+            return any(
+                i not in self.script._claimed and self.script.expected[i].get("batch") == batch
+                for i in indexes[bisect.bisect_left(indexes, self.script.cursor) :]
+            )
 
-    def detach(self, *, timeout: float) -> None:
-        self._call("detach")
+    def _unused(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("replay engines answer through run_steps_async")
 
-    def pause(self, mode: PauseMode, *, timeout: float) -> None:
-        self._call("pause")
-
-    def flush(self, *, timeout: float) -> None:
-        self._call("flush")
-
-    def begin(self, plan: Sequence[BucketManifest], *, timeout: float) -> None:
-        self._call("begin")
-
-    def load(self, payload: Payload, *, timeout: float) -> None:
-        self._call("load", payload.manifest.index)
-
-    def finalize(self, *, timeout: float) -> None:
-        self._call("finalize")
-
-    def publish(self, version: int, *, timeout: float) -> None:
-        self._call("publish")
-
-    def continue_generation(self, *, timeout: float) -> None:
-        self._call("continue_generation")
-
-    def quarantine(self, reason: str, *, timeout: float) -> None:
-        self._call("quarantine")
+    resume_memory = attach = detach = pause = flush = begin = load = finalize = _unused  # type: ignore[assignment]
+    publish = continue_generation = quarantine = _unused  # type: ignore[assignment]
 
 
 class ReplayLock:
@@ -306,6 +384,8 @@ class ReplayLock:
 
     def release(self, owner: str) -> bool:
         event = self.script.claim("lock", "release")
+        if event is not None and event.get("outcome") not in ("ok", "not_owner"):
+            raise error_of(event)
         return event is None or event.get("outcome") == "ok"
 
     @property
@@ -322,21 +402,23 @@ def replay(path: str | Path) -> ReplayReport:
     script = _Script(events)
     config = header.get("config", {})
     starts = script.run_starts
-    names = starts[0]["engines"] if starts else []
+    first = starts[0] if starts else {}
+    names = first.get("engines", [])
     ctx = protocol.RefitContext(
-        source=ReplaySource(script),
-        transport=ReplayTransport(script, int(config.get("slots", 2))),
+        source=ReplaySource(),
+        transport=ReplayTransport(script, int(config.get("slots", 2)), bool(first.get("collective", False))),
         engines=[ReplayEngine(n, script) for n in names] or [ReplayEngine("none", script)],
-        mode=starts[0]["mode"] if starts else "disaggregated",
-        pause_mode=starts[0]["pause_mode"] if starts else "retract",
-        bucket_bytes=int(starts[0]["bucket_bytes"]) if starts else 1,
-        deadline_s=float(starts[0]["deadline_s"]) if starts else 1.0,
-        cleanup_grace_s=float(starts[0].get("cleanup_grace_s", 10.0)) if starts else 1.0,
-        retries=int(starts[0].get("retries", 1)) if starts else 1,
-        call_timeout_s=starts[0].get("call_timeout_s") if starts else None,
-        version=int(starts[0]["previous_version"]) if starts else 0,
+        mode=first.get("mode", "disaggregated"),
+        pause_mode=first.get("pause_mode", "retract"),
+        bucket_bytes=int(first.get("bucket_bytes", 1)),
+        deadline_s=float(first.get("deadline_s", 1.0)),
+        cleanup_grace_s=float(first.get("cleanup_grace_s", 10.0)),
+        retries=int(first.get("retries", 1)),
+        call_timeout_s=first.get("call_timeout_s"),
+        version=int(first.get("previous_version", 0)),
         lock=ReplayLock(script),  # type: ignore[arg-type]
         trace=ReplayRecorder(script),
+        ranks=ReplayRanks(script, int(first.get("ranks", 1))),
         check_invariants=False,
         clock=script.clock,
     )

@@ -23,7 +23,7 @@ DEMO_TRACES = {
     # bucket 0's bytes arrive damaged at engine 0: checksum refusal, retry, caught up
     "corrupt-then-retried.jsonl": ["--fail-at", "transferring:engine=0:bucket=0:kind=corrupt"],
     # the trainer fails after 4 buckets: the run fails, both engines are quarantined
-    "trainer-fails-mid-transfer.jsonl": ["--fail-at", "transferring:bucket=4:call=materialize"],
+    "trainer-fails-mid-transfer.jsonl": ["--fail-at", "transferring:bucket=4:call=pack"],
     # engine 1 dies while finalizing, with no retries allowed
     "kill-on-finalize-no-retry.jsonl": ["--fail-at", "post_processing:engine=1:kind=kill", "--retries", "0"],
 }

@@ -1,24 +1,32 @@
-"""The three driver roles a refit composes: Source (trainer side), Transport (moves a bucket) and
-EngineDriver (controls one rollout engine).
+"""The three driver roles a refit composes, and the data they exchange.
 
-The runner (`refit.protocol`) calls them in the order of the state table; each role documents
-below which method runs in which state, and on which side. Drivers never decide the phase order,
-never publish versions on their own and never touch the lock: they do one thing and report how
-it went by returning or raising. Capabilities are class attributes the runner reads before it
-starts (for example, a pause mode an engine cannot make KV-safe is refused up front).
+  Source        trainer side, one per trainer rank: offload/restore, metadata, the bucket stream.
+  Transport     trainer side, one per trainer rank: plans buckets, owns buffers or a group, packs
+                (and, for collective transports, sends); `Receiver` is its engine side.
+  EngineDriver  controls one rollout engine (which may span several TP ranks) from the leader.
 
-Every EngineDriver method blocks until the engine has done the thing, raises on failure, and
-takes `timeout`: the seconds left in the run's deadline. A driver must not wait past it.
+The runner (`refit.protocol`) calls them in the order of the state table; docs/drivers.md gives
+the contract per role, state, side and rank. Drivers never decide the phase order, never publish
+versions on their own and never touch the lock: they do one thing and report how it went.
+Capabilities are class attributes the runner reads before it starts.
+
+Engine calls are `Step`s: small records (call, run state, arguments, bucket). A driver runs a list
+of consecutive steps in one call (`run_steps`) and reports one `StepResult` per step, stopping at
+the first failure; the runner records each as its own event in its own state. The default runs
+one engine call per step; a driver whose engine can run them in one round trip overrides
+`run_steps` (and `run_steps_async`, to hand back its own future instead of holding a thread).
 """
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from refit.drivers.buckets import BucketManifest, TensorMeta
+from refit.drivers.buckets import BucketManifest, TensorMeta, plan_buckets
 
 if TYPE_CHECKING:
     import torch
@@ -29,21 +37,138 @@ PauseMode = Literal["abort", "retract", "in_place"]
 PAUSE_MODES: tuple[str, ...] = ("abort", "retract", "in_place")
 
 NamedTensors = Sequence[tuple[str, "torch.Tensor"]]
+LazyTensors = Iterable[tuple[str, "torch.Tensor"]]
+
+# ---- the engine set a transport connects -----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """One engine as a transport sees it: its name, how many TP ranks receive, and the index of its
+    first TP rank among every engine TP rank of the set (`rank_offset`)."""
+
+    name: str
+    tp: int
+    rank_offset: int
+
+
+@dataclass(frozen=True)
+class Topology:
+    """The trainer ranks and the engine set of one connection.
+
+    Routing (which trainer rank feeds which engine TP rank) follows the deployment: colocated,
+    engine i's TP rank j sits on the device of trainer rank (rank_offset_i + j) and receives from
+    it (SGLang's per-TP-rank payload list; wrapped around when there are fewer trainer ranks);
+    disaggregated, rank 0 (the source rank) feeds every engine and the other ranks only drain the
+    collectives the source needs. A transport may route otherwise (see Transport.route).
+    """
+
+    world: int
+    engines: tuple[EngineSpec, ...]
+    colocated: bool
+    timeout_s: float = 60.0  # how long a rendezvous (a collective group forming) may take
+
+    @classmethod
+    def of(
+        cls, world: int, engines: Sequence[tuple[str, int]], *, colocated: bool, timeout_s: float = 60.0
+    ) -> Topology:
+        specs, offset = [], 0
+        for name, tp in engines:
+            specs.append(EngineSpec(name, tp, offset))
+            offset += tp
+        return cls(world, tuple(specs), colocated, timeout_s)
+
+    @property
+    def engine_ranks(self) -> int:
+        """Every engine TP rank of the set."""
+        return sum(e.tp for e in self.engines)
+
+    def default_route(self, engine: EngineSpec, tp_rank: int) -> int:
+        return (engine.rank_offset + tp_rank) % self.world if self.colocated else 0
+
+    def key(self) -> tuple[Any, ...]:
+        return (self.world, self.engines, self.colocated)
+
+
+@dataclass(frozen=True)
+class ConnectInfo:
+    """What one engine needs to attach: the transport kind, the import path of the engine-side
+    receiver class, fields every TP rank shares and one `parts` entry per TP rank (index = TP
+    rank). Picklable, JSON-safe."""
+
+    kind: str
+    receiver: str
+    fields: dict[str, Any] = field(default_factory=dict)
+    parts: tuple[dict[str, Any], ...] = ({},)
+
+
+@dataclass(frozen=True)
+class Payload:
+    """One bucket as one engine receives it: the manifest, shared fields and one `parts` entry per
+    engine TP rank (SGLang's `serialized_named_tensors` list has the same shape)."""
+
+    kind: str
+    manifest: BucketManifest
+    fields: dict[str, Any] = field(default_factory=dict)
+    parts: tuple[dict[str, Any], ...] = ({},)
+
+
+# ---- steps -------------------------------------------------------------------------------------------
+
+ENGINE_CALLS = (
+    "probe", "resume_memory", "release_memory", "attach", "detach", "pause", "flush", "begin", "load", "finalize",
+    "publish", "continue_generation", "quarantine",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Step:
+    """One engine call as data: which call, in which run state, with which arguments."""
+
+    call: str
+    state: str
+    args: tuple[Any, ...] = ()
+    bucket: int | None = None
+
+
+@dataclass
+class StepResult:
+    """How one step went. `outcome`: ok | error | timeout. `error` is the exception (errors are
+    data); `done_at` is when the driver returned (CLOCK_MONOTONIC, comparable with engine audits)."""
+
+    outcome: str
+    value: Any = None
+    error: BaseException | None = None
+    seconds: float = 0.0
+    done_at: float | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.outcome == "ok"
+
+
+def outcome_of(exc: BaseException) -> str:
+    return "timeout" if isinstance(exc, TimeoutError) else "error"
+
+
+# ---- roles -------------------------------------------------------------------------------------------
 
 
 class Source(ABC):
-    """Trainer side: produces the new weights, named as the engine names them.
+    """Trainer side, one per trainer rank: produces the new weights, named as the engine names them.
 
-    Lifecycle, per state:
-      OFFLOADING (colocated only)  `offload()`: free the training memory the engine needs
-                                   (gradients, optimizer state); idempotent.
-      CONNECTING                   `metas()`: names, dtypes and global shapes of every tensor to
-                                   send, in send order; the runner plans buckets from them.
-      TRANSFERRING                 `iter_buckets(plan)`: yields each bucket's named tensors in
-                                   plan order (gathering shards if needed). A yielded tensor must
-                                   stay unchanged until the next one is requested.
-      RESTORING, or the abort path `restore()`: back to training placement; idempotent. Called
-                                   on every exit of a colocated run that called `offload()`.
+    Lifecycle, per state (every rank makes the same calls in the same order: the leader decides):
+      run start                    `metas()`: names, dtypes and *global* shapes of every tensor,
+                                   in send order (the leader checks every rank agrees).
+      OFFLOADING (colocated only)  `offload()`: free the training memory the engine needs.
+      TRANSFERRING                 `iter_buckets(plan)`: one item per manifest, in plan order;
+                                   each item is an iterable of (name, tensor) that may be lazy.
+                                   Tensors may be sharded (DTensor): the transport gathers them
+                                   straight into its buffer, on every rank, in manifest order, so
+                                   collectives match even on a rank that owns nothing of a tensor.
+                                   A retry starts a fresh iterator on every rank.
+      RESTORING, or the abort path `restore()`: back to training placement; idempotent. Called on
+                                   every exit of a colocated run that called `offload()`.
     """
 
     kind: ClassVar[str] = "source"
@@ -59,135 +184,176 @@ class Source(ABC):
         """Every tensor the refit sends, in order."""
 
     @abstractmethod
-    def iter_buckets(self, plan: Sequence[BucketManifest]) -> Iterator[NamedTensors]:
+    def iter_buckets(self, plan: Sequence[BucketManifest]) -> Iterator[LazyTensors]:
         """Named tensors for each manifest of `plan`, in order."""
 
 
-@dataclass(frozen=True)
-class ConnectInfo:
-    """What an engine needs to attach to a transport: its kind, the import path of the engine-side
-    receiver class, and transport-specific fields (paths, addresses...). Picklable, JSON-safe."""
-
-    kind: str
-    receiver: str
-    fields: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Payload:
-    """One packed bucket as the engine receives it: the manifest plus transport-specific fields."""
-
-    kind: str
-    manifest: BucketManifest
-    fields: dict[str, Any] = field(default_factory=dict)
-
-
 class Transport(ABC):
-    """Moves buckets from the trainer into engines. Trainer side; the engine side is `Receiver`.
+    """Moves buckets from trainer ranks into engine TP ranks. Trainer side, one instance per rank
+    (the leader's also assembles what every engine receives); the engine side is `Receiver`.
 
     Lifecycle, per state:
-      CONNECTING     `connect(plan, n_engines)`: allocate buffers once for this engine set (sized
-                     from the plan); returns the ConnectInfo each engine attaches to. The runner
-                     reuses the connection across refits until the engines or the plan change.
-      TRANSFERRING   `pack(manifest, tensors)`: copy one bucket into a free buffer; returns the
-                     Payload sent to every engine. Raises if no buffer is free: the runner must
-                     `release(payload)` a bucket only after every engine acknowledged it, and
-                     only then may its buffer be reused. When an engine did not answer (it may
-                     still be reading), the runner calls `abandon(payload)` instead: that buffer
-                     is never reused, and a transport that can replaces it so streaming goes on.
-      disconnect     `disconnect()`: free everything. Idempotent; safe after a failed run.
+      run start      `plan(metas, bucket_bytes)` (leader): bucket manifests with this wire format's
+                     offsets and alignment; a tensor larger than a bucket travels alone.
+      CONNECTING     `connect(plan, topology, rank)` on every rank: allocate buffers (or open a
+                     rendezvous) for this engine set; returns what this rank contributes.
+                     `attach_infos(rank_infos, topology)` (leader, pure): one ConnectInfo per
+                     engine. A `collective` transport then runs `join()` on every rank while the
+                     engines attach (a group forms only when every member is in). The runner
+                     reuses a connection across refits while the engines and plan fit.
+      TRANSFERRING   `pack(manifest, tensors)` on every rank: gather/copy one bucket into a free
+                     buffer (a rank that feeds nobody drains: `feeds(rank)` False); returns this
+                     rank's part. `payloads(manifest, parts, topology)` (leader, pure): what each
+                     engine receives. A collective transport's `send(index)` runs while the
+                     engines' loads run (the trainer's half of the transfer). `release(index)`
+                     after every engine acked (and the send finished); only then is the buffer
+                     reused. `abandon(index)` when an engine may still read it: never reused.
+      disconnect     `disconnect()`: free everything; idempotent, safe after any failure.
 
-    `slots` is how many buckets may be in flight at once (2 = double buffering).
+    `slots`: buckets in flight at once (2: pack bucket k+1 while engines copy bucket k).
+    `collective`: one failed member breaks the group for all (all-or-nothing per bucket):
+    recovery tears it down and reconnects without that member.
     """
 
     kind: ClassVar[str] = "transport"
+    collective: ClassVar[bool] = False
     slots: int = 2
+    temp_bytes: int = 0  # the largest temporary (gather, cast) the last `pack` needed
+
+    def plan(self, metas: Sequence[TensorMeta], bucket_bytes: int) -> list[BucketManifest]:
+        return plan_buckets(metas, bucket_bytes)
+
+    def route(self, topology: Topology, engine: EngineSpec, tp_rank: int) -> int:
+        """The trainer rank whose part engine TP rank `tp_rank` receives."""
+        return topology.default_route(engine, tp_rank)
+
+    def feeds(self, topology: Topology, rank: int) -> bool:
+        return any(self.route(topology, e, j) == rank for e in topology.engines for j in range(e.tp))
 
     @abstractmethod
-    def connect(self, plan: Sequence[BucketManifest], n_engines: int) -> ConnectInfo: ...
+    def connect(self, plan: Sequence[BucketManifest], topology: Topology, rank: int) -> dict[str, Any]: ...
 
     @abstractmethod
-    def pack(self, manifest: BucketManifest, tensors: NamedTensors) -> Payload: ...
+    def attach_infos(self, rank_infos: Sequence[dict[str, Any]], topology: Topology) -> dict[str, ConnectInfo]: ...
+
+    def join(self) -> None:  # noqa: B027 - only collective transports rendezvous
+        """Enter the group while the engines attach (collective transports)."""
 
     @abstractmethod
-    def release(self, payload: Payload) -> None: ...
+    def pack(self, manifest: BucketManifest, tensors: LazyTensors) -> dict[str, Any] | None: ...
+
+    @abstractmethod
+    def payloads(
+        self, manifest: BucketManifest, parts: Sequence[dict[str, Any] | None], topology: Topology
+    ) -> dict[str, Payload]: ...
+
+    def send(self, index: int) -> None:  # noqa: B027 - only collective transports send
+        """The trainer's half of a collective transfer of bucket `index`."""
+
+    @abstractmethod
+    def release(self, index: int) -> None: ...
+
+    def abandon(self, index: int) -> None:  # noqa: B027 - optional: default keeps the buffer busy
+        """Never reuse bucket `index`'s buffer (an engine may still read it); replace it if possible."""
 
     @abstractmethod
     def disconnect(self) -> None: ...
-
-    def abandon(self, payload: Payload) -> None:  # noqa: B027 - optional: default keeps the slot busy
-        """Never reuse this payload's buffer (an engine may still read it); replace it if possible."""
 
     @property
     @abstractmethod
     def connected(self) -> bool: ...
 
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes of trainer memory this rank's buffers hold now (for the peak-memory account)."""
+        return 0
+
 
 class Receiver(ABC):
-    """Engine side of a transport, built in the engine's process from a ConnectInfo.
+    """Engine side of a transport, built in each engine TP rank's process from its ConnectInfo
+    and TP rank. `read(payload)` returns views of the bucket's tensors (full HF tensors) that stay
+    valid until the engine acknowledges the bucket; `close()` detaches."""
 
-    `read(payload)` returns views of the bucket's tensors that stay valid until the engine
-    acknowledges the bucket (returns from its load call); `close()` detaches.
-    """
-
-    def __init__(self, info: ConnectInfo) -> None:
+    def __init__(self, info: ConnectInfo, tp_rank: int = 0) -> None:
         self.info = info
+        self.tp_rank = tp_rank
+
+    @property
+    def part(self) -> dict[str, Any]:
+        return self.info.parts[self.tp_rank]
 
     @abstractmethod
     def read(self, payload: Payload) -> list[tuple[str, torch.Tensor]]: ...
+
+    def verify(self, payload: Payload, tensors: list[tuple[str, torch.Tensor]]) -> None:  # noqa: B027
+        """Raise ValueError when the bytes read are not the bytes sent (checksums)."""
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Detach from the transport's buffers."""
 
 
 class EngineDriver(ABC):
-    """Controls one rollout engine. Trainer side; talks to the engine across its own boundary.
+    """Controls one rollout engine from the leader; talks to it across its own boundary.
 
     Lifecycle, per state (every call blocks until done, raises on failure, honours `timeout`):
-      OFFLOADING (colocated)   `resume_memory(["weights"])`: give the engine its weight memory
-                               back; returns {"weights_intact": bool} (False: contents lost, the
-                               engine must not serve again until a refit completes).
-      CONNECTING               `attach(info)`: open the transport's buffers once.
-      PAUSING                  `pause(mode)`: stop generation (abort / retract / in_place).
-      INVALIDATING             `flush()`: drop every KV/prefix cache entry; must succeed before
-                               any byte moves. `begin(plan)`: validate the whole plan against the
-                               model (names, shapes, dtypes, coverage) and open the update
-                               session; nothing is applied yet.
-      TRANSFERRING             `load(payload)`: copy one bucket into the model. Returning is the
-                               acknowledgement: the engine no longer reads the buffer.
-      POST_PROCESSING          `finalize()`: post-load processing, exactly once per session,
-                               after the last bucket; closes the session.
-      CONTINUING               `publish(version)`, then `continue_generation()`.
-      RESTORING (colocated)    `resume_memory(["kv_cache"])`.
-      QUARANTINING             `quarantine(reason)`: keep the engine out of service (it holds
-                               weights no version names); it is STALE until a refit completes.
-                               (Also inside CONTINUING, for engines that failed while others
-                               committed.)
-      disconnect               `detach()`.
+      first engine call      `probe(target_version)`: the engine's version, incarnation and
+                             whether an update session was left open (closing it); refuses, with
+                             no effect, when the engine already holds `target_version` or newer.
+      OFFLOADING (colocated) `resume_memory(["weights"])`: its weight memory back; returns
+                             {"weights_intact": bool} (False: contents lost).
+      CONNECTING             `attach(info)`: every TP rank opens its part of the transport once.
+      PAUSING                `pause(mode)`.
+      INVALIDATING           `flush()`: drop every KV/prefix cache entry; `begin(plan)`: validate
+                             the whole plan (names, shapes, dtypes, coverage), open the session.
+      TRANSFERRING           `load(payload)`: every TP rank copies its shard of the bucket;
+                             returning is the acknowledgement (no rank reads the buffer after).
+      POST_PROCESSING        `finalize()`: exactly once per session, after the last bucket.
+      CONTINUING             `publish(version)` (refused unless the session acked every planned
+                             bucket and finalized), `continue_generation()`.
+      RESTORING (colocated)  `resume_memory(["kv_cache"])`.
+      QUARANTINING           `quarantine(reason)`: out of service until a refit completes.
+      abort before pausing   `release_memory(["weights"])` (colocated): give back what OFFLOADING
+                             took, so the engine is as it was before the run.
+      disconnect             `detach()`.
 
-    An engine whose call fails leaves the run; if it failed with an error (not a timeout, not
-    death) after it was paused, the runner retries its whole update (`flush`, `begin`, every
-    bucket, `finalize`) while attempts and time remain. A driver should raise
-    `refit.errors.EngineError` with a kind in `NO_EFFECT_KINDS` when the engine refused a request
-    before changing anything: such a refused bucket does not poison the engine.
+    A driver should raise `refit.errors.EngineError` with a kind in `NO_EFFECT_KINDS` when the
+    engine refused a request before changing anything, and kind ``rendezvous`` when its attach
+    failed only because a collective group did not form (another member is to blame).
 
-    Capabilities (class attributes) tell the runner what is safe: `supports_in_place_pause`
-    means the engine can make in-place-paused requests KV-safe after an update (otherwise the
-    runner refuses `in_place`); `transports` lists the transport kinds the engine can receive.
+    Capabilities (class attributes): `pause_modes` the engine supports; `supports_in_place_pause`
+    (it can make in-place-paused requests KV-safe; otherwise the runner refuses `in_place`);
+    `transports` (kinds it can receive); `memory_tags`; `batches` (run_steps is one round trip).
     """
 
     supports_in_place_pause: ClassVar[bool] = False
+    pause_modes: ClassVar[frozenset[str]] = frozenset({"abort", "retract"})
     transports: ClassVar[frozenset[str]] = frozenset()
+    memory_tags: ClassVar[frozenset[str]] = frozenset({"weights", "kv_cache"})
+    batches: ClassVar[bool] = False
 
     name: str
 
     @property
+    def tp_size(self) -> int:
+        """TP ranks that receive weights (each gets full tensors and keeps its shard)."""
+        return 1
+
+    @property
     def incarnation(self) -> str:
-        """Changes when the engine restarts, so the runner reconnects to the new process."""
+        """Changes when the engine restarts, so the runner reconnects to the new process. Must be
+        cheap and local (no I/O): the probe checks it against the engine itself."""
         return self.name
+
+    def probe(self, target_version: int, *, timeout: float) -> dict[str, Any]:
+        """{"version": int | None, "serving": bool, "incarnation": str, "closed_session": bool};
+        the default knows nothing (the runner then trusts its own record)."""
+        return {}
 
     @abstractmethod
     def resume_memory(self, tags: Sequence[str], *, timeout: float) -> dict[str, Any]: ...
+
+    def release_memory(self, tags: Sequence[str], *, timeout: float) -> None:  # noqa: B027 - optional
+        """Give memory back (colocated abort before pausing)."""
 
     @abstractmethod
     def attach(self, info: ConnectInfo, *, timeout: float) -> None: ...
@@ -219,7 +385,31 @@ class EngineDriver(ABC):
     @abstractmethod
     def quarantine(self, reason: str, *, timeout: float) -> None: ...
 
-    # ---- optional hooks -------------------------------------------------------------------------
+    # ---- batching --------------------------------------------------------------------------------
+
+    def run_steps(self, steps: Sequence[Step], *, timeout: float) -> list[StepResult]:
+        """Run consecutive steps, stopping at the first that fails; one result per step run.
+        Default: one engine call per step, all within `timeout`."""
+        end = time.monotonic() + timeout
+        results: list[StepResult] = []
+        for step in steps:
+            t0 = time.monotonic()
+            try:
+                value = getattr(self, step.call)(*step.args, timeout=max(end - t0, 0.0))
+            except Exception as exc:
+                now = time.monotonic()
+                results.append(StepResult(outcome_of(exc), error=exc, seconds=now - t0, done_at=now))
+                break
+            now = time.monotonic()
+            results.append(StepResult("ok", value, seconds=now - t0, done_at=now))
+        return results
+
+    def run_steps_async(self, steps: Sequence[Step], *, timeout: float, executor: Executor) -> Future[list[StepResult]]:
+        """Start `run_steps` and return its future. Override to hand back the engine's own future
+        (a reply matched by id, a Ray ObjectRef) instead of holding one of `executor`'s threads."""
+        return executor.submit(self.run_steps, steps, timeout=timeout)
+
+    # ---- optional hooks ------------------------------------------------------------------------
 
     def engine_lock(self) -> EngineLock | None:
         """The lock the engines themselves host (e.g. a rollout manager's lock actor), if any.
@@ -228,7 +418,7 @@ class EngineDriver(ABC):
 
     def arm_fault(self, kind: str, call: str, *, bucket: int | None, seconds: float, timeout: float) -> bool:
         """Make the engine really hang / die / receive corrupted bytes on its next `call` (fault
-        injection). Return False when unsupported: the runner then simulates the fault."""
+        injection). Return False when unsupported: the fault is then simulated at the boundary."""
         return False
 
     def audit(self, *, timeout: float) -> list[dict[str, Any]] | None:

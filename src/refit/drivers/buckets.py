@@ -4,7 +4,11 @@ A bucket is a list of named tensors laid out in one flat byte buffer. Its manife
 tensor's name, dtype, shape, byte offset and size; traces, engines and transports all speak in
 manifests. Planning needs only metadata, so `plan_buckets` never touches tensor data.
 
-Torch is imported lazily (inside `pack_into` / `unpack`), so this module is light.
+Packing is streaming: `pack_into` takes the bucket's tensors one at a time (a source may produce
+them lazily), gathers a sharded tensor (DTensor) straight into its place in the buffer, and hashes
+each tensor's bytes right after copying them, while they are still in cache (xxHash3), so
+corruption detection costs no second pass over memory. `drain` makes the same collectives on a
+rank that packs nothing. Torch is imported lazily, so this module is light.
 """
 
 from __future__ import annotations
@@ -81,7 +85,7 @@ class TensorMeta:
 @dataclass(frozen=True, slots=True)
 class TensorEntry:
     meta: TensorMeta
-    offset: int  # byte offset inside the bucket buffer, a multiple of ALIGN
+    offset: int  # byte offset inside the bucket buffer
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,31 +93,41 @@ class BucketManifest:
     index: int
     entries: tuple[TensorEntry, ...]
     nbytes: int  # span of the bucket in its buffer, padding included
+    oversized: bool = False  # one tensor larger than a bucket: it travels alone, in a buffer of its own
 
     @property
     def names(self) -> list[str]:
         return [e.meta.name for e in self.entries]
 
+    @property
+    def payload_bytes(self) -> int:
+        return sum(e.meta.nbytes for e in self.entries)
+
     def summary(self) -> dict[str, Any]:
         """JSON-safe description for traces (no tensor data)."""
-        return {
+        out: dict[str, Any] = {
             "index": self.index,
             "nbytes": self.nbytes,
             "names": self.names,
             "dtypes": [e.meta.dtype for e in self.entries],
             "shapes": [list(e.meta.shape) for e in self.entries],
         }
+        if self.oversized:
+            out["oversized"] = True
+        return out
 
 
-def _align(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
+def _align(n: int, align: int) -> int:
+    return (n + align - 1) // align * align
 
 
-def plan_buckets(metas: Iterable[TensorMeta], bucket_bytes: int) -> list[BucketManifest]:
+def plan_buckets(metas: Iterable[TensorMeta], bucket_bytes: int, *, align: int = ALIGN) -> list[BucketManifest]:
     """Greedy, order-preserving bucketing by bytes.
 
-    Tensors keep the source's order. A bucket closes when the next tensor would push it past
-    `bucket_bytes`; a tensor larger than `bucket_bytes` travels alone in its own bucket.
+    Tensors keep the source's order and start at `align`-byte offsets. A bucket closes when the
+    next tensor would push it past `bucket_bytes`; a tensor larger than `bucket_bytes` travels
+    alone in an `oversized` bucket (a transport gives it a buffer of its own rather than
+    enlarging every slot).
     """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
@@ -122,53 +136,155 @@ def plan_buckets(metas: Iterable[TensorMeta], bucket_bytes: int) -> list[BucketM
     offset = 0
     seen: set[str] = set()
 
-    def close() -> None:
+    def close(oversized: bool = False) -> None:
         nonlocal entries, offset
         if entries:
-            buckets.append(BucketManifest(len(buckets), tuple(entries), offset))
+            buckets.append(BucketManifest(len(buckets), tuple(entries), offset, oversized))
         entries, offset = [], 0
 
     for meta in metas:
         if meta.name in seen:
             raise ValueError(f"tensor {meta.name!r} appears twice in the source")
         seen.add(meta.name)
-        size = _align(meta.nbytes)
+        if meta.nbytes > bucket_bytes:
+            close()
+            entries.append(TensorEntry(meta, 0))
+            offset = meta.nbytes
+            close(oversized=True)
+            continue
         if entries and offset + meta.nbytes > bucket_bytes:
             close()
         entries.append(TensorEntry(meta, offset))
-        offset += size
+        offset = _align(offset + meta.nbytes, align)
     close()
     return buckets
 
 
-def pack_into(buffer: torch.Tensor, manifest: BucketManifest, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
-    """Copy `tensors` into the uint8 `buffer` at the manifest's offsets (non-contiguous input is fine)."""
-    if len(tensors) != len(manifest.entries):
-        raise ValueError(
-            f"bucket {manifest.index}: source gave {len(tensors)} tensors, manifest lists {len(manifest.entries)}"
-        )
-    if buffer.numel() < manifest.nbytes:
-        raise ValueError(f"bucket {manifest.index} needs {manifest.nbytes} bytes, buffer has {buffer.numel()}")
-    for (name, tensor), entry in zip(tensors, manifest.entries, strict=True):
-        meta = entry.meta
-        got = TensorMeta.of(name, tensor)
-        if got != meta:
-            raise ValueError(f"bucket {manifest.index}: source tensor {got} does not match manifest entry {meta}")
-        view = buffer[entry.offset : entry.offset + meta.nbytes].view(tensor.dtype).view(meta.shape)
-        view.copy_(tensor)
+def slot_bytes(plan: Sequence[BucketManifest]) -> int:
+    """The size of a reusable slot: the largest bucket that is not oversized."""
+    return max([m.nbytes for m in plan if not m.oversized] + [1])
 
 
-def crc32(tensors: Sequence[tuple[str, torch.Tensor]]) -> int:
-    """CRC-32 over the raw bytes of every tensor, in order (padding excluded, so any transport agrees)."""
-    import zlib
+# ---- packing -----------------------------------------------------------------------------------------
 
+
+def _is_dtensor(tensor: Any) -> bool:
+    return hasattr(tensor, "full_tensor") and hasattr(tensor, "placements")
+
+
+def _even_shard0(tensor: Any) -> bool:
+    """A DTensor sharded on dim 0 over a 1-D mesh in equal pieces: gathered straight into place."""
+    from torch.distributed.tensor import Shard
+
+    mesh = tensor.device_mesh
+    placements = tuple(tensor.placements)
+    return mesh.ndim == 1 and placements == (Shard(0),) and len(tensor.shape) > 0 and tensor.shape[0] % mesh.size() == 0
+
+
+def gather_into(out: torch.Tensor | None, tensor: Any, dtype: torch.dtype) -> int:
+    """Write the full value of `tensor` (plain or DTensor) into `out`, cast to `dtype`; with
+    `out=None` make the same collectives and drop the result (a rank that packs nothing). Every
+    rank takes the same branch for the same tensor, so the collectives match. Returns the bytes
+    of any temporary it had to allocate."""
     import torch
+    import torch.distributed as dist
 
-    crc = 0
+    if not _is_dtensor(tensor):
+        if out is not None:
+            out.copy_(tensor.detach())
+        return 0
+    temp = 0
+    if _even_shard0(tensor):
+        local = tensor.to_local().detach()
+        if local.dtype != dtype:
+            local = local.to(dtype)
+            temp += local.nbytes
+        local = local.contiguous()
+        target = out
+        if target is None:
+            target = torch.empty(tuple(tensor.shape), dtype=dtype, device=local.device)
+            temp += target.nbytes
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(target, local, group=tensor.device_mesh.get_group())
+        return temp
+    full = tensor.detach().full_tensor()  # uneven or multi-dimensional sharding: DTensor gathers
+    temp += full.nbytes
+    if out is not None:
+        out.copy_(full)
+    return temp
+
+
+class _Hasher:
+    def __init__(self) -> None:
+        import xxhash
+
+        self._h = xxhash.xxh3_64()
+
+    def update(self, tensor: torch.Tensor) -> None:
+        import torch
+
+        raw = tensor.detach().reshape(-1)
+        if raw.numel():
+            self._h.update(raw.view(torch.uint8).numpy())
+
+    def digest(self) -> int:
+        return self._h.intdigest()
+
+
+def checksum(tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+    """xxHash3-64 over the raw bytes of every tensor, in order (padding excluded, so any
+    transport and any copy of the bytes agree)."""
+    h = _Hasher()
     for _, tensor in tensors:
-        raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-        crc = zlib.crc32(raw.numpy(), crc)
-    return crc
+        h.update(tensor.contiguous() if not tensor.is_contiguous() else tensor)
+    return h.digest()
+
+
+@dataclass
+class Packed:
+    checksum: int | None
+    temp_bytes: int  # the largest temporary a gather needed while packing
+
+
+def pack_into(
+    buffer: torch.Tensor | None,
+    manifest: BucketManifest,
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    *,
+    hash_bytes: bool = False,
+) -> Packed:
+    """Copy (or gather) the bucket's tensors, taken one at a time, into the uint8 `buffer` at the
+    manifest's offsets; `buffer=None` drains (same collectives, nothing kept). Refuses a tensor
+    whose name, shape or dtype class does not match its manifest entry, naming it."""
+    if buffer is not None and buffer.numel() < manifest.nbytes:
+        raise ValueError(f"bucket {manifest.index} needs {manifest.nbytes} bytes, buffer has {buffer.numel()}")
+    hasher = _Hasher() if hash_bytes and buffer is not None else None
+    entries = iter(manifest.entries)
+    peak = 0
+    count = 0
+    for name, tensor in tensors:
+        entry = next(entries, None)
+        if entry is None:
+            raise ValueError(f"bucket {manifest.index}: the source gave more tensors than the {count} planned")
+        meta = entry.meta
+        if name != meta.name or tuple(int(d) for d in tensor.shape) != meta.shape:
+            raise ValueError(
+                f"bucket {manifest.index}: source tensor {name!r} {list(tensor.shape)} does not match manifest "
+                f"entry {meta.name!r} {list(meta.shape)}"
+            )
+        dtype = torch_dtype(meta.dtype)
+        view = None
+        if buffer is not None:
+            view = buffer[entry.offset : entry.offset + meta.nbytes].view(dtype).view(meta.shape)
+        peak = max(peak, gather_into(view, tensor, dtype))
+        if hasher is not None and view is not None:
+            hasher.update(view)  # still in cache: no second pass over memory
+        count += 1
+    if count != len(manifest.entries):
+        raise ValueError(
+            f"bucket {manifest.index}: source gave {count} tensors, manifest lists {len(manifest.entries)}"
+        )
+    return Packed(hasher.digest() if hasher is not None else None, peak)
 
 
 def unpack(buffer: torch.Tensor, manifest: BucketManifest) -> list[tuple[str, torch.Tensor]]:
@@ -180,7 +296,7 @@ def unpack(buffer: torch.Tensor, manifest: BucketManifest) -> list[tuple[str, to
     out = []
     for entry in manifest.entries:
         meta = entry.meta
-        if entry.offset % ALIGN or entry.offset + meta.nbytes > manifest.nbytes:
+        if entry.offset % itemsize(meta.dtype) or entry.offset + meta.nbytes > manifest.nbytes:
             raise ValueError(f"bucket {manifest.index}: entry {meta.name!r} has a bad offset {entry.offset}")
         raw = buffer[entry.offset : entry.offset + meta.nbytes]
         out.append((meta.name, raw.view(torch_dtype(meta.dtype)).view(meta.shape)))

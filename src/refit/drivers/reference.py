@@ -1,6 +1,13 @@
-"""Engine driver for the reference engine (`refit.reference`), in a process or on a thread.
+"""Engine driver for the reference engine (`refit.reference`), in processes or on a thread.
 
-Lifecycle, per state (each is one request to the engine, answered when done):
+The engine runs a wave's consecutive steps in one request (`batches = True`): a refit's control
+calls take two round trips. Replies are matched by id on the client's reader thread, so a pending
+call holds no thread here (`run_steps_async` hands back that future). An engine with `tp > 1` is
+one head process plus TP followers; every TP rank receives full tensors from its own part of the
+transport and keeps its shard.
+
+Lifecycle, per state (each is one step, answered when done):
+  first engine call       probe(target_version) -> {"version", "serving", "closed_session", "pid"}
   OFFLOADING (colocated)  resume_memory(["weights"]) -> {"weights_intact": bool}
   CONNECTING              attach(info): the engine maps the shared-memory buffers once
   PAUSING                 pause(mode): abort | retract | in_place
@@ -13,6 +20,7 @@ Lifecycle, per state (each is one request to the engine, answered when done):
   RESTORING (colocated)   resume_memory(["kv_cache"])
   QUARANTINING            quarantine(reason): aborts queued work, refuses to serve until a
                           complete refit publishes a new version
+  abort before pausing    release_memory(["weights"]) (colocated)
 
 The reference engine cannot make in-place-paused requests KV-safe (their KV predates the new
 weights), so `supports_in_place_pause` is False and the runner refuses that mode for it.
@@ -22,11 +30,14 @@ Besides the protocol calls, the driver exposes what tests and the demo use to ch
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
+from concurrent.futures import Executor, Future
 from typing import TYPE_CHECKING, Any
 
-from refit.drivers.base import ConnectInfo, EngineDriver, PauseMode, Payload
+from refit.drivers.base import ConnectInfo, EngineDriver, PauseMode, Payload, Step, StepResult, outcome_of
 from refit.drivers.buckets import BucketManifest
+from refit.errors import EngineError
 
 if TYPE_CHECKING:
     import torch
@@ -39,7 +50,9 @@ DEFAULT_TIMEOUT = 60.0
 
 class ReferenceEngine(EngineDriver):
     supports_in_place_pause = False
-    transports = frozenset({"shm"})
+    pause_modes = frozenset({"abort", "retract", "in_place"})
+    transports = frozenset({"shm", "broadcast"})
+    batches = True
 
     def __init__(self, client: EngineClient) -> None:
         self.client = client
@@ -55,10 +68,12 @@ class ReferenceEngine(EngineDriver):
         version: int = 0,
         threads: int = 1,
         serving: bool = True,
+        tp: int = 1,
     ) -> ReferenceEngine:
-        """A reference engine in its own process. `serving=False` for a recovered engine: it refuses
-        requests until a refit completes (miles#1724: replacements served before getting weights)."""
-        return cls.spawn_many([name], config, seed, version=version, threads=threads, serving=serving)[0]
+        """A reference engine in its own process(es). `serving=False` for a recovered engine: it
+        refuses requests until a refit completes (miles#1724: replacements served before getting
+        weights). `tp`: TP ranks (processes), each holding a shard."""
+        return cls.spawn_many([name], config, seed, version=version, threads=threads, serving=serving, tp=tp)[0]
 
     @classmethod
     def spawn_many(
@@ -70,13 +85,14 @@ class ReferenceEngine(EngineDriver):
         version: int = 0,
         threads: int = 1,
         serving: bool = True,
+        tp: int = 1,
     ) -> list[ReferenceEngine]:
-        """Several engine processes, started in parallel."""
+        """Several engines (each `tp` processes), started in parallel."""
         from refit.reference.client import await_ready, launch_process
         from refit.reference.model import ModelConfig
 
         launches = [
-            launch_process(n, config or ModelConfig(), seed, version=version, threads=threads, serving=serving)
+            launch_process(n, config or ModelConfig(), seed, version=version, threads=threads, serving=serving, tp=tp)
             for n in names
         ]
         return [cls(await_ready(launch)) for launch in launches]
@@ -96,6 +112,10 @@ class ReferenceEngine(EngineDriver):
         return f"{self.name}@{self.client.pid or id(self.client)}"
 
     @property
+    def tp_size(self) -> int:
+        return self.client.tp
+
+    @property
     def alive(self) -> bool:
         return self.client.alive
 
@@ -103,6 +123,35 @@ class ReferenceEngine(EngineDriver):
         self.client.close()
 
     # ---- protocol calls ---------------------------------------------------------------------
+
+    def run_steps_async(self, steps: Sequence[Step], *, timeout: float, executor: Executor) -> Future[list[StepResult]]:
+        """One request for the whole list; the engine stops at the first step that fails. A subclass
+        that overrides a step's method gets one call per step, so its override is what runs."""
+        if any(getattr(type(self), s.call) is not getattr(ReferenceEngine, s.call) for s in steps):
+            return super().run_steps_async(steps, timeout=timeout, executor=executor)
+        out: Future[list[StepResult]] = Future()
+        reply = self.client.call_async("steps", [(s.call, tuple(s.args)) for s in steps])
+
+        def done(f: Future[Any]) -> None:
+            now = round(time.monotonic(), 6)
+            exc = f.exception()
+            if exc is not None:
+                out.set_exception(exc)
+                return
+            results = []
+            for ok, value, seconds in f.result():
+                if ok:
+                    results.append(StepResult("ok", value, seconds=seconds, done_at=now))
+                else:
+                    err = EngineError(*value)
+                    results.append(StepResult(outcome_of(err), error=err, seconds=seconds, done_at=now))
+            out.set_result(results)
+
+        reply.add_done_callback(done)
+        return out
+
+    def probe(self, target_version: int, *, timeout: float) -> dict[str, Any]:
+        return self.client.call("probe", target_version, timeout=timeout)
 
     def resume_memory(self, tags: Sequence[str], *, timeout: float) -> dict[str, Any]:
         return self.client.call("resume_memory", list(tags), timeout=timeout)
@@ -169,6 +218,6 @@ class ReferenceEngine(EngineDriver):
         return self.client.call("info", timeout=timeout)
 
     def release_memory(
-        self, tags: Sequence[str], *, cpu_backup: bool = False, timeout: float = DEFAULT_TIMEOUT
+        self, tags: Sequence[str], *, timeout: float = DEFAULT_TIMEOUT, cpu_backup: bool = False
     ) -> None:
         self.client.call("release_memory", list(tags), cpu_backup=cpu_backup, timeout=timeout)

@@ -1,14 +1,16 @@
-"""Torch source: any `nn.Module` or state dict, named as the engine names it, bucketed by bytes.
+"""Torch source: any `nn.Module` or state dict (plain or FSDP2/DTensor), named as the engine
+names it. One per trainer rank: under FSDP2 every rank builds one over its own sharded module.
 
 Lifecycle:
+  run start               `metas()`: one TensorMeta per state-dict entry (DTensor: global shape;
+                          the dtype after the optional cast).
   OFFLOADING (colocated)  `offload()`: drop gradients (set to None); move optimizer state to CPU
                           when it lives on an accelerator. On a CPU-only trainer the optimizer
                           part has nothing to move.
-  CONNECTING              `metas()`: one TensorMeta per state-dict entry (DTensor: global shape).
-  TRANSFERRING            `iter_buckets(plan)`: materializes one bucket at a time: a DTensor is
-                          gathered with `full_tensor()`, a dtype cast applied if asked; tensors
-                          are passed as they are otherwise (the transport copies them, so
-                          non-contiguous tensors are fine and nothing is cloned here).
+  TRANSFERRING            `iter_buckets(plan)`: per bucket, the planned tensors one at a time,
+                          as they are: a DTensor stays sharded (the transport gathers it straight
+                          into its buffer, casting on the way), nothing is cloned or gathered
+                          here, so the trainer never holds a whole extra bucket.
   RESTORING / abort       `restore()`: optimizer state back to where it was.
 """
 
@@ -17,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from refit.drivers.base import NamedTensors, Source
+from refit.drivers.base import LazyTensors, Source
 from refit.drivers.buckets import BucketManifest, TensorMeta, dtype_name
 
 if TYPE_CHECKING:
@@ -70,24 +72,13 @@ class TorchSource(Source):
             for name, t in self._named()
         ]
 
-    def iter_buckets(self, plan: Sequence[BucketManifest]) -> Iterator[NamedTensors]:
+    def iter_buckets(self, plan: Sequence[BucketManifest]) -> Iterator[LazyTensors]:
         named = dict(self._named())
         for manifest in plan:
-            bucket = []
-            for name in manifest.names:
-                if name not in named:
-                    raise KeyError(f"torch source: planned tensor {name!r} is no longer in the state dict")
-                bucket.append((name, self._materialize(named[name])))
-            yield bucket  # no grad-mode context is held across this yield: the trainer's thread is untouched
-
-    def _materialize(self, tensor: torch.Tensor) -> torch.Tensor:
-        import torch
-
-        with torch.no_grad():
-            full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor  # DTensor / FSDP2
-            full = full.detach()
-            target = self._out_dtype(full)
-            return full if full.dtype == target else full.to(target)
+            missing = [n for n in manifest.names if n not in named]
+            if missing:
+                raise KeyError(f"torch source: planned tensors {missing[:3]} are no longer in the state dict")
+            yield [(name, named[name].detach()) for name in manifest.names]
 
     def offload(self) -> None:
         from torch import nn

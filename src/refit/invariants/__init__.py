@@ -19,13 +19,15 @@ loads and finalizes again.
   finalize_once   per engine and attempt: one finalize iff its begin succeeded (at most one when
                   the engine died or hung), after its last load, and no load after it.
                   (Audit: one finalize per update session.)
-  pause_continue  every paused engine is continued or quarantined (or reported dead/hung); no
-                  engine that received a bucket is continued unless it published.
+  pause_continue  every paused engine is continued or quarantined (or reported dead/hung); a
+                  continue or quarantine the engine refused, or that was never sent, does not
+                  count; no engine that received a bucket is continued unless it published.
                   (Audit: never continued while holding weights no version names.)
   kv_fresh        an attempt's first bucket comes after a successful flush that came after a
                   successful pause. (Audit: no bucket applied without a flush since the pause.)
   paired          trainer offload -> restore in the same run; a transport buffer is released
-                  only after every engine it was sent to answered for it; connect/disconnect
+                  only after every engine it was sent to answered for it (and the trainer's send
+                  of it, for collective transports, finished); connect/disconnect
                   alternate and the last connection is closed with the trace. (Audit: an engine
                   acknowledged a bucket only after it finished copying it out.)
   deadline        a run ends within its deadline plus its cleanup grace.
@@ -121,6 +123,24 @@ def _unreachable(events: Sequence[Event], engine: str) -> bool:
     return bool(drops) and drops[-1].get("failure") in ("dead", "timeout")
 
 
+def _after_failed_step(events: Sequence[Event], call: Event) -> bool:
+    """The call rode in one engine call (`batch`) behind a step that failed: the engine stops at
+    the first failure, so this call never ran, whatever its own recorded outcome."""
+    batch = call.get("batch")
+    if batch is None:
+        return False
+    return any(
+        e.get("kind") == "call" and e.get("engine") == call.get("engine") and e.get("batch") == batch
+        and e["seq"] < call["seq"] and e.get("outcome") != "ok"
+        for e in events
+    )  # fmt: skip
+
+
+def _continues(events: Sequence[Event], engine: str) -> list[Event]:
+    """continue_generation calls that may have taken effect."""
+    return [c for c in _calls(events, "continue_generation", engine=engine) if not _after_failed_step(events, c)]
+
+
 def _busy(events: Sequence[Event]) -> bool:
     return any(e.get("kind") == "lock" and e.get("event") == "acquire" and e.get("outcome") == "busy" for e in events)
 
@@ -140,6 +160,7 @@ def check_lock(events: Sequence[Event]) -> list[Violation]:
     locks = [e for e in events if e.get("kind") == "lock"]
     acquires = [e for e in locks if e["event"] == "acquire" and e.get("outcome") == "ok"]
     releases = [e for e in locks if e["event"] == "release" and e.get("outcome") == "ok"]
+    attempted = [e for e in locks if e["event"] == "release" and e.get("outcome") not in ("ok", "not_owner")]
     if _busy(events):
         if acts:
             out.append(_v("lock", "a run refused as busy still made driver calls or moves", acts[0], events))
@@ -153,7 +174,7 @@ def check_lock(events: Sequence[Event]) -> list[Violation]:
     for rel in releases:
         if rel.get("owner") != owner:
             out.append(_v("lock", f"the lock was released by {rel.get('owner')}, not its owner {owner}", rel, events))
-    mine = [r for r in releases if r.get("owner") == owner]
+    mine = [r for r in releases + attempted if r.get("owner") == owner]  # a lock that raised was still released by us
     if _end(events) is not None:
         if len(mine) != 1:
             out.append(
@@ -216,7 +237,7 @@ def check_version(events: Sequence[Event]) -> list[Violation]:
         if not lost:  # a weight-memory resume that failed or came back empty: the weights are gone
             continue
         published = _ok(_calls(events, "publish", engine=name))
-        for c in _calls(events, "continue_generation", engine=name):
+        for c in _continues(events, name):
             if not published or published[0]["seq"] > c["seq"]:
                 msg = f"engine {name} lost its weights and was continued before a new version was published"
                 out.append(_v("version", msg, c, events))
@@ -246,7 +267,10 @@ def check_pause_continue(events: Sequence[Event]) -> list[Violation]:
     end = _end(events)
     for name in _engines(events):
         pauses = _calls(events, "pause", engine=name)
-        resumed = _calls(events, "continue_generation", engine=name) + _calls(events, "quarantine", engine=name)
+        resumed = [
+            c for c in _calls(events, "continue_generation", engine=name) + _calls(events, "quarantine", engine=name)
+            if c.get("outcome") in ("ok", "timeout") and c.get("sent") is not False
+        ]  # fmt: skip
         after = [c for c in resumed if pauses and c["seq"] > pauses[0]["seq"]]
         if pauses and end is not None and not after and not _unreachable(events, name):
             out.append(
@@ -254,7 +278,7 @@ def check_pause_continue(events: Sequence[Event]) -> list[Violation]:
             )
         loads = _effective(_calls(events, "load", engine=name))
         published = _ok(_calls(events, "publish", engine=name))
-        for c in _calls(events, "continue_generation", engine=name):
+        for c in _continues(events, name):
             got = [ld for ld in loads if ld["seq"] < c["seq"]]
             if got and not [p for p in published if p["seq"] < c["seq"]]:
                 acked = len(_ok(got))
@@ -289,6 +313,10 @@ def check_paired(events: Sequence[Event]) -> list[Violation]:
         b, a = rel.get("bucket"), rel.get("attempt", 0)
         sent = [e for e in _calls(events, "load") if e.get("bucket") == b and e.get("attempt", 0) == a]
         late = [e.get("engine") for e in sent if e["seq"] > rel["seq"] or e.get("outcome") == "timeout"]
+        sends = [
+            e for e in _calls(events, "send", side="transport") if e.get("bucket") == b and e.get("attempt", 0) == a
+        ]
+        late += ["the trainer's send" for e in sends if e["seq"] > rel["seq"] or e.get("outcome") == "timeout"]
         if late:
             out.append(
                 _v("paired", f"buffer of bucket {b} released before engines {late} answered for it", rel, events)
@@ -407,6 +435,8 @@ def check_engine_audit(
     voided: set[int] = set()  # sessions a quarantine closed without finalizing
     for rec in records:
         op, ok = rec.get("op"), rec.get("ok")
+        if op == "probe" and ok and rec.get("session_open_before"):
+            voided.add(rec["session"])  # a crashed run's session, closed by the next run's probe
         if op in ("pause", "quarantine") and ok:
             paused, flushed = True, False
             if op == "quarantine" and rec.get("session_open_before"):

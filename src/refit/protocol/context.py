@@ -1,13 +1,19 @@
 """RefitContext (what to refit, how, within what budget) and RefitResult (what happened).
 
 A context is created once per training job and passed to every `run`: it remembers what runs
-must share (the last published version, the open transport connection, the lock, the trace and
-a small thread pool for fanning calls out to engines). `close()` disconnects and ends the trace.
+must share (the last published version, the open transport connection, the lock, the trace, the
+trainer ranks and a small thread pool). `close()` disconnects and ends the trace.
+
+Hostings. With torch.distributed running more than one rank, every rank builds its context (with
+its own source and transport; engines only matter on rank 0) and calls `protocol.run(ctx)`: rank 0
+leads, the others follow its decisions. Otherwise the trainer is this one process. Pass `ranks`
+to choose explicitly (for example `LocalRanks([...])`, or a Ray hosting).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -18,6 +24,7 @@ from refit.drivers.base import PAUSE_MODES, EngineDriver, PauseMode, Source, Tra
 from refit.errors import ConfigError, RefitError
 from refit.protocol.faults import FaultPlan
 from refit.protocol.lock import EngineLock, lock_for
+from refit.protocol.ranks import Ranks, default_ranks
 from refit.trace import TraceRecorder
 
 Mode = Literal["colocated", "disaggregated"]
@@ -28,11 +35,14 @@ EngineStatus = Literal["updated", "unchanged", "quarantined", "stale", "failed"]
 class EngineOutcome:
     """Where one engine stands after a run.
 
-    status: updated (serves the new version), unchanged (serves its previous weights and version),
-    quarantined (holds weights no version names, or none current: kept out of service until a refit
-    completes), stale (was already out of service and this run did not bring it current), failed
-    (died or stopped answering: the caller must restart it; it is stale until a refit completes).
-    `version` is the version the engine serves, None when it must not serve.
+    status: updated (serves the new version), unchanged (its weights and version are those it had
+    before the run, and it is in the condition it was in: serving, or with its memory released in a
+    colocated job), quarantined (holds weights no version names, or none current: kept out of
+    service until a refit completes), stale (was already out of service and this run did not bring
+    it current), failed (died, stopped answering, or could not be brought back to a safe condition:
+    the caller must restart it; it is stale until a refit completes).
+    `version` is the version the engine serves, None when it must not serve; `serving` whether it
+    generates now.
     """
 
     name: str
@@ -41,6 +51,7 @@ class EngineOutcome:
     buckets: int = 0  # buckets acked in its last attempt
     attempts: int = 0
     error: str | None = None
+    serving: bool = False
 
 
 @dataclass
@@ -53,12 +64,16 @@ class RefitResult:
     engines: dict[str, EngineOutcome]
     phase_seconds: dict[str, float]
     seconds: float
-    bytes_moved: int  # bytes packed into the transport
+    bytes_moved: int  # bytes packed by the trainer ranks that feed engines, per bucket once
     bytes_delivered: int  # bytes acknowledged by engines, summed over engines
     buckets: int
     trace_path: str | None
     error: RefitError | None = None
     violations: list[Any] = field(default_factory=list)
+    round_trips: int = 0  # engine fan-out waves outside the bucket loop
+    ranks: int = 1
+    trainer_peak_bytes: int = 0  # the most trainer memory refit held at once on any rank
+    rank_stats: list[Any] = field(default_factory=list)  # per trainer rank: peak bytes, steps run
 
     def raise_for_error(self) -> RefitResult:
         if self.error is not None:
@@ -74,6 +89,8 @@ class _Shared:
     next_version: int
     connection_key: tuple[Any, ...] | None = None
     attached: set[str] = field(default_factory=set)  # incarnations attached to the open connection
+    members: tuple[str, ...] = ()  # engine names the open connection was made for
+    topology: Any = None  # the open connection's Topology
     engine_versions: dict[str, int | None] = field(default_factory=dict)  # None: stale, must not serve
     incarnations: dict[str, str] = field(default_factory=dict)  # last incarnation seen per engine name
     pool: concurrent.futures.ThreadPoolExecutor | None = None
@@ -84,13 +101,15 @@ class _Shared:
 class RefitContext:
     """Everything one refit needs.
 
-    source, transport, engines: the three driver roles.
+    source, transport: this trainer rank's source and transport (one per rank).
+    engines: the engine drivers (read on the leader; followers may pass none).
     mode: "colocated" runs offload the trainer and restore it afterwards; "disaggregated" skips both.
-    pause_mode: abort | retract | in_place (in_place only with engines that declare
+    pause_mode: one of the engines' `pause_modes` (in_place only with engines that declare
         `supports_in_place_pause`: otherwise KV computed with the old weights would survive).
-    bucket_bytes: target bucket size; a larger tensor travels alone.
+    bucket_bytes: target bucket size; a larger tensor travels alone, in a buffer of its own.
     deadline_s: the whole run's budget; cleanup_grace_s: extra time must-run cleanup may take
-        after the deadline (lock release, continue-or-quarantine, restore).
+        after the deadline (lock release, continue-or-quarantine, restore); past both, owed
+        finalizes, continues and quarantines are still sent, each wave waiting a short floor.
     version: the version the engines hold now (the next successful run publishes a larger one).
     retries: how many more times an engine whose update failed is retried within the run.
     call_timeout_s: cap on a single engine call (None: whatever is left of the deadline); set it
@@ -98,6 +117,8 @@ class RefitContext:
     lock: the engines' owner-token lock (default: shared by every context over the same engines).
     trace: a path for the JSONL trace, a TraceRecorder, or None (events are still kept in memory).
     faults: a FaultPlan for tests and `refit demo --fail-at`.
+    ranks: how the trainer ranks are reached (default: SPMD over torch.distributed when it runs
+        more than one rank, this process otherwise).
     clock: the monotonic clock every deadline and timing reads (`refit replay` swaps in the
         recorded one, so the replayed run makes the same time-based decisions).
     check_invariants: check every run's events against refit.invariants and raise on violation.
@@ -105,7 +126,7 @@ class RefitContext:
 
     source: Source
     transport: Transport
-    engines: Sequence[EngineDriver]
+    engines: Sequence[EngineDriver] = ()
     mode: Mode = "disaggregated"
     pause_mode: PauseMode = "retract"
     bucket_bytes: int = 512 << 20
@@ -117,6 +138,7 @@ class RefitContext:
     lock: EngineLock | None = None
     trace: str | Path | TraceRecorder | None = None
     faults: FaultPlan | None = None
+    ranks: Ranks | None = None
     check_invariants: bool = True
     clock: Callable[[], float] = time.monotonic
     _shared: _Shared = field(init=False, repr=False)
@@ -125,27 +147,62 @@ class RefitContext:
     def __post_init__(self) -> None:
         self.engines = list(self.engines)
         self.validate()
-        if self.lock is None:
+        if self.ranks is None:
+            self.ranks = default_ranks(self.source, self.transport)
+        if self.leader:
+            self.validate_engines()
+        if self.lock is None and self.engines:
             hosted = [lock for lock in (e.engine_lock() for e in self.engines) if lock is not None]
             self.lock = hosted[0] if hosted else lock_for(tuple(e.name for e in self.engines))
         self.recorder = (
             self.trace
             if isinstance(self.trace, TraceRecorder)
-            else TraceRecorder(self.trace, config=self.describe(), clock=self.clock)
+            else TraceRecorder(self.trace if self.leader else None, config=self.describe(), clock=self.clock)
         )
         self._shared = _Shared(version=self.version, next_version=self.version + 1)
 
     def validate(self) -> None:
-        """Refuse, before anything starts, what cannot be done safely."""
-        if not self.engines:
-            raise ConfigError("a refit needs at least one engine")
-        names = [e.name for e in self.engines]
-        if len(set(names)) != len(names):
-            raise ConfigError(f"engine names must be unique, got {names}")
+        """Refuse, before anything starts, what cannot be done safely (every rank)."""
+        if not isinstance(self.source, Source):
+            raise ConfigError(f"source must implement refit.drivers.Source, got {type(self.source).__name__}")
+        if not isinstance(self.transport, Transport):
+            raise ConfigError(f"transport must implement refit.drivers.Transport, got {type(self.transport).__name__}")
         if self.mode not in ("colocated", "disaggregated"):
             raise ConfigError(f"mode must be 'colocated' or 'disaggregated', got {self.mode!r}")
         if self.pause_mode not in PAUSE_MODES:
             raise ConfigError(f"pause_mode must be one of {PAUSE_MODES}, got {self.pause_mode!r}")
+        _positive("bucket_bytes", self.bucket_bytes, integer=True)
+        _positive("deadline_s", self.deadline_s)
+        _positive("cleanup_grace_s", self.cleanup_grace_s, zero_ok=True)
+        if self.call_timeout_s is not None:
+            _positive("call_timeout_s", self.call_timeout_s)
+        if isinstance(self.retries, bool) or not isinstance(self.retries, int) or self.retries < 0:
+            raise ConfigError(f"retries must be an integer >= 0, got {self.retries!r}")
+        if isinstance(self.version, bool) or not isinstance(self.version, int) or self.version < 0:
+            raise ConfigError(f"version must be an integer >= 0, got {self.version!r}")
+        if not isinstance(self.transport.slots, int) or self.transport.slots < 1:
+            raise ConfigError(f"transport.slots must be an integer >= 1, got {self.transport.slots!r}")
+
+    def validate_engines(self) -> None:
+        """The leader's checks of the engine set."""
+        if not self.engines:
+            raise ConfigError("a refit needs at least one engine (on the leader)")
+        bad = [type(e).__name__ for e in self.engines if not isinstance(e, EngineDriver)]
+        if bad:
+            raise ConfigError(f"engines must implement refit.drivers.EngineDriver, got {bad}")
+        names = [e.name for e in self.engines]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"engine names must be unique, got {names}")
+        for e in self.engines:
+            if self.pause_mode not in e.pause_modes:
+                raise ConfigError(
+                    f"engine {e.name} supports pause modes {sorted(e.pause_modes)}, not {self.pause_mode!r}"
+                )
+            if self.transport.kind not in e.transports:
+                raise ConfigError(f"engine {e.name} cannot receive the {self.transport.kind!r} transport")
+            tp = e.tp_size
+            if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+                raise ConfigError(f"engine {e.name} reports tp_size {tp!r}; it must be an integer >= 1")
         if self.pause_mode == "in_place":
             unsafe = [e.name for e in self.engines if not e.supports_in_place_pause]
             if unsafe:
@@ -153,13 +210,10 @@ class RefitContext:
                     f"pause_mode 'in_place' keeps requests' KV across the update, and engines {unsafe} cannot "
                     "make that KV fresh (their flush refuses while requests hold KV); use 'retract' or 'abort'"
                 )
-        for e in self.engines:
-            if self.transport.kind not in e.transports:
-                raise ConfigError(f"engine {e.name} cannot receive the {self.transport.kind!r} transport")
-        if self.bucket_bytes <= 0 or self.deadline_s <= 0 or self.cleanup_grace_s < 0:
-            raise ConfigError("bucket_bytes and deadline_s must be positive, cleanup_grace_s non-negative")
-        if self.retries < 0 or (self.call_timeout_s is not None and self.call_timeout_s <= 0):
-            raise ConfigError("retries must be >= 0 and call_timeout_s positive (or None)")
+
+    @property
+    def leader(self) -> bool:
+        return self.ranks is None or self.ranks.leader
 
     @property
     def colocated(self) -> bool:
@@ -184,6 +238,7 @@ class RefitContext:
             "call_timeout_s": self.call_timeout_s,
             "slots": self.transport.slots,
             "version": self.version,
+            "ranks": self.ranks.world if self.ranks is not None else 1,
         }
 
     def pool(self) -> concurrent.futures.ThreadPoolExecutor:
@@ -193,19 +248,34 @@ class RefitContext:
         return self._shared.pool
 
     def close(self) -> None:
-        """Disconnect the transport (engines detach) and end the trace. Idempotent."""
+        """Disconnect the transport (engines detach, every rank frees its buffers) and end the
+        trace. Idempotent. Under SPMD every rank calls it."""
         if self._shared.closed:
+            return
+        self._shared.closed = True
+        assert self.ranks is not None
+        if not self.leader:
+            self.ranks.follow(self.deadline_s + self.cleanup_grace_s + 5.0)
+            self.ranks.close()
             return
         from refit.protocol.runner import disconnect
 
         disconnect(self, timeout=self.cleanup_grace_s or 5.0)
+        self.ranks.close()
         if self._shared.pool is not None:
             self._shared.pool.shutdown(wait=False, cancel_futures=True)
         self.recorder.close()
-        self._shared.closed = True
 
     def __enter__(self) -> RefitContext:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _positive(name: str, value: Any, *, integer: bool = False, zero_ok: bool = False) -> None:
+    kind = int if integer else (int, float)
+    ok = isinstance(value, kind) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value < 0 or (value == 0 and not zero_ok):
+        want = "a finite number >= 0" if zero_ok else "a positive finite " + ("integer" if integer else "number")
+        raise ConfigError(f"{name} must be {want}, got {value!r}")

@@ -1,25 +1,36 @@
-"""Deterministic, keyed fault injection: make a chosen driver call fail, to prove cleanup works.
+"""Deterministic, keyed fault injection: make a chosen step fail, to prove cleanup works.
 
-`FaultPlan().fail_at("transferring", engine=1, bucket=2, kind="kill")` fires at the first driver
-call that matches (state, engine index, bucket, call); keys left as None match anything; each fault
-fires once and is recorded in the trace. Kinds:
+`FaultPlan().fail_at("transferring", engine=1, bucket=2, kind="kill")` fires at the first step that
+matches (state, engine index, bucket, call); keys left as None match anything; each fault fires
+once and is recorded in the trace. Kinds:
 
-  raise    the call raises InjectedFault instead of running
-  hang     the call does not return inside its time budget (the engine stalls, then carries on late)
-  kill     the engine's process dies (SIGKILL) when the call reaches it
-  corrupt  the call's payload arrives damaged: a bucket's bytes fail their checksum, any other
+  raise    the step fails with InjectedFault instead of running
+  hang     the step does not return inside its time budget (the engine stalls, then carries on late)
+  kill     the engine's process dies (SIGKILL) when the step reaches it
+  corrupt  the step's payload arrives damaged: a bucket's bytes fail their checksum, any other
            request cannot be decoded
 
-hang, kill and corrupt happen inside the engine when its driver supports `arm_fault` (the
-reference engine does); otherwise the runner simulates them at the driver boundary. On trainer-
-side calls (source, transport) hang stalls the call until the deadline and the others raise.
+Faults are injected by wrappers the runner puts around the engine drivers and the trainer ranks
+for a run that has a plan (`FaultyEngine`, `FaultyRanks`): the runner's own call path knows
+nothing of them. hang, kill and corrupt happen inside the engine when its driver supports
+`arm_fault` (the reference engine does); otherwise the wrapper simulates them at the driver
+boundary. On trainer-side steps, which every rank runs, the leader's wrapper decides for all ranks
+at once: hang stalls the step past its budget (no rank runs it) and the other kinds raise.
 """
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
+from typing import Any
+
+from refit.drivers.base import EngineDriver, Step, StepResult
+from refit.errors import EngineDied, EngineError
 
 FAULT_KINDS = ("raise", "hang", "kill", "corrupt")
+HANG_SLACK_S = 0.6  # how far past its budget an injected hang answers (the runner waits budget + 0.5)
 
 
 class InjectedFault(RuntimeError):
@@ -77,7 +88,7 @@ class FaultPlan:
         return self
 
     def take(self, state: str, call: str, engine: int | None, bucket: int | None) -> Fault | None:
-        """The fault to fire for this call, marking it fired; None if no fault matches."""
+        """The fault to fire for this step, marking it fired; None if no fault matches."""
         for fault in self.faults:
             if fault.matches(state, call, engine, bucket):
                 fault.fired += 1
@@ -95,3 +106,123 @@ class FaultPlan:
                 raise ValueError(f"bad fault spec part {part!r} in {spec!r} (use engine=, bucket=, call=, kind=)")
             kwargs[key] = int(value) if key in ("engine", "bucket") else value
         return cls().fail_at(state, **kwargs)  # type: ignore[arg-type]
+
+
+OnFire = Callable[[Fault, str], None]
+
+
+def _later(seconds: float, fire: Callable[[], None]) -> None:
+    timer = threading.Timer(seconds, fire)
+    timer.daemon = True
+    timer.start()
+
+
+def _timeout_later(fut: Future[Any], seconds: float, message: str) -> None:
+    def fire() -> None:
+        if not fut.done():
+            fut.set_exception(TimeoutError(message))
+
+    _later(seconds, fire)
+
+
+class FaultyEngine:
+    """An engine driver with a fault plan in front of it (one run)."""
+
+    def __init__(self, driver: EngineDriver, plan: FaultPlan, index: int, on_fire: OnFire) -> None:
+        self.driver = driver
+        self.plan = plan
+        self.index = index
+        self.on_fire = on_fire
+        self.dead = False  # a simulated kill: every later step finds the engine gone
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.driver, name)
+
+    def run_steps_async(self, steps: Sequence[Step], *, timeout: float, executor: Executor) -> Future[list[StepResult]]:
+        if self.dead:
+            return _done([StepResult("error", error=EngineDied(f"engine {self.driver.name} is gone (simulated kill)"))])
+        for i, step in enumerate(steps):  # noqa: B007 - `i` marks where the fault fires
+            fault = self.plan.take(step.state, step.call, self.index, step.bucket)
+            if fault is not None:
+                break
+        else:
+            return self.driver.run_steps_async(steps, timeout=timeout, executor=executor)
+        self.on_fire(fault, step.call)
+        if fault.kind != "raise" and self._arm(fault, step, timeout):
+            return self.driver.run_steps_async(steps, timeout=timeout, executor=executor)  # it misbehaves for real
+        if fault.kind == "hang":
+            out: Future[list[StepResult]] = Future()
+            _timeout_later(out, timeout + HANG_SLACK_S, f"engine {self.driver.name} did not answer (simulated hang)")
+            return out
+        if fault.kind == "kill":
+            self.dead = True
+            return _done([StepResult("error", error=EngineDied(f"engine {self.driver.name} is gone (simulated kill)"))])
+        err: BaseException = (
+            InjectedFault(f"injected raise fault at {step.state}/{step.call}")
+            if fault.kind == "raise"
+            else EngineError("bad_payload", f"{step.call}: payload corrupted in transit (simulated)")
+        )
+        prefix = list(steps[:i])
+        if not prefix:
+            return _done([StepResult("error", error=err)])
+        return _then(self.driver.run_steps_async(prefix, timeout=timeout, executor=executor), len(prefix), err)
+
+    def _arm(self, fault: Fault, step: Step, timeout: float) -> bool:
+        """Ask the engine to misbehave for real on this step; False if its driver cannot."""
+        try:
+            return bool(
+                self.driver.arm_fault(
+                    fault.kind, step.call, bucket=step.bucket, seconds=timeout + HANG_SLACK_S + 0.5, timeout=5.0
+                )
+            )
+        except Exception:
+            return False
+
+
+def _done(results: list[StepResult]) -> Future[list[StepResult]]:
+    fut: Future[list[StepResult]] = Future()
+    fut.set_result(results)
+    return fut
+
+
+def _then(prefix: Future[list[StepResult]], n: int, err: BaseException) -> Future[list[StepResult]]:
+    """The prefix's results, then the faulted step's error if the prefix ran through."""
+    out: Future[list[StepResult]] = Future()
+
+    def done(f: Future[list[StepResult]]) -> None:
+        exc = f.exception()
+        if exc is not None:
+            out.set_exception(exc)
+            return
+        results = f.result()
+        if len(results) == n and all(r.ok for r in results):
+            results = [*results, StepResult("error", error=err)]
+        out.set_result(results)
+
+    prefix.add_done_callback(done)
+    return out
+
+
+class FaultyRanks:
+    """The trainer ranks with a fault plan in front of them (one run): the leader decides for every
+    rank, so a faulted step is never run by some ranks and not others."""
+
+    def __init__(self, ranks: Any, plan: FaultPlan, on_fire: OnFire) -> None:
+        self.ranks = ranks
+        self.plan = plan
+        self.on_fire = on_fire
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.ranks, name)
+
+    def start(self, step: Any, *, timeout: float) -> Future[list[Any]]:
+        fault = self.plan.take(step.state, step.call, None, step.bucket)
+        if fault is None:
+            return self.ranks.start(step, timeout=timeout)
+        self.on_fire(fault, step.call)
+        out: Future[list[Any]] = Future()
+        if fault.kind == "hang":
+            _timeout_later(out, timeout + HANG_SLACK_S, f"{step.call} did not return (simulated hang)")
+        else:
+            out.set_exception(InjectedFault(f"injected {fault.kind} fault at {step.state}/{step.call}"))
+        return out

@@ -1,36 +1,41 @@
-"""`run(ctx)`: one refit, driven through the state table, with cleanup that always runs.
+"""`run(ctx)`: one refit, driven by the leader through the state tables; cleanup always runs.
 
-How a run proceeds:
-  1. Take the engines' lock with a fresh owner token (busy -> RefitBusyError, nothing done).
-  2. For each phase: commit the move in the machine (a refused move raises IllegalTransition),
-     record the transition, then make the phase's driver calls. Engine calls fan out to the
-     engines still in the run, on the context's thread pool; each is bounded by the run's one
-     deadline (and `call_timeout_s`) and recorded as one event, in engine order.
-  3. An engine whose call fails leaves the run (an `engine/dropped` event says why: error,
-     timeout or dead); the others carry on. Engines that failed with an error after being paused
-     are retried (`retry`: INVALIDATING again for them alone) while `retries` and time remain.
-  4. TRANSFERRING streams buckets through `transport.slots` buffers: bucket i+1 is packed while
-     engines copy bucket i; a buffer is reused only after every engine answered for it (a timed
-     out engine leaves its buffer abandoned, never reused).
+How a run proceeds (on the leader; other trainer ranks follow, see `refit.protocol.ranks`):
+  1. Take the engines' lock with a fresh owner token (bounded; busy -> RefitBusyError, nothing
+     done). Read each engine's incarnation (bounded). Every rank reports its tensor metadata; the
+     ranks must agree; the transport plans the buckets.
+  2. Engine calls go out in *waves*: one call per engine carrying consecutive steps (a driver that
+     can batches them into one round trip) and an optional trainer-side step run at the same time
+     on every rank (a collective transport's join or send). One deadline bounds the whole wave,
+     however many engines ignore their timeouts. Steady state takes two control waves:
+       [probe, (resume weights), pause, flush, begin]   then the bucket loop   then
+       [publish, continue, (resume KV)]
+     with each engine's finalize riding on its last bucket's call. Each step is then recorded as
+     its own event in its own state, in table order: the run machine moves into a step's state
+     before the step is recorded, so traces, invariants, fault injection and replay stay per step.
+  3. Each engine has its own small machine (EngineMachine: joined, paused, open, finalized,
+     published, serving, quarantined, gone) plus facts (its weights kept/changed/lost, why it left
+     the attempt); outcomes are derived from them. An engine whose call fails leaves the attempt;
+     the others carry on. Engines that failed with an error after being paused are retried (a
+     collective transport's group, which a failed member breaks for all, is rebuilt first).
+  4. TRANSFERRING streams buckets through `transport.slots` buffers: every rank packs bucket k
+     (gathering shards straight into its buffer) while engines copy bucket k-1; a buffer is
+     released only after every engine answered for it (and the send finished), else abandoned.
   5. CONTINUING: a per-engine commit gate re-checks from the run's own events that the engine's
-     last attempt acked every bucket and finalized; those engines publish the version and
-     continue. Engines that received no byte continue on their old weights; engines holding
-     weights no version names are quarantined (STALE until a refit completes).
-  6. A failure of the run itself (trainer side, deadline, no engine left) moves to ABORTING: owed
-     finalizes run, clean engines continue, the trainer is restored, the connection is torn down,
-     poisoned engines are quarantined (QUARANTINING), the run latches FAILED. Cleanup is bounded
-     by the deadline plus `cleanup_grace_s`; the lock is released on every exit.
+     last attempt acked every bucket and finalized; those engines publish and continue. Engines
+     that got no byte continue on their old weights; engines holding weights no version names are
+     quarantined.
+  6. A failure of the run itself moves to ABORTING: owed finalizes run, the trainer is restored,
+     a dirty connection is torn down, clean engines continue, a colocated engine never paused
+     gets its memory released again, poisoned ones are quarantined. Cleanup is bounded by the
+     deadline plus `cleanup_grace_s`; past that, owed calls are still sent with a short floor.
   7. The run's events are checked against `refit.invariants`; a violation raises.
-
-A note on order: the runner commits a move and only then makes that phase's calls, so a failure is
-recorded in the state where it happened (the trace says TRANSFERRING, engine e1, bucket 2), which
-is what `refit check` and `refit replay` need. No I/O happens inside the machine.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
+import concurrent.futures
+import itertools
 import time
 import uuid
 from collections import deque
@@ -40,8 +45,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from refit import invariants
-from refit.drivers.base import EngineDriver, Payload
-from refit.drivers.buckets import BucketManifest, plan_buckets
+from refit.drivers.base import Step, StepResult, Topology, outcome_of
+from refit.drivers.buckets import BucketManifest
 from refit.errors import (
     DeadlineExceeded,
     DriverCallError,
@@ -54,76 +59,102 @@ from refit.errors import (
 )
 from refit.protocol.context import EngineOutcome, RefitContext, RefitResult
 from refit.protocol.deadline import Deadline
-from refit.protocol.faults import Fault, InjectedFault
-from refit.states import RefitMachine, RefitState, Trigger
+from refit.protocol.faults import FaultyEngine, FaultyRanks
+from refit.protocol.ranks import RankStep
+from refit.states import (
+    TRANSITIONS,
+    EngineEvent,
+    EngineMachine,
+    EngineState,
+    RefitMachine,
+    RefitState,
+    Trigger,
+)
 
-S, T = RefitState, Trigger
-SLACK_S = 0.5  # how long past a call's timeout to wait for a driver whose own timeout should fire
+S, T, E, EV = RefitState, Trigger, EngineState, EngineEvent
+SLACK_S = 0.5  # how long past a wave's budget to wait for drivers whose own timeout should fire
+CLEANUP_FLOOR_S = 0.25  # owed cleanup calls are still sent, and waited on this long, past deadline + grace
+LOCK_TIMEOUT_S = 5.0  # a lock call (or incarnation read) waits at most this long, within the deadline
 RETRY_STATES = ("INVALIDATING", "TRANSFERRING", "POST_PROCESSING")  # failures here are retried
+_ORDER = {s: i for i, s in enumerate(RefitState)}
 
 
-@dataclass
+def _next_trigger(state: RefitState) -> Trigger:
+    """The happy-path move out of `state`: the first the table lists from it."""
+    return next(trig for trig, sources, _ in TRANSITIONS if state in sources)
+
+
+@dataclass(eq=False)
 class _Engine:
-    """The runner's view of one engine during one run."""
+    """The leader's view of one engine during one run: its machine and the facts beside it."""
 
     index: int
-    driver: EngineDriver
+    driver: Any  # an EngineDriver (or the fault wrapper around one)
+    tp: int
+    incarnation: str
     previous_version: int | None  # None: stale (new incarnation, or left unversioned earlier)
-    active: bool = True  # still on the run's happy path
-    failure: str | None = None  # why it left: "error" | "timeout" (hung) | "dead" | "deadline" (no time left)
-    failed_in: str | None = None  # the state it failed in
-    error: str | None = None
-    exc: RefitError | None = None  # the first error, as raised
-    weights_ok: bool = True  # False: its weight memory came back without contents
-    paused: bool = False  # a pause call was made (whatever its outcome)
-    attempt: int = -1  # the pass it was last streamed in
-    attempts: int = 0
-    begun: bool = False  # begin succeeded in its current attempt: one finalize is owed
-    finalized: bool = False  # ... and was paid
-    loads_ok: set[int] = field(default_factory=set)  # acked in its current attempt
-    touched: bool = False  # a bucket may have been applied (any attempt)
-    bytes_ok: int = 0
+    machine: EngineMachine = field(default_factory=EngineMachine)
+    weights: str = "kept"  # kept | changed (a bucket may have landed) | lost (memory came back empty)
     published: bool = False
-    continued: bool = False
-    kv_resumed: bool = False  # colocated: KV memory given back
-    quarantined: bool = False
-    starved: bool = False  # its last call never started: the run had no time left
+    failure: str | None = None  # why it left the attempt: error | timeout (hung) | dead | deadline
+    failed_in: str | None = None
+    error: str | None = None
+    exc: RefitError | None = None
+    attempt: int = -1
+    attempts: int = 0
+    acked: set[int] = field(default_factory=set)  # buckets acked in its current attempt
+    bytes_ok: int = 0
+    resumed: set[str] = field(default_factory=set)  # memory regions resumed in this run (colocated)
+    taken: set[str] = field(default_factory=set)  # ... of which were released before it: given back on abort
 
     @property
     def name(self) -> str:
         return self.driver.name
 
     @property
-    def reachable(self) -> bool:
-        return self.failure not in ("dead", "timeout")
+    def state(self) -> EngineState:
+        return self.machine.state
 
-    def complete(self, n_buckets: int) -> bool:
-        return self.begun and self.finalized and len(self.loads_ok) == n_buckets
+    @property
+    def reachable(self) -> bool:
+        return self.state != E.GONE
+
+    @property
+    def active(self) -> bool:
+        return self.failure is None and self.reachable
 
     @property
     def must_not_serve(self) -> bool:
         """Holds weights its version does not name (or has no current version): never continue it."""
-        return not self.published and (self.touched or not self.weights_ok or self.previous_version is None)
+        return not self.published and (self.weights != "kept" or self.previous_version is None)
 
 
 @dataclass
-class _Reply:
-    engine: _Engine
-    ok: bool
-    value: Any
-    error: RefitError | None
-    outcome: str  # ok | error | timeout
+class _Wave:
+    batch: int
+    budget: float
+    started: float  # time.monotonic(): waits are real time even when a replay fakes the clock
+    items: list[tuple[_Engine, list[Step], Future[list[StepResult]]]]
 
 
 @dataclass
-class _Pending:
-    engine: _Engine
-    call: str
-    bucket: int | None
-    state: str
-    future: Future[Any]
-    wait_s: float  # how long this call may take
-    start: float
+class _RankCall:
+    step: RankStep
+    future: Future[list[Any]]
+    budget: float
+    started: float
+    t0: float  # ctx clock, for the event's duration
+    extra: dict[str, Any]
+
+
+@dataclass
+class _Bucket:
+    manifest: BucketManifest
+    wave: _Wave
+    send: _RankCall | None
+
+
+Results = dict[_Engine, list[tuple[Step, StepResult]]]
 
 
 class _Run:
@@ -135,27 +166,34 @@ class _Run:
         shared = ctx._shared
         self.previous_version = shared.version
         self.version = shared.next_version
-        self.engines = []
-        for i, d in enumerate(ctx.engines):
-            known = shared.incarnations.get(d.name)
-            restarted = known is not None and known != d.incarnation
-            previous = None if restarted else shared.engine_versions.get(d.name, shared.version)
-            self.engines.append(_Engine(i, d, previous))
         self.clock = ctx.clock
         self.deadline = Deadline(ctx.deadline_s, clock=ctx.clock)
         self.cleanup_deadline = self.deadline.extended(ctx.cleanup_grace_s)
+        self.transport = ctx.transport
+        plan = ctx.faults
+        self.ranks: Any = FaultyRanks(ctx.ranks, plan, self.fault_fired) if plan else ctx.ranks
+        self.engines = [
+            _Engine(i, FaultyEngine(d, plan, i, self.fault_fired) if plan else d, d.tp_size, d.name, None)
+            for i, d in enumerate(ctx.engines)
+        ]
         self.attempt = 0
         self.events: list[dict[str, Any]] = []
         self.phase_seconds: dict[str, float] = {}
         self._phase_t0 = self.clock()
         self.plan: list[BucketManifest] = []
+        self.topology: Topology | None = None
         self.bytes_moved = 0
         self.offloaded = False
-        self.connection_dirty = False
-        self.inflight: deque[tuple[Payload, list[_Pending]]] = deque()
-        self.simulated_dead: set[str] = set()
-        self.first_error: RefitError | None = None  # the first engine failure, for attribution
+        self.connection_dirty = False  # not to be reused by the next run
+        self.broken = False  # a collective group a member broke: rebuild before streaming again
+        self.inflight: deque[_Bucket] = deque()
+        self.held: list[tuple[_Engine, Step, StepResult, int]] = []  # finalizes that rode on last buckets
+        self.first_error: RefitError | None = None
         self.error: RefitError | None = None
+        self.round_trips = 0
+        self.batches = itertools.count()
+        self.ahead: list[str] = []  # engines whose probe found them at or past the target version
+        self.restore_failed: BaseException | None = None
 
     # ---- recording ---------------------------------------------------------------------------
 
@@ -166,6 +204,9 @@ class _Run:
         self.events.append(record)
         return record
 
+    def fault_fired(self, fault: Any, call: str) -> None:
+        self.emit("fault", "injected", fault=fault.describe(), call=call)
+
     def enter(self, trigger: Trigger, *, bucket: int | None = None) -> None:
         src = self.machine.state
         dst = self.machine.fire(trigger)
@@ -175,6 +216,14 @@ class _Run:
             self._phase_t0 = now
         self.emit("transition", str(trigger), src=str(src), dst=str(dst), bucket=bucket)
 
+    def move_to(self, state: str) -> None:
+        """Walk the happy path until the machine is in `state` (for steps recorded after a wave)."""
+        target = RefitState(state)
+        while self.machine.state != target:
+            if _ORDER[self.machine.state] > _ORDER[target]:
+                raise RuntimeError(f"a step of state {target} came after the run reached {self.machine.state}")
+            self.enter(_next_trigger(self.machine.state))
+
     def _wrap(self, exc: BaseException, call: str, state: str, engine: str | None, bucket: int | None) -> RefitError:
         if isinstance(exc, RefitError):
             return exc
@@ -183,184 +232,245 @@ class _Run:
             return DeadlineExceeded(f"{call} did not finish inside the deadline: {exc}", cause=exc, **where)
         return DriverCallError(f"{call} failed: {type(exc).__name__}: {exc}", cause=exc, **where)
 
-    def _fault(self, call: str, engine: int | None, bucket: int | None) -> Fault | None:
-        plan = self.ctx.faults
-        fault = plan.take(str(self.machine.state), call, engine, bucket) if plan else None
-        if fault is not None:
-            self.emit("fault", "injected", fault=fault.describe(), call=call)
-        return fault
-
-    # ---- calls ---------------------------------------------------------------------------------
-
-    def _budget(self, cleanup: bool) -> float:
-        left = (self.cleanup_deadline if cleanup else self.deadline).remaining()
-        cap = self.ctx.call_timeout_s
-        return left if cap is None else min(left, cap)
-
-    def inline(
-        self,
-        call: str,
-        side: str,
-        fn: Callable[[], Any],
-        *,
-        bucket: int | None = None,
-        cleanup: bool = False,
-        **extra: Any,
-    ) -> Any:
-        """A trainer-side call (source or transport: gathers, collectives, copies), bounded by the
-        deadline like an engine call: it runs on the pool and the runner stops waiting when the
-        time is up (a hung collective cannot be cancelled, but it no longer holds the run)."""
-        deadline = self.cleanup_deadline if cleanup else self.deadline
-        state = str(self.machine.state)
-        t0 = self.clock()
-        try:
-            if deadline.expired():
-                raise TimeoutError(f"the run's deadline ({deadline.budget_s:g}s) passed before {call}")
-            fault = self._fault(call, None, bucket)
-            if fault is not None and fault.kind == "hang":  # the call does not return before the run ends
-                fn = functools.partial(time.sleep, self.cleanup_deadline.remaining() + 1.0)
-            elif fault is not None:
-                raise InjectedFault(f"injected {fault.kind} fault at {state}/{call}")
-            future = self.ctx.pool().submit(fn)
-            try:
-                value = future.result(timeout=deadline.remaining())
-            except TimeoutError:
-                if future.done():
-                    raise
-                raise TimeoutError(f"{call} did not return inside the deadline ({deadline.budget_s:g}s)") from None
-        except Exception as exc:
-            outcome = "timeout" if isinstance(exc, TimeoutError) else "error"
-            self._record_call(call, side, state, outcome, t0, bucket=bucket, error=exc, **extra)
-            raise self._wrap(exc, call, state, None, bucket) from exc
-        self._record_call(call, side, state, "ok", t0, bucket=bucket, **extra)
-        return value
-
-    def _record_call(
-        self,
-        call: str,
-        side: str,
-        state: str,
-        outcome: str,
-        t0: float,
-        *,
-        error: BaseException | None = None,
-        **fields: Any,
-    ) -> None:
+    def record_step(self, e: _Engine, step: Step, res: StepResult, batch: int, state: str | None = None) -> None:
+        err = res.error
+        extra: dict[str, Any] = {"result": res.value} if isinstance(res.value, dict) else {}
+        if getattr(err, "no_effect", False):
+            extra["effect"] = "none"  # the engine refused it before changing anything
+        if isinstance(err, NoTimeLeft):
+            extra["sent"] = False  # the run had no time left: the call never reached the engine
         self.emit(
-            "call", call, state=state, side=side, outcome=outcome, duration_s=round(self.clock() - t0, 6),
-            error=None if error is None else f"{type(error).__name__}: {error}", **fields,
+            "call", step.call, state=state or step.state, side="engine", engine=e.name, bucket=step.bucket,
+            outcome=res.outcome, duration_s=round(res.seconds, 6),
+            error=None if err is None else f"{type(err).__name__}: {err}", done_at=res.done_at,
+            attempt=max(e.attempt, 0), batch=batch, **extra,
         )  # fmt: skip
 
-    def submit(
-        self,
-        call: str,
-        engine: _Engine,
-        fn: Callable[[EngineDriver, float], Any],
-        *,
-        bucket: int | None = None,
-        cleanup: bool = False,
-    ) -> _Pending:
-        state = str(self.machine.state)
-        wait_s = self._budget(cleanup)
-        fault = self._fault(call, engine.index, bucket)
-        fut: Future[Any] = Future()
-        if engine.name in self.simulated_dead:
-            fut.set_exception(EngineDied(f"engine {engine.name} is gone (simulated kill)"))
-        elif fault is not None and fault.kind == "raise":
-            fut.set_exception(InjectedFault(f"injected raise fault at {state}/{call}"))
-        elif fault is not None and not self._arm(engine, fault, call, bucket, wait_s):
-            self._simulate(fault, engine, call, wait_s, fut)
-        elif wait_s <= 0:
-            fut.set_exception(NoTimeLeft(f"no time left in the run's deadline for {call}"))
+    # ---- budgets -----------------------------------------------------------------------------
+
+    def _budget(self, cleanup: bool, *, cap: bool = True) -> float:
+        left = (self.cleanup_deadline if cleanup else self.deadline).remaining()
+        if cleanup:
+            left = max(left, CLEANUP_FLOOR_S)
+        limit = self.ctx.call_timeout_s if cap else None
+        return left if limit is None else min(left, limit)
+
+    # ---- trainer ranks ------------------------------------------------------------------------
+
+    def rank_start(self, step: RankStep, *, cleanup: bool = False, **extra: Any) -> _RankCall:
+        budget = self._budget(cleanup, cap=False)
+        t0 = self.clock()
+        if budget <= 0:
+            fut: Future[list[Any]] = Future()
+            fut.set_exception(NoTimeLeft(f"the run's deadline passed before {step.call}"))
         else:
-            fut = self.ctx.pool().submit(_timed, fn, engine.driver, wait_s)
-        return _Pending(engine, call, bucket, state, fut, wait_s, self.clock())
+            try:
+                fut = self.ranks.start(step, timeout=budget)
+            except Exception as exc:
+                fut = Future()
+                fut.set_exception(exc)
+        return _RankCall(step, fut, budget, time.monotonic(), t0, extra)
 
-    def _arm(self, engine: _Engine, fault: Fault, call: str, bucket: int | None, wait_s: float) -> bool:
-        """Ask the engine to misbehave for real on this call; False if its driver cannot."""
-        seconds = wait_s + SLACK_S + 0.5  # a hang outlasts the call's whole budget
+    def rank_wait(self, rc: _RankCall, *, state: str | None = None) -> tuple[list[Any] | None, BaseException | None]:
+        """Wait for a trainer-side step (bounded), record it as one event; (values, error)."""
+        exc: BaseException | None = None
+        values = None
         try:
-            return bool(engine.driver.arm_fault(fault.kind, call, bucket=bucket, seconds=seconds, timeout=5.0))
-        except Exception:
-            return False
-
-    def _simulate(self, fault: Fault, engine: _Engine, call: str, wait_s: float, fut: Future[Any]) -> None:
-        if fault.kind == "kill":
-            self.simulated_dead.add(engine.name)
-            fut.set_exception(EngineDied(f"engine {engine.name} is gone (simulated kill)"))
-        elif fault.kind == "corrupt":
-            fut.set_exception(EngineError("bad_payload", f"{call}: payload corrupted in transit (simulated)"))
-        else:  # hang: the engine never answers inside the call's budget
-            self.ctx.pool().submit(_sleep_then, wait_s + SLACK_S + 0.1, fut)
-
-    def collect(self, p: _Pending) -> _Reply:
-        """Wait for one engine call (bounded) and record it. An engine already known to be hung
-        is not waited on again: its other calls are only checked, not awaited."""
-        value: Any = None
-        exc: Exception | None = None
-        done_at = None
-        wait = 0.0 if p.engine.failure == "timeout" else max(p.wait_s, 0.0) + SLACK_S
-        try:
-            value, done_at = p.future.result(timeout=wait)
+            values = rc.future.result(timeout=max(rc.started + rc.budget + SLACK_S - time.monotonic(), 0.0))
+        except concurrent.futures.TimeoutError:
+            exc = TimeoutError(f"{rc.step.call} did not return on every trainer rank inside {rc.budget:.3g}s")
         except Exception as caught:
             exc = caught
-            p.engine.starved = isinstance(caught, NoTimeLeft)
-            if isinstance(caught, TimeoutError) and not p.future.done():  # our wait ran out, not the driver's
-                exc = TimeoutError(f"{p.call} on engine {p.engine.name} did not return inside its {p.wait_s:.3g}s")
-        outcome = "ok" if exc is None else "timeout" if isinstance(exc, TimeoutError) else "error"
-        extra: dict[str, Any] = {"result": value} if isinstance(value, dict) else {}
-        if getattr(exc, "no_effect", False):
-            extra["effect"] = "none"  # the engine refused it before changing anything
-        self._record_call(
-            p.call, "engine", p.state, outcome, p.start, engine=p.engine.name, bucket=p.bucket, error=exc,
-            done_at=done_at, attempt=max(p.engine.attempt, 0), **extra,
+        outcome = "ok" if exc is None else outcome_of(exc)
+        self.emit(
+            "call", rc.step.call, state=state or rc.step.state, side=rc.step.side, outcome=outcome,
+            duration_s=round(self.clock() - rc.t0, 6), error=None if exc is None else f"{type(exc).__name__}: {exc}",
+            bucket=rc.step.bucket, ranks=self.ctx.ranks.world if self.ctx.ranks else 1, **rc.extra,
         )  # fmt: skip
+        return values, exc
+
+    def rank_call(self, step: RankStep, *, cleanup: bool = False, **extra: Any) -> list[Any]:
+        values, exc = self.rank_wait(self.rank_start(step, cleanup=cleanup, **extra))
+        if exc is not None:
+            raise self._wrap(exc, step.call, step.state, None, step.bucket) from exc
+        return values or []
+
+    # ---- engine waves ---------------------------------------------------------------------------
+
+    def start_wave(self, plan: dict[_Engine, list[Step]], *, cleanup: bool = False, count: bool = True) -> _Wave:
+        budget = self._budget(cleanup)
+        wave = _Wave(next(self.batches), budget, time.monotonic(), [])
+        pool = self.ctx.pool()
+        for e, steps in plan.items():
+            if not steps:
+                continue
+            if budget <= 0:
+                fut: Future[list[StepResult]] = Future()
+                fut.set_result([StepResult("timeout", error=NoTimeLeft(f"no time left for {steps[0].call}"))])
+            else:
+                try:
+                    fut = e.driver.run_steps_async(steps, timeout=budget, executor=pool)
+                except Exception as exc:
+                    fut = Future()
+                    fut.set_exception(exc)
+            wave.items.append((e, steps, fut))
+        if count and wave.items:
+            self.round_trips += 1
+        return wave
+
+    def wait_wave(self, wave: _Wave) -> Results:
+        """Every engine's step results, waiting once for all of them (engines already known to be
+        hung are not waited on again)."""
+        waiting = [f for e, _, f in wave.items if e.failure != "timeout"]
+        end = wave.started + wave.budget + SLACK_S
+        concurrent.futures.wait(waiting, timeout=max(end - time.monotonic(), 0.0))
+        out: Results = {}
+        for e, steps, fut in wave.items:
+            out[e] = self._step_results(e, steps, fut, wave)
+        return out
+
+    def _step_results(
+        self, e: _Engine, steps: list[Step], fut: Future[list[StepResult]], wave: _Wave
+    ) -> list[tuple[Step, StepResult]]:
+        now = time.monotonic()
+        if not fut.done():
+            err: BaseException = TimeoutError(
+                f"engine {e.name} did not answer {[s.call for s in steps]} inside its {wave.budget:.3g}s"
+            )
+            return [(s, StepResult("timeout", error=err, seconds=now - wave.started)) for s in steps]
+        exc = fut.exception()
         if exc is None:
-            return _Reply(p.engine, True, value, None, "ok")
-        return _Reply(p.engine, False, None, self._wrap(exc, p.call, p.state, p.engine.name, p.bucket), outcome)
+            results = fut.result()
+            if not isinstance(results, list) or len(results) > len(steps) or not results:
+                exc = RuntimeError(
+                    f"driver returned {len(results) if isinstance(results, list) else type(results).__name__} "
+                    f"results for {len(steps)} steps"
+                )
+            elif any(not r.ok for r in results[:-1]):
+                exc = RuntimeError("driver went on after a failed step")
+            else:
+                return list(zip(steps, results, strict=False))
+        return [(s, StepResult(outcome_of(exc), error=exc, seconds=now - wave.started, done_at=now)) for s in steps]
 
-    def fanout(
-        self,
-        call: str,
-        fn: Callable[[EngineDriver, float], Any],
-        engines: Sequence[_Engine] | None = None,
-        *,
-        cleanup: bool = False,
-    ) -> list[_Reply]:
-        targets = [e for e in self.engines if e.active] if engines is None else list(engines)
-        pendings = [self.submit(call, e, fn, cleanup=cleanup) for e in targets]
-        return [self.collect(p) for p in pendings]
+    def wave(
+        self, plan: dict[_Engine, list[Step]], *, cleanup: bool = False, alongside: _RankCall | None = None
+    ) -> None:
+        """Send a wave, wait for it, record and apply every step in table order."""
+        w = self.start_wave(plan, cleanup=cleanup)
+        results = self.wait_wave(w)
+        self.absorb(results, w.batch, alongside=alongside)
 
-    # ---- engines leaving the run -------------------------------------------------------------
+    def absorb(self, results: Results, batch: int, *, alongside: _RankCall | None = None) -> None:
+        """Record a wave's results state by state: move into each step's state (along the table),
+        record the trainer-side step of that state first, then every engine's steps, in engine
+        order. Everything the wave did is recorded before anything is decided on it."""
+        states = sorted({s.state for pairs in results.values() for s, _ in pairs}, key=lambda s: _ORDER[RefitState(s)])
+        if alongside is not None and alongside.step.state not in states:
+            states = sorted({*states, alongside.step.state}, key=lambda s: _ORDER[RefitState(s)])
+        for state in states:
+            self.move_to(state)
+            if alongside is not None and alongside.step.state == state:
+                _, exc = self.rank_wait(alongside)
+                if exc is not None and alongside.step.call == "restore":
+                    self.restore_failed = exc
+            for e in self.engines:
+                for step, res in results.get(e, ()):
+                    if step.state == state:
+                        self.record_step(e, step, res, batch)
+                        self.apply(e, step, res)
 
-    def drop(self, reply: _Reply) -> None:
-        e = reply.engine
-        err = reply.error
-        dead = isinstance(getattr(err, "cause", None), EngineDied) or isinstance(err, EngineDied)
+    # ---- applying results to the engine's machine and facts -------------------------------------
+
+    def apply(self, e: _Engine, step: Step, res: StepResult) -> None:
+        call = step.call
+        if res.ok:
+            self._apply_ok(e, step, res.value)
+            return
+        err = res.error
+        if isinstance(err, EngineError) and err.kind == "version_ahead":
+            self.ahead.append(e.name)
+        if call == "load" and not getattr(err, "no_effect", False):
+            e.weights = "changed" if e.weights == "kept" else e.weights  # part of it may have landed
+        elif call == "pause" and e.machine.can(EV.PAUSE):
+            e.machine.fire(EV.PAUSE)  # it may have paused: it is owed a continue or a quarantine
+        elif call == "finalize" and e.machine.can(EV.CLOSE):
+            e.machine.fire(EV.CLOSE)  # a failed finalize closes the session too: never repeated
+        elif call == "publish":
+            e.weights = "changed" if e.weights == "kept" else e.weights  # its label is unknown now
+        elif call == "resume_memory" and "weights" in step.args[0]:
+            e.weights = "lost"  # a failed weight-memory resume leaves the weights unknown
+        self.drop(e, step, err)
+
+    def _apply_ok(self, e: _Engine, step: Step, value: Any) -> None:
+        call = step.call
+        if call == "probe":
+            self._probed(e, step, value if isinstance(value, dict) else {})
+        elif call == "resume_memory":
+            tags = set(step.args[0])
+            e.resumed |= tags
+            if isinstance(value, dict) and isinstance(value.get("resumed"), list):
+                tags &= set(value["resumed"])  # only what was released before was taken by this run
+            e.taken |= tags
+            if "weights" in tags and isinstance(value, dict) and value.get("weights_intact") is False:
+                e.weights = "lost"
+        elif call == "release_memory":
+            e.resumed -= set(step.args[0])
+            e.taken -= set(step.args[0])
+        elif call == "attach":
+            self.ctx._shared.attached.add(e.incarnation)
+        elif call == "pause":
+            e.machine.fire(EV.PAUSE)
+        elif call == "begin":
+            e.machine.fire(EV.OPEN)
+        elif call == "load":
+            assert step.bucket is not None
+            e.acked.add(step.bucket)
+            e.bytes_ok += self.plan[step.bucket].payload_bytes
+            e.weights = "changed" if e.weights == "kept" else e.weights
+        elif call == "finalize":
+            complete = len(e.acked) == len(self.plan) and e.failure is None
+            e.machine.fire(EV.FINALIZE if complete else EV.CLOSE)
+        elif call == "publish":
+            e.machine.fire(EV.PUBLISH)
+            e.published = True
+            self.ctx._shared.version = self.version
+        elif call == "continue_generation":
+            if e.must_not_serve:  # a driver bug the table would not see: never report it as clean
+                raise InvariantViolation(f"engine {e.name} was continued holding weights no version names")
+            e.machine.fire(EV.CONTINUE)
+        elif call == "quarantine":
+            e.machine.fire(EV.QUARANTINE)
+
+    def _probed(self, e: _Engine, step: Step, info: dict[str, Any]) -> None:
+        version = info.get("version")
+        if isinstance(version, int):
+            e.previous_version = version if info.get("serving", True) else None
+        if isinstance(version, int) and version >= self.version:  # a driver whose engine did not refuse
+            self.ahead.append(e.name)
+            self.drop(e, step, EngineError("version_ahead", f"engine holds version {version}"))
+
+    def drop(self, e: _Engine, step: Step, err: BaseException | None) -> None:
+        """The engine leaves the current attempt (the others carry on)."""
+        wrapped = self._wrap(err or RuntimeError("failed"), step.call, step.state, e.name, step.bucket)
+        dead = isinstance(err, EngineDied)
         if e.failure == "dead":
             return
         before = e.failure
-        if e.active or dead or (reply.outcome == "timeout" and not e.starved):
-            if dead:
-                e.failure = "dead"
-            elif reply.outcome == "timeout":
-                e.failure = "deadline" if e.starved else "timeout"
-            else:
-                e.failure = "error"
-        e.error = e.error or str(err)
-        e.exc = e.exc or err
-        if e.active:
-            e.active = False
-            e.failed_in = reply.error.state if reply.error else str(self.machine.state)
+        if dead:
+            e.failure = "dead"
+        elif isinstance(err, TimeoutError):
+            e.failure = "deadline" if isinstance(err, NoTimeLeft) else "timeout"
+        elif e.failure is None:
+            e.failure = "error"
+        if e.failure in ("dead", "timeout") and e.machine.can(EV.LOSE):
+            e.machine.fire(EV.LOSE)
+        if before is None:
+            e.failed_in = step.state
+        e.error = e.error or str(wrapped)
+        e.exc = e.exc or wrapped
+        self.first_error = self.first_error or wrapped
         if e.failure != before:
-            self.emit("engine", "dropped", engine=e.name, failure=e.failure, error=str(err))
-
-    def settle(self, replies: list[_Reply]) -> None:
-        """Engines whose call failed leave the run (the others carry on)."""
-        for r in replies:
-            if not r.ok:
-                self.drop(r)
-                self.first_error = self.first_error or r.error
+            self.emit("engine", "dropped", engine=e.name, failure=e.failure, error=str(wrapped))
 
     def require_engines(self, what: str) -> None:
         """The run itself fails when no engine is left to carry it."""
@@ -371,351 +481,547 @@ class _Run:
 
     def execute(self) -> None:
         ctx = self.ctx
+        self.prepare()
+        state = "OFFLOADING" if ctx.colocated else "CONNECTING"
         if ctx.colocated:
             self.enter(T.OFFLOAD)
             self.offloaded = True
-            self.inline("offload", "source", ctx.source.offload)
-            replies = self.fanout("resume_memory", lambda d, t: d.resume_memory(["weights"], timeout=t))
-            for r in replies:  # a failed resume leaves the weights unknown: treat them as lost
-                intact = isinstance(r.value, dict) and r.value.get("weights_intact") is not False
-                r.engine.weights_ok = r.ok and intact
-            self.settle(replies)
-            self.require_engines("after giving engines their weight memory")
+            self.rank_call(RankStep("offload", state))
+        else:
+            self.enter(T.CONNECT)
+        head = [Step("probe", state, (self.version,))]
+        if ctx.colocated:
+            head.append(Step("resume_memory", state, (["weights"],)))
+        tail = [
+            Step("pause", "PAUSING", (ctx.pause_mode,)),
+            Step("flush", "INVALIDATING"),
+            Step("begin", "INVALIDATING", (self.plan,)),
+        ]
+        members = self.engines
+        self.topology = ctx._shared.topology
+        if self.needs_connect(members):
+            self.wave({e: list(head) for e in members})
+            self.check_probes()
+            self.require_engines("after the probe")
+            if ctx.colocated:
+                self.enter(T.CONNECT)
+            self.connect([e for e in members if e.active], "CONNECTING")
+            self.require_engines("attached to the transport")
+            self.wave({e: list(tail) for e in members if e.active})
+        else:
+            self.wave({e: head + tail for e in members})
+            self.check_probes()
+        self.require_engines("paused, flushed and in an update session")
+        self.stream([e for e in self.engines if e.active and e.state == E.OPEN])
+        while retry := self.retryable():
+            self.attempt += 1
+            for e in retry:
+                e.failure, e.acked, e.attempt, e.attempts = None, set(), self.attempt, e.attempts + 1
+            if self.broken:
+                self.enter(T.RECONNECT)
+                self.connect(retry, "RECONNECTING")
+            self.enter(T.RETRY)
+            self.wave(
+                {
+                    e: [Step("flush", "INVALIDATING"), Step("begin", "INVALIDATING", (self.plan,))]
+                    for e in retry
+                    if e.active
+                }
+            )
+            self.stream([e for e in retry if e.active and e.state == E.OPEN])
+        self.commit()
+        self.finish()
 
-        self.enter(T.CONNECT)
-        metas = self.inline("metas", "source", ctx.source.metas)
-        self.plan = plan_buckets(metas, ctx.bucket_bytes)
+    def prepare(self) -> None:
+        """IDLE: incarnations (bounded), every rank's metadata (which must agree), the plan."""
+        ctx = self.ctx
+        per_rank = self.rank_call(RankStep("metas", "IDLE"))
+        metas = per_rank[0]
+        for rank, other in enumerate(per_rank[1:], start=1):
+            if other != metas:
+                diff = next((f"{a} vs {b}" for a, b in zip(metas, other, strict=False) if a != b), "a different count")
+                raise RefitError(f"trainer rank {rank} sends different tensors than rank 0: {diff}", state="IDLE")
+        self.plan = self.transport.plan(metas, ctx.bucket_bytes)
         self.emit(
             "plan", "buckets", buckets=len(self.plan), nbytes=sum(m.nbytes for m in self.plan), tensors=len(metas),
             manifests=[m.summary() for m in self.plan],
         )  # fmt: skip
-        self.connect()
-        self.require_engines("attached to the transport")
 
-        self.enter(T.PAUSE)
-        for e in self.engines:
-            e.paused = e.active
-        self.settle(self.fanout("pause", lambda d, t: d.pause(ctx.pause_mode, timeout=t)))
-        self.require_engines("paused")
+    def read_incarnations(self) -> None:
+        """Each engine's incarnation (a restarted engine is reconnected and fully refit), bounded."""
+        shared = self.ctx._shared
+        incarnations = self.bounded_each([lambda d=e.driver: d.incarnation for e in self.engines], "incarnation")
+        for e, inc in zip(self.engines, incarnations, strict=True):
+            e.incarnation = inc
+            known = shared.incarnations.get(e.name)
+            restarted = known is not None and known != inc
+            e.previous_version = None if restarted else shared.engine_versions.get(e.name, shared.version)
+            e.attempts, e.attempt = 1, 0
 
-        self.enter(T.INVALIDATE)
-        self.update([e for e in self.engines if e.active])
-        while retry := self.retryable():
-            self.attempt += 1
-            self.enter(T.RETRY)
-            self.update(retry)
-        self.require_engines("with a complete update")
+    def bounded_each(self, fns: Sequence[Callable[[], Any]], what: str) -> list[Any]:
+        """Call each function on the pool, waiting once for all, within the deadline."""
+        pool = self.ctx.pool()
+        futures = [pool.submit(fn) for fn in fns]
+        budget = min(self.deadline.remaining(), LOCK_TIMEOUT_S)
+        concurrent.futures.wait(futures, timeout=budget)
+        out = []
+        for i, f in enumerate(futures):
+            if not f.done():
+                raise DeadlineExceeded(f"{what} of engine {self.engines[i].name} did not return in {budget:.3g}s")
+            out.append(f.result())
+        return out
 
-        self.enter(T.PUBLISH)
-        self.commit()
-        if not any(e.published for e in self.engines):
-            raise self.first_error or DriverCallError("no engine published the version", state="CONTINUING")
-        self.settle_rest(cleanup=False)
+    def check_probes(self) -> None:
+        """A trainer whose version counter is behind an engine's is refused before any byte moves."""
+        if self.ahead:
+            raise RefitError(
+                f"engines {self.ahead} already hold version {self.version} or newer; the trainer's "
+                f"version counter ({self.previous_version}) is behind: nothing was moved",
+                state=str(self.machine.state),
+            )
 
-        if ctx.colocated:
-            self.enter(T.RESTORE)
-            self.inline("restore", "source", ctx.source.restore)
-            self.offloaded = False
-            self.resume_kv([e for e in self.engines if e.continued], cleanup=False)
-            self.resume_kv([e for e in self.engines if e.continued and not e.kv_resumed and e.reachable], cleanup=False)
-        self.enter(T.FINISH)
+    def needs_connect(self, members: Sequence[_Engine]) -> bool:
+        shared = self.ctx._shared
+        return not (
+            shared.connection_key == self.connection_key(members)
+            and self.transport.connected
+            and shared.attached >= {e.incarnation for e in members}
+        )
 
-    def connect(self) -> None:
+    def connection_key(self, members: Sequence[_Engine]) -> tuple[Any, ...]:
+        return (tuple((e.name, e.incarnation, e.tp) for e in members), tuple(self.plan), self.ctx.mode)
+
+    def connect(self, members: list[_Engine], state: str) -> None:
+        """Connect the transport on every rank and attach `members` (a collective transport's
+        group forms while the engines attach: `join` runs at the same time). A group that did not
+        form is torn down and rebuilt without the members to blame (dead, hung, or failing for a
+        reason of their own rather than because the group could not form)."""
         ctx, shared = self.ctx, self.ctx._shared
-        incarnations = tuple(e.driver.incarnation for e in self.engines)
-        key = (incarnations, max([m.nbytes for m in self.plan] + [0]))  # same processes, buckets fit
-        if shared.connection_key == key and ctx.transport.connected and shared.attached >= set(incarnations):
-            return
-        if ctx.transport.connected or shared.connection_key is not None:
-            disconnect(ctx, timeout=self.deadline.remaining(), run=self)
-        self.connection_dirty = True
-        info = self.inline("connect", "transport", lambda: ctx.transport.connect(self.plan, len(self.engines)))
-        shared.connection_key = key
-        replies = self.fanout("attach", lambda d, t: d.attach(info, timeout=t))
-        shared.attached = {r.engine.driver.incarnation for r in replies if r.ok}
+        while True:
+            if self.transport.connected or shared.connection_key is not None:
+                self.teardown(cleanup=False)
+            self.connection_dirty = True
+            budget = self._budget(False)
+            topo = Topology.of(
+                ctx.ranks.world if ctx.ranks else 1, [(e.name, e.tp) for e in members], colocated=ctx.colocated,
+                timeout_s=max(budget * 0.7, 0.05),
+            )  # fmt: skip
+            infos = self.rank_call(RankStep("connect", state, (self.plan, topo)))
+            per_engine = self.transport.attach_infos(infos, topo)
+            w = self.start_wave({e: [Step("attach", state, (per_engine[e.name],))] for e in members})
+            join = self.rank_start(RankStep("join", state)) if self.transport.collective else None
+            self.absorb(self.wait_wave(w), w.batch, alongside=join)
+            formed = join is None or (join.future.done() and join.future.exception() is None)
+            attached = [e for e in members if e.active]
+            if not self.transport.collective or (formed and len(attached) == len(members)):
+                members = attached
+                break
+            blamed = [e for e in members if not e.active and not _rendezvous_only(e)]
+            if not blamed or len(blamed) == len(members) or self.deadline.remaining() <= 0:
+                self.teardown(cleanup=False)
+                raise self.first_error or DriverCallError("the transport group did not form", state=state)
+            members = [e for e in members if e not in blamed]
+            for e in members:  # they failed only because the group could not form: they try again
+                e.failure, e.error, e.exc = None, None, None
+        self.topology = shared.topology = topo
+        shared.connection_key = self.connection_key(members)
+        shared.members = tuple(e.name for e in members)
         self.connection_dirty = False
-        self.settle(replies)
+        self.broken = False
 
-    def update(self, engines: list[_Engine]) -> None:
-        """INVALIDATING -> TRANSFERRING -> POST_PROCESSING for `engines` (one attempt each)."""
-        for e in engines:
-            e.active, e.failure, e.begun, e.finalized, e.loads_ok = True, None, False, False, set()
-            e.attempt, e.attempts = self.attempt, e.attempts + 1
-        self.settle(self.fanout("flush", lambda d, t: d.flush(timeout=t), [e for e in engines if e.active]))
-        replies = self.fanout("begin", lambda d, t: d.begin(self.plan, timeout=t), [e for e in engines if e.active])
-        for r in replies:
-            r.engine.begun = r.ok
-        self.settle(replies)
-        self.transfer([e for e in engines if e.active])
+    def teardown(self, *, cleanup: bool) -> None:
+        """Engines detach, every rank disconnects; recorded, bounded, never raises."""
+        shared = self.ctx._shared
+        attached = [e for e in self.engines if e.incarnation in shared.attached and e.reachable]
+        shared.connection_key, shared.attached, shared.members = None, set(), ()
+        if attached:
+            w = self.start_wave({e: [Step("detach", str(self.machine.state))] for e in attached}, cleanup=True)
+            for e, pairs in self.wait_wave(w).items():
+                for step, res in pairs:
+                    self.record_step(e, step, res, w.batch, state=str(self.machine.state))
+        self.rank_wait(self.rank_start(RankStep("disconnect", str(self.machine.state)), cleanup=True))
+        self.connection_dirty = False
+
+    # ---- the bucket loop ------------------------------------------------------------------------
+
+    def stream(self, engines: list[_Engine]) -> None:
+        """TRANSFERRING then POST_PROCESSING for one attempt of `engines`."""
+        self.enter(T.TRANSFER)
+        n = len(self.plan)
+        slots = max(self.transport.slots, 1)
+        for manifest in self.plan if engines else ():
+            k = manifest.index
+            if k > 0:
+                self.enter(T.NEXT_BUCKET, bucket=k)
+            while len(self.inflight) >= slots:
+                self.drain_oldest()
+            live = [e for e in engines if e.active]
+            if not live or self.broken:
+                break
+            parts = self.rank_call(RankStep("pack", "TRANSFERRING", (k, self.attempt), k), manifest=manifest.summary())
+            assert self.topology is not None
+            payloads = self.transport.payloads(manifest, parts, self.topology)
+            self.bytes_moved += manifest.payload_bytes
+            steps = {e: [Step("load", "TRANSFERRING", (payloads[e.name],), k)] for e in live}
+            if k == n - 1:
+                for e in live:
+                    steps[e].append(Step("finalize", "POST_PROCESSING"))
+            w = self.start_wave(steps, count=False)
+            send = self.rank_start(RankStep("send", "TRANSFERRING", (k,), k)) if self.transport.collective else None
+            self.inflight.append(_Bucket(manifest, w, send))
+        while self.inflight:
+            self.drain_oldest()
         self.enter(T.POST_PROCESS)
-        self.finalize_owed(cleanup=False)
+        self.post_process()
+
+    def drain_oldest(self, *, cleanup: bool = False) -> None:
+        """Collect every engine's answer for the oldest in-flight bucket, then release its buffer on
+        every rank (or abandon it, if an engine did not answer and may still be reading it)."""
+        b = self.inflight.popleft()
+        k = b.manifest.index
+        results = self.wait_wave(b.wave)
+        sent_ok = True
+        timed_out = False
+        if b.send is not None:
+            _, exc = self.rank_wait(b.send, state=None if not cleanup else str(self.machine.state))
+            sent_ok = exc is None
+            timed_out = isinstance(exc, TimeoutError)
+        for e in self.engines:
+            for step, res in results.get(e, ()):
+                if step.call == "load":
+                    self.record_step(e, step, res, b.wave.batch, state=None if not cleanup else "TRANSFERRING")
+                    self.apply(e, step, res)
+                    timed_out |= res.outcome == "timeout"
+                else:
+                    self.held.append((e, step, res, b.wave.batch))
+        failed = [e.name for e, pairs in results.items() for s, r in pairs if s.call == "load" and not r.ok]
+        if self.transport.collective and (failed or not sent_ok):
+            self.break_group(k, failed, sent_ok)
+        if timed_out:
+            self.connection_dirty = True  # an engine may still read this buffer: not reused next run
+        call = "abandon" if timed_out else "release"
+        rc = self.rank_start(RankStep(call, "TRANSFERRING", (k,), k), cleanup=cleanup)
+        _, exc = self.rank_wait(rc, state=str(self.machine.state) if cleanup else None)
+        if exc is not None and not cleanup:
+            raise self._wrap(exc, call, "TRANSFERRING", None, k) from exc
+
+    def break_group(self, k: int, failed: list[str], sent_ok: bool) -> None:
+        """A collective group is all-or-nothing per bucket: once a member failed, no later bucket
+        can go through it. Every engine of the attempt that still needs buckets fails with it."""
+        self.broken = True
+        self.connection_dirty = True
+        who = ", ".join(failed) if failed else "the trainer's send"
+        for e in self.engines:
+            if e.active and e.state == E.OPEN and len(e.acked) < len(self.plan):
+                reason = RuntimeError(f"the transport group broke at bucket {k} ({who} failed)")
+                self.drop(e, Step("load", "TRANSFERRING", bucket=k), reason)
+
+    def post_process(self) -> None:
+        """POST_PROCESSING: finalizes that rode on last buckets, then every other finalize owed."""
+        held, self.held = self.held, []
+        for e, step, res, batch in held:
+            self.record_step(e, step, res, batch)
+            self.apply(e, step, res)
+        owed = [e for e in self.engines if e.state == E.OPEN and e.reachable]
+        if owed:
+            self.wave({e: [Step("finalize", "POST_PROCESSING")] for e in owed})
 
     def retryable(self) -> list[_Engine]:
         if self.deadline.remaining() <= 0:
             return []
         return [
             e for e in self.engines
-            if not e.active and e.failure == "error" and e.failed_in in RETRY_STATES
+            if e.failure == "error" and e.failed_in in RETRY_STATES and e.state == E.PAUSED
             and e.attempts <= self.ctx.retries
         ]  # fmt: skip
 
-    def transfer(self, engines: list[_Engine]) -> None:
-        self.enter(T.TRANSFER)
-        if not self.plan or not any(e.active for e in engines):
-            return  # nobody left to receive: do not touch the source
-        buckets = iter(self.ctx.source.iter_buckets(self.plan))
-        try:
-            self._stream(buckets, engines)
-        finally:
-            close = getattr(buckets, "close", None)
-            if close is not None:  # a generator source releases what it holds now, not at GC
-                with contextlib.suppress(ValueError):  # still running in a hung call: left to finish
-                    close()
-
-    def _stream(self, buckets: Any, engines: list[_Engine]) -> None:
-        ctx = self.ctx
-        for manifest in self.plan:
-            i = manifest.index
-            if i > 0:
-                self.enter(T.NEXT_BUCKET, bucket=i)
-            tensors = self.inline("materialize", "source", lambda i=i: _next_bucket(buckets, i), bucket=i)
-            while len(self.inflight) >= max(ctx.transport.slots, 1):
-                self.drain_oldest()
-            payload = self.inline(
-                "pack", "transport", lambda m=manifest, ts=tensors: ctx.transport.pack(m, ts), bucket=i,
-                manifest=manifest.summary(),
-            )  # fmt: skip
-            self.bytes_moved += manifest.nbytes
-            targets = [e for e in engines if e.active]
-            pendings = [self.submit("load", e, lambda d, t, p=payload: d.load(p, timeout=t), bucket=i) for e in targets]
-            self.inflight.append((payload, pendings))
-            del tensors
-            if not targets:
-                break
-        while self.inflight:
-            self.drain_oldest()
-
-    def drain_oldest(self, *, cleanup: bool = False) -> None:
-        """Collect every engine's answer for the oldest in-flight bucket, then release its buffer
-        (or abandon it, if an engine did not answer and may still be reading it)."""
-        payload, pendings = self.inflight.popleft()
-        replies = [self.collect(p) for p in pendings]
-        for r in replies:
-            if r.ok:
-                r.engine.touched = True
-                r.engine.loads_ok.add(payload.manifest.index)
-                r.engine.bytes_ok += payload.manifest.nbytes
-            elif not getattr(getattr(r.error, "cause", None), "no_effect", False):
-                r.engine.touched = True  # the engine may have applied part of it
-        transport = self.ctx.transport
-        answered = all(r.outcome != "timeout" for r in replies)
-        if not answered:
-            self.connection_dirty = True  # this connection is not reused by the next run
-        call, free = ("release", transport.release) if answered else ("abandon", transport.abandon)
-        with contextlib.suppress(*((RefitError,) if cleanup else ())):  # never reuse a buffer an engine may read
-            self.inline(
-                call, "transport", functools.partial(free, payload), bucket=payload.manifest.index, cleanup=cleanup
-            )
-        self.settle(replies)
-
-    def finalize_owed(self, *, cleanup: bool) -> None:
-        """Every session a begin opened is finalized exactly once (dead or hung engines excepted)."""
-        owed = [e for e in self.engines if e.begun and not e.finalized and e.reachable]
-        replies = self.fanout("finalize", lambda d, t: d.finalize(timeout=t), owed, cleanup=cleanup)
-        for r in replies:
-            r.engine.finalized = r.ok
-            r.engine.begun = r.ok  # a failed finalize closed the session too: it is never repeated
-        self.settle(replies)
+    # ---- committing ------------------------------------------------------------------------------
 
     def commit(self) -> None:
+        """CONTINUING (and RESTORING): complete engines publish and continue, clean ones continue,
+        poisoned ones are quarantined; one wave, with the trainer's restore alongside."""
+        ctx = self.ctx
         n = len(self.plan)
-        ready = [e for e in self.engines if e.active and e.complete(n)]
+        ready = [e for e in self.engines if e.active and e.state == E.FINALIZED]
+        if not ready:
+            raise self.first_error or DriverCallError("no engine completed the update", state=str(self.machine.state))
+        self.enter(T.PUBLISH)
         for e in ready:
             problems = invariants.commit_gate(self.events, [e.name], n, attempt=e.attempt)
             if problems:
                 raise InvariantViolation("commit gate refused to publish: " + "; ".join(problems), state="CONTINUING")
-        replies = self.fanout("publish", lambda d, t: d.publish(self.version, timeout=t), ready)
-        for r in replies:
-            r.engine.published = r.ok
-            r.engine.touched = r.engine.touched or not r.ok  # a failed publish: label unknown
-        if any(e.published for e in self.engines):
-            self.ctx._shared.version = self.version
-        self.settle(replies)
-        replies = self.fanout("continue_generation", _continue, [e for e in self.engines if e.published])
-        for r in replies:
-            r.engine.continued = r.ok
-        self.settle(replies)
+        kv = [Step("resume_memory", "RESTORING", (["kv_cache"],))] if ctx.colocated else []
+        plan: dict[_Engine, list[Step]] = {}
+        for e in self.engines:
+            if e in ready:
+                plan[e] = [
+                    Step("publish", "CONTINUING", (self.version,)),
+                    Step("continue_generation", "CONTINUING"),
+                    *kv,
+                ]
+            else:
+                plan[e] = self.settle_steps(e, "CONTINUING", "CONTINUING", kv_state="RESTORING")
+        restore = None
+        if ctx.colocated:
+            restore = self.rank_start(RankStep("restore", "RESTORING"))
+        self.restore_failed: BaseException | None = None
+        w = self.start_wave(plan)
+        self.absorb(self.wait_wave(w), w.batch, alongside=restore)
+        if restore is not None:
+            self.move_to("RESTORING")
+            self.offloaded = self.restore_failed is not None
+            if self.restore_failed is not None:
+                raise self._wrap(self.restore_failed, "restore", "RESTORING", None, None)
+        if not any(e.published for e in self.engines):
+            raise self.first_error or DriverCallError("no engine published the version", state=str(self.machine.state))
+        if self.broken:  # a group a member broke is not reused by the next run
+            self.teardown(cleanup=False)
+        # failure path of the commit: engines that did not publish or continue are settled now
+        state = str(self.machine.state)
+        rest = {e: self.settle_steps(e, state, state, kv_state=state) for e in self.engines}
+        if any(rest.values()):
+            self.wave(rest)
+        if ctx.colocated:
+            lacking = [e for e in self.engines if e.state == E.SERVING and "kv_cache" not in e.resumed and e.reachable]
+            if lacking:
+                self.wave({e: [Step("resume_memory", state, (["kv_cache"],))] for e in lacking})
 
-    def settle_rest(self, *, cleanup: bool) -> None:
-        """Engines that did not commit: continue the clean ones, quarantine the poisoned ones."""
-        rest = [e for e in self.engines if not e.continued and not e.quarantined and e.failure != "dead"]
-        back = [e for e in rest if not e.must_not_serve and (e.paused or e.error)]
-        replies = self.fanout("continue_generation", _continue, back, cleanup=cleanup)
-        for r in replies:
-            r.engine.continued = r.ok
-        self.settle(replies)
-        out = [e for e in rest if e.must_not_serve and (e.paused or e.touched or not e.weights_ok)]
-        if out and cleanup:
-            self.enter(T.QUARANTINE)
-        reason = f"refit to version {self.version} (run {self.run_id}) did not complete on this engine"
-        replies = self.fanout("quarantine", lambda d, t: d.quarantine(reason, timeout=t), out, cleanup=cleanup)
-        for r in replies:
-            r.engine.quarantined = r.ok
-        self.settle(replies)
+    def settle_steps(self, e: _Engine, continue_state: str, quarantine_state: str, *, kv_state: str) -> list[Step]:
+        """What an engine that did not (or could not) take the version is owed: a continue if it
+        is clean and paused (colocated: and its KV memory back), a quarantine if it holds weights
+        no version names, its weight memory released again if the run took it and never paused."""
+        if not e.reachable or e.state in (E.SERVING, E.QUARANTINED):
+            return []
+        kv = [Step("resume_memory", kv_state, (["kv_cache"],))] if self.ctx.colocated else []
+        if e.state == E.PUBLISHED:
+            return [Step("continue_generation", continue_state), *kv]
+        steps: list[Step] = []
+        if e.state == E.JOINED and "weights" in e.taken:
+            steps.append(Step("release_memory", continue_state, (["weights"],)))
+        if e.must_not_serve and (e.state != E.JOINED or e.weights != "kept"):
+            reason = f"refit to version {self.version} (run {self.run_id}) did not complete on this engine"
+            return [*steps, Step("quarantine", quarantine_state, (reason,))]
+        if e.state == E.PAUSED:
+            return [Step("continue_generation", continue_state), *kv]
+        return steps
 
-    def resume_kv(self, engines: Sequence[_Engine], *, cleanup: bool) -> None:
-        replies = self.fanout(
-            "resume_memory", lambda d, t: d.resume_memory(["kv_cache"], timeout=t), engines, cleanup=cleanup
-        )
-        for r in replies:
-            r.engine.kv_resumed = r.ok
-        self.settle(replies)
+    def finish(self) -> None:
+        self.enter(T.FINISH)
 
     # ---- the failure path ----------------------------------------------------------------------
 
     def abort(self, exc: BaseException) -> None:
         """ABORTING -> [QUARANTINING] -> FAILED. Every step is bounded and recorded."""
-        ctx = self.ctx
         self.error = (
             exc if isinstance(exc, RefitError) else self._wrap(exc, "runner", str(self.machine.state), None, None)
         )
+        if isinstance(self.error, DeadlineExceeded) and self.deadline.expired() and self.first_error is not None:
+            self.error = self.first_error  # the deadline ran out: what ate it is the error to report
         self.enter(T.FAIL)
         self.emit("run", "error", error=str(self.error))
         while self.inflight:  # what engines did with in-flight buckets, before buffers are touched
             self.drain_oldest(cleanup=True)
-        self.finalize_owed(cleanup=True)
+        held, self.held = self.held, []
+        for e, step, res, batch in held:
+            self.record_step(e, step, res, batch, state="ABORTING")
+            self.apply(e, step, res)
+        owed = [e for e in self.engines if e.state == E.OPEN and e.reachable]
+        if owed:
+            self.wave({e: [Step("finalize", "ABORTING")] for e in owed}, cleanup=True)
         if self.offloaded:
-            with contextlib.suppress(RefitError):  # recorded; cleanup goes on
-                self.inline("restore", "source", ctx.source.restore, cleanup=True)
+            self.rank_wait(self.rank_start(RankStep("restore", "ABORTING"), cleanup=True))
             self.offloaded = False
-        if self.connection_dirty or any(e.touched and not e.published for e in self.engines):
-            disconnect(ctx, timeout=self.cleanup_deadline.remaining(), run=self)
-        self.settle_rest(cleanup=True)
-        if ctx.colocated:
-            self.resume_kv([e for e in self.engines if e.continued and not e.kv_resumed], cleanup=True)
+        unpublished = any(e.weights == "changed" and not e.published for e in self.engines)
+        if self.connection_dirty or self.broken or unpublished:
+            self.teardown(cleanup=True)
+        plan = {e: self.settle_steps(e, "ABORTING", "QUARANTINING", kv_state="ABORTING") for e in self.engines}
+        if any(plan.values()):
+            self.wave(plan, cleanup=True)
+        self.move_to_failed()
+
+    def move_to_failed(self) -> None:
         self.enter(T.LATCH)
+
+    def end_ranks(self) -> list[Any]:
+        """Every rank closes its stream and reports its stats (bookkeeping: not a protocol step)."""
+        budget = self._budget(True, cap=False)
+        try:
+            return self.ctx.ranks.start(RankStep("end_run", str(self.machine.state)), timeout=budget).result(
+                timeout=budget + SLACK_S
+            )
+        except Exception:
+            return []
 
     # ---- result ----------------------------------------------------------------------------------
 
     def outcomes(self) -> dict[str, EngineOutcome]:
-        out = {}
+        return {e.name: self.outcome(e) for e in self.engines}
+
+    def outcome(self, e: _Engine) -> EngineOutcome:
         colocated = self.ctx.colocated
-        for e in self.engines:
-            serving = e.continued and (e.kv_resumed or not colocated)
-            if e.published and serving:
-                status, version = "updated", self.version
-            elif e.quarantined:
-                status, version = "quarantined", None
-            elif serving and not e.must_not_serve:
-                status, version = "unchanged", e.previous_version
-            elif e.failure in ("dead", "timeout") or e.paused or e.continued:
-                status, version = "failed", None  # died, hung, or left paused / without KV memory
-            elif e.must_not_serve:
-                status, version = "stale", None
-            else:
-                status, version = "unchanged", e.previous_version  # never touched: kept serving throughout
-            out[e.name] = EngineOutcome(e.name, status, version, len(e.loads_ok), e.attempts, e.error)  # type: ignore[arg-type]
-        return out
+        st = e.state
+        serving = st == E.SERVING and ("kv_cache" in e.resumed or not colocated)
+        status: str
+        version: int | None = None
+        if st == E.GONE:
+            status = "failed"  # died or hung
+        elif st == E.QUARANTINED:
+            status = "quarantined"
+        elif st == E.SERVING and not serving:
+            status = "failed"  # continued but without its KV memory
+        elif serving:
+            status, version = ("updated", self.version) if e.published else ("unchanged", e.previous_version)
+        elif st != E.JOINED:
+            status = "failed"  # left paused: a continue or quarantine did not go through
+        elif e.weights != "kept" or (colocated and "weights" in e.taken):
+            status = "failed"  # its memory could not be given back, or came back empty
+        elif e.previous_version is None:
+            status = "stale"
+        else:  # untouched by the run: as it was before (serving, or released in a colocated job)
+            status, version = "unchanged", e.previous_version
+            serving = not colocated
+        return EngineOutcome(e.name, status, version, len(e.acked), e.attempts, e.error, serving)  # type: ignore[arg-type]
 
 
-def _timed(fn: Callable[[EngineDriver, float], Any], driver: EngineDriver, timeout: float) -> tuple[Any, float]:
-    """Run a driver call and note when it returned (CLOCK_MONOTONIC: comparable with engine audits)."""
-    value = fn(driver, timeout)
-    return value, round(time.monotonic(), 6)
-
-
-def _sleep_then(seconds: float, fut: Future[Any]) -> None:
-    time.sleep(seconds)
-    if not fut.done():
-        fut.set_exception(TimeoutError("engine did not answer (simulated hang)"))
-
-
-def _continue(d: EngineDriver, t: float) -> None:
-    d.continue_generation(timeout=t)
-
-
-def _next_bucket(buckets: Any, index: int) -> Any:
-    try:
-        return next(buckets)
-    except StopIteration:
-        raise RuntimeError(f"the source yielded no bucket {index}: it ended before the plan did") from None
+def _rendezvous_only(e: _Engine) -> bool:
+    """The engine's attach failed only because the collective group did not form."""
+    cause = getattr(e.exc, "cause", None)
+    return e.reachable and isinstance(cause, EngineError) and cause.kind == "rendezvous"
 
 
 def disconnect(ctx: RefitContext, *, timeout: float, run: _Run | None = None) -> None:
-    """Engines detach, the transport frees its buffers; best effort, bounded, recorded."""
+    """Engines detach, every trainer rank disconnects; best effort, bounded, recorded."""
     shared = ctx._shared
     if not ctx.transport.connected and shared.connection_key is None:
         return
-    shared.connection_key = None
-    shared.attached = set()
-    clock = ctx.clock
-    deadline = Deadline(max(timeout, 0.05), clock=clock)
+    attached = [d for d in ctx.engines if d.incarnation in shared.attached] if shared.attached else list(ctx.engines)
+    shared.connection_key, shared.attached, shared.members = None, set(), ()
     emit = run.emit if run is not None else ctx.recorder.emit
+    clock = ctx.clock
+    budget = max(timeout, 0.05)
     pool = ctx.pool()
-    pendings = [(d, pool.submit(d.detach, timeout=deadline.remaining()), clock()) for d in ctx.engines]
-    for d, fut, t0 in pendings:
-        try:
-            fut.result(timeout=deadline.remaining() + SLACK_S)
-            outcome, error = "ok", None
-        except Exception as exc:  # a dead engine cannot detach; the transport is freed anyway
-            outcome = "timeout" if isinstance(exc, TimeoutError) else "error"
-            error = f"{type(exc).__name__}: {exc}"
+    futures = [
+        (d, d.run_steps_async([Step("detach", "IDLE")], timeout=budget, executor=pool), clock()) for d in attached
+    ]
+    concurrent.futures.wait([f for _, f, _ in futures], timeout=budget + SLACK_S)
+    for d, fut, t0 in futures:
+        res = _first_result(fut, budget)
         emit(
-            "call", "detach", side="engine", engine=d.name, outcome=outcome,
-            duration_s=round(clock() - t0, 6), error=error,
+            "call", "detach", side="engine", engine=d.name, outcome=res.outcome, duration_s=round(clock() - t0, 6),
+            error=None if res.error is None else f"{type(res.error).__name__}: {res.error}",
         )  # fmt: skip
     t0 = clock()
+    outcome, error = "ok", None
+    assert ctx.ranks is not None
     try:
-        ctx.transport.disconnect()
-        emit("call", "disconnect", side="transport", outcome="ok", duration_s=round(clock() - t0, 6))
+        ctx.ranks.start(RankStep("disconnect", "IDLE"), timeout=budget).result(timeout=budget + SLACK_S)
     except Exception as exc:
-        emit("call", "disconnect", side="transport", outcome="error", error=f"{type(exc).__name__}: {exc}")
+        outcome, error = outcome_of(exc), f"{type(exc).__name__}: {exc}"
+    emit("call", "disconnect", side="transport", outcome=outcome, duration_s=round(clock() - t0, 6), error=error)
+
+
+def _first_result(fut: Future[list[StepResult]], budget: float) -> StepResult:
+    if not fut.done():
+        return StepResult("timeout", error=TimeoutError(f"no answer within {budget:.3g}s"))
+    exc = fut.exception()
+    if exc is not None:
+        return StepResult(outcome_of(exc), error=exc)
+    results = fut.result()
+    return results[0] if results else StepResult("error", error=RuntimeError("no result"))
+
+
+def _bounded(fn: Callable[[], Any], pool: concurrent.futures.Executor, budget: float, what: str) -> Any:
+    fut = pool.submit(fn)
+    try:
+        return fut.result(timeout=max(budget, 0.0))
+    except concurrent.futures.TimeoutError:
+        raise DeadlineExceeded(f"{what} did not return within {budget:.3g}s") from None
 
 
 def run(ctx: RefitContext) -> RefitResult:
     """Drive one whole refit. Returns a RefitResult whether it succeeded or failed (errors are data:
     `result.ok`, `result.error`, per-engine `result.engines`); raises RefitBusyError when another
-    run holds the engines, and InvariantViolation when the run's own events break an invariant."""
+    run holds the engines, and InvariantViolation when the run's own events break an invariant.
+    Under SPMD every rank calls it; the followers get the leader's result."""
     if ctx._shared.closed:
         raise RuntimeError("this RefitContext is closed")
+    assert ctx.ranks is not None
+    if not ctx.leader:
+        outcome = ctx.ranks.follow(ctx.deadline_s + ctx.cleanup_grace_s + 5.0)
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+    try:
+        result = _lead(ctx)
+    except BaseException as exc:
+        ctx.ranks.finish(exc)
+        raise
+    ctx.ranks.finish(result)
+    return result
+
+
+def _lead(ctx: RefitContext) -> RefitResult:
     r = _Run(ctx)
+    try:
+        r.read_incarnations()
+    except RefitError:
+        r.emit("run", "start", previous_version=r.previous_version, owner=r.owner, engines=[e.name for e in r.engines])
+        r.emit("run", "end", result="incarnation_error")
+        raise
     r.emit(
         "run", "start", previous_version=r.previous_version, owner=r.owner, engines=[e.name for e in r.engines],
-        incarnations=[e.driver.incarnation for e in r.engines], mode=ctx.mode, pause_mode=ctx.pause_mode,
-        bucket_bytes=ctx.bucket_bytes, deadline_s=ctx.deadline_s, cleanup_grace_s=ctx.cleanup_grace_s,
-        retries=ctx.retries, call_timeout_s=ctx.call_timeout_s,
+        incarnations=[e.incarnation for e in r.engines], engine_tp=[e.tp for e in r.engines], mode=ctx.mode,
+        pause_mode=ctx.pause_mode, bucket_bytes=ctx.bucket_bytes, deadline_s=ctx.deadline_s,
+        cleanup_grace_s=ctx.cleanup_grace_s, retries=ctx.retries, call_timeout_s=ctx.call_timeout_s,
+        ranks=ctx.ranks.world if ctx.ranks else 1, transport=ctx.transport.kind, collective=ctx.transport.collective,
     )  # fmt: skip
     lock = ctx.lock
-    if lock is None:  # RefitContext.__post_init__ always sets one
+    if lock is None:
         raise RuntimeError("RefitContext has no lock")
-    holder = lock.holder
-    if not lock.acquire(r.owner):
+    pool = ctx.pool()
+    lock_budget = min(r.deadline.remaining(), LOCK_TIMEOUT_S)
+    try:
+        holder = _bounded(lambda: lock.holder, pool, lock_budget, "reading the lock holder")
+        acquired = _bounded(lambda: lock.acquire(r.owner), pool, lock_budget, "acquiring the engines' lock")
+    except Exception as exc:
+        r.emit("lock", "acquire", owner=r.owner, outcome=outcome_of(exc), error=str(exc))
+        r.emit("run", "end", result="lock_error")
+        raise r._wrap(exc, "lock.acquire", "IDLE", None, None) from exc
+    if not acquired:
         r.emit("lock", "acquire", owner=r.owner, outcome="busy", holder=holder)
         r.emit("run", "end", result="busy")
         raise RefitBusyError(f"engines {[e.name for e in r.engines]} are being refit by another run", state="IDLE")
     r.emit("lock", "acquire", owner=r.owner, outcome="ok", holder=holder)
     interrupt: BaseException | None = None
     t0 = ctx.clock()
+    stats: list[Any] = []
     try:
-        r.execute()
-    except BaseException as exc:
-        if not isinstance(exc, Exception):
-            interrupt = exc  # KeyboardInterrupt / SystemExit: clean up, then re-raise
-        r.abort(exc)
+        try:
+            r.execute()
+        except BaseException as exc:
+            if not isinstance(exc, Exception):
+                interrupt = exc  # KeyboardInterrupt / SystemExit: clean up, then re-raise
+            r.abort(exc)
+        stats = r.end_ranks()
     finally:
-        released = lock.release(r.owner)
-        r.emit("lock", "release", owner=r.owner, outcome="ok" if released else "not_owner", holder=r.owner)
+        try:
+            released = _bounded(
+                lambda: lock.release(r.owner), pool, max(r.cleanup_deadline.remaining(), LOCK_TIMEOUT_S), "lock release"
+            )
+            r.emit("lock", "release", owner=r.owner, outcome="ok" if released else "not_owner", holder=r.owner)
+        except Exception as exc:  # recorded; the run's end is still written and the context stays usable
+            r.emit("lock", "release", owner=r.owner, outcome=outcome_of(exc), error=f"{type(exc).__name__}: {exc}")
         ctx._shared.next_version = r.version + 1
         outcomes = r.outcomes()
         ctx._shared.engine_versions.update({name: o.version for name, o in outcomes.items()})
-        ctx._shared.incarnations.update({e.name: e.driver.incarnation for e in r.engines})
+        ctx._shared.incarnations.update({e.name: e.incarnation for e in r.engines})
         now = ctx.clock()
         r.phase_seconds[str(r.machine.state)] = r.phase_seconds.get(str(r.machine.state), 0.0) + now - r._phase_t0
         published = r.version if any(e.published for e in r.engines) else None
         r.emit(
             "run", "end", result=str(r.machine.state), published=published,
             engine_outcomes={n: {"status": o.status, "version": o.version} for n, o in outcomes.items()},
-            error=None if r.error is None else str(r.error),
+            error=None if r.error is None else str(r.error), round_trips=r.round_trips,
         )  # fmt: skip
     failed = [o for o in outcomes.values() if o.status != "updated"]
     error = r.error
@@ -746,7 +1052,11 @@ def run(ctx: RefitContext) -> RefitResult:
         buckets=len(r.plan),
         trace_path=str(ctx.recorder.path) if ctx.recorder.path else None,
         error=error,
+        round_trips=r.round_trips,
+        ranks=ctx.ranks.world if ctx.ranks else 1,
+        trainer_peak_bytes=max((getattr(s, "peak_bytes", 0) for s in stats or []), default=0),
     )
+    result.rank_stats = stats or []  # type: ignore[attr-defined]
     if interrupt is not None:
         raise interrupt
     if ctx.check_invariants:
@@ -756,3 +1066,6 @@ def run(ctx: RefitContext) -> RefitResult:
             err.result = result  # type: ignore[attr-defined]
             raise err
     return result
+
+
+__all__ = ["disconnect", "run"]

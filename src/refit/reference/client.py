@@ -37,8 +37,10 @@ class EngineClient:
         pid: int | None = None,
         process: Any = None,
         thread: threading.Thread | None = None,
+        tp: int = 1,
     ) -> None:
         self.name = name
+        self.tp = tp
         self.pid = pid
         self.process = process
         self._thread = thread
@@ -127,10 +129,18 @@ class _Launch:
     name: str
     proc: subprocess.Popen[bytes]
     conn: Connection
+    tp: int = 1
 
 
 def launch_process(
-    name: str, config: ModelConfig, seed: int, *, version: int = 0, threads: int = 1, serving: bool = True
+    name: str,
+    config: ModelConfig,
+    seed: int,
+    *,
+    version: int = 0,
+    threads: int = 1,
+    serving: bool = True,
+    tp: int = 1,
 ) -> _Launch:
     """Start an engine process without waiting for it (see `await_ready`).
 
@@ -140,7 +150,7 @@ def launch_process(
     ours, theirs = socket.socketpair()
     spec = {
         "config": config.to_dict(), "seed": seed, "name": name, "version": version, "threads": threads,
-        "serving": serving,
+        "serving": serving, "tp": tp,
     }  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     proc = subprocess.Popen(
@@ -150,7 +160,7 @@ def launch_process(
     )
     theirs.close()
     _CHILDREN.add(proc)
-    return _Launch(name, proc, Connection(ours.detach()))
+    return _Launch(name, proc, Connection(ours.detach()), tp)
 
 
 def await_ready(launch: _Launch, start_timeout: float = 120.0) -> EngineClient:
@@ -166,7 +176,7 @@ def await_ready(launch: _Launch, start_timeout: float = 120.0) -> EngineClient:
     if tag != "ready":
         proc.kill()
         raise EngineDied(f"engine {name} sent {tag!r} instead of ready")
-    return EngineClient(PipeChannel(conn), name, pid=pid, process=proc)
+    return EngineClient(PipeChannel(conn), name, pid=pid, process=proc, tp=launch.tp)
 
 
 _CHILDREN: weakref.WeakSet[subprocess.Popen[bytes]] = weakref.WeakSet()

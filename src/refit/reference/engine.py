@@ -43,33 +43,90 @@ MEMORY_TAGS = ("weights", "kv_cache")
 ENGINE_DTYPE = "float32"
 
 
-class WeightLayout:
-    """HF name -> (engine parameter, first row, last row): the fusing the loader performs."""
+class Comm:
+    """Collectives among one engine's TP ranks (a gloo group); a single rank needs none."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, group: Any = None, rank: int = 0, size: int = 1) -> None:
+        self.group, self.rank, self.size = group, rank, size
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(t, group=self.group)
+        return t
+
+    def all_gather_cat(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        if self.size == 1:
+            return t
+        import torch.distributed as dist
+
+        parts = [torch.empty_like(t) for _ in range(self.size)]
+        dist.all_gather(parts, t.contiguous(), group=self.group)
+        return torch.cat(parts, dim=dim)
+
+    def gather_objects(self, obj: Any) -> list[Any]:
+        """Every rank's `obj`, in rank order, on every rank."""
+        if self.size == 1:
+            return [obj]
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+
+class WeightLayout:
+    """HF name -> where this TP rank keeps its shard of it: (engine parameter, dim, first index
+    in the full tensor, first index in the local parameter, length). q/k/v fuse into one
+    `qkv_proj` and gate/up into one `gate_up_proj`, column-sharded by heads / rows; o_proj and
+    down_proj are row-parallel (sharded by columns); lm_head is sharded by vocabulary rows;
+    embeddings and norms are replicated."""
+
+    def __init__(self, config: ModelConfig, tp_rank: int = 0, tp_size: int = 1) -> None:
+        c, t, r = config, tp_size, tp_rank
+        for what, n in (("num_heads", c.num_heads), ("num_kv_heads", c.num_kv_heads),
+                        ("intermediate_size", c.intermediate_size), ("vocab_size", c.vocab_size)):  # fmt: skip
+            if n % t:
+                raise ValueError(f"tensor parallelism {t} does not divide {what}={n}")
         self.hf_shapes = config.hf_shapes()
-        h, kv, inter = config.hidden_size, config.num_kv_heads * config.head_dim, config.intermediate_size
-        fused = {
-            "self_attn.q_proj.weight": ("self_attn.qkv_proj.weight", 0, h),
-            "self_attn.k_proj.weight": ("self_attn.qkv_proj.weight", h, h + kv),
-            "self_attn.v_proj.weight": ("self_attn.qkv_proj.weight", h + kv, h + 2 * kv),
-            "mlp.gate_proj.weight": ("mlp.gate_up_proj.weight", 0, inter),
-            "mlp.up_proj.weight": ("mlp.gate_up_proj.weight", inter, 2 * inter),
+        h = c.hidden_size
+        qn, kn, inn, vn = (
+            c.num_heads * c.head_dim // t,
+            c.num_kv_heads * c.head_dim // t,
+            c.intermediate_size // t,
+            c.vocab_size // t,
+        )
+        sharded: dict[str, tuple[str, int, int, int, int]] = {  # suffix -> (target, dim, src start, dst start, length)
+            "self_attn.q_proj.weight": ("self_attn.qkv_proj.weight", 0, r * qn, 0, qn),
+            "self_attn.k_proj.weight": ("self_attn.qkv_proj.weight", 0, r * kn, qn, kn),
+            "self_attn.v_proj.weight": ("self_attn.qkv_proj.weight", 0, r * kn, qn + kn, kn),
+            "self_attn.o_proj.weight": ("self_attn.o_proj.weight", 1, r * qn, 0, qn),
+            "mlp.gate_proj.weight": ("mlp.gate_up_proj.weight", 0, r * inn, 0, inn),
+            "mlp.up_proj.weight": ("mlp.gate_up_proj.weight", 0, r * inn, inn, inn),
+            "mlp.down_proj.weight": ("mlp.down_proj.weight", 1, r * inn, 0, inn),
         }
-        self.targets: dict[str, tuple[str, int, int]] = {}
+        local = {"self_attn.qkv_proj.weight": (qn + 2 * kn, h), "self_attn.o_proj.weight": (h, qn),
+                 "mlp.gate_up_proj.weight": (2 * inn, h), "mlp.down_proj.weight": (h, inn)}  # fmt: skip
+        self.targets: dict[str, tuple[str, int, int, int, int]] = {}
+        self.sharded: set[str] = set()
         self.engine_shapes: dict[str, tuple[int, ...]] = {}
         for name, shape in self.hf_shapes.items():
             prefix, _, suffix = name.partition("layers.")
             layer, _, rest = suffix.partition(".")
-            if prefix and rest in fused:
-                target, lo, hi = fused[rest]
+            if prefix and rest in sharded:
+                target, dim, src, dst, n = sharded[rest]
                 engine_name = f"{prefix}layers.{layer}.{target}"
-                rows = self.engine_shapes.get(engine_name, (0, shape[1]))[0]
-                self.engine_shapes[engine_name] = (max(rows, hi), shape[1])
-                self.targets[name] = (engine_name, lo, hi)
+                self.engine_shapes[engine_name] = local[target]
+                self.targets[name] = (engine_name, dim, src, dst, n)
+                self.sharded.add(name)
+            elif name == "lm_head.weight":
+                self.engine_shapes[name] = (vn, shape[1])
+                self.targets[name] = (name, 0, r * vn, 0, vn)
+                self.sharded.add(name)
             else:
                 self.engine_shapes[name] = shape
-                self.targets[name] = (name, 0, shape[0])
+                self.targets[name] = (name, 0, 0, 0, shape[0])
 
 
 @dataclass
@@ -151,12 +208,22 @@ class EngineCore:
     """One reference engine. Not thread-safe: one adapter thread drives it."""
 
     def __init__(
-        self, config: ModelConfig, seed: int, *, max_running: int = 8, version: int = 0, serving: bool = True
+        self,
+        config: ModelConfig,
+        seed: int,
+        *,
+        max_running: int = 8,
+        version: int = 0,
+        serving: bool = True,
+        comm: Comm | None = None,
     ) -> None:
         """`serving=False` starts the engine out of service until a refit completes (a recovered
-        engine must not answer requests with checkpoint weights before it has the current ones)."""
+        engine must not answer requests with checkpoint weights before it has the current ones).
+        `comm`: this process is one TP rank of the engine (every rank runs every request; the
+        weights are sharded, the scheduler state replicated)."""
         self.config = config
-        self.layout = WeightLayout(config)
+        self.comm = comm or Comm()
+        self.layout = WeightLayout(config, self.comm.rank, self.comm.size)
         self.params: dict[str, torch.Tensor] = {
             name: torch.zeros(shape) for name, shape in self.layout.engine_shapes.items()
         }
@@ -196,16 +263,26 @@ class EngineCore:
     # ---- weights ---------------------------------------------------------------------------
 
     def _write(self, hf_name: str, tensor: torch.Tensor) -> None:
-        target, lo, hi = self.layout.targets[hf_name]
-        self.params[target][lo:hi].copy_(tensor)
+        """Keep this rank's shard of the full HF tensor."""
+        target, dim, src, dst, n = self.layout.targets[hf_name]
+        self.params[target].narrow(dim, dst, n).copy_(tensor.narrow(dim, src, n))
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """The weights read back and unfused, in HF names (what a refit's check compares)."""
+        """The weights read back and unfused, in HF names (what a refit's check compares); every TP
+        rank contributes its shards."""
         self._require_weights()
-        out = {}
-        for name, (target, lo, hi) in self.layout.targets.items():
-            out[name] = self.params[target][lo:hi].clone()
-        return out
+        local = {}
+        for name, (target, dim, _src, dst, n) in self.layout.targets.items():
+            local[name] = self.params[target].narrow(dim, dst, n).clone()
+        if self.comm.size == 1:
+            return local
+        ranks = self.comm.gather_objects(local)
+        return {
+            name: torch.cat([r[name] for r in ranks], dim=self.layout.targets[name][1])
+            if name in self.layout.sharded
+            else local[name]
+            for name in local
+        }
 
     def _require_weights(self) -> None:
         if self.weights_released:
@@ -243,6 +320,24 @@ class EngineCore:
         self.session = _Session(plan={m.index: m for m in plan})
         self.sessions += 1
         self.ready_to_publish = False
+
+    def probe(self, target_version: int) -> dict[str, Any]:
+        """The engine's own account before a refit: its version, whether it serves, and any update
+        session a crashed run left open (voided here: its weights are then unnamed until a refit
+        completes). Refuses, changing nothing, when it already holds `target_version` or newer."""
+        if self.version >= target_version:
+            raise EngineError(
+                "version_ahead", f"engine holds version {self.version}, the refit targets {target_version}"
+            )
+        closed = self.session is not None
+        if closed:
+            self.session = None
+            self.ready_to_publish = False
+        return {
+            "version": self.version,
+            "serving": self.quarantined is None and not self.dirty,
+            "closed_session": closed,
+        }
 
     def check_load(self, manifest: BucketManifest) -> None:
         """Refuse (changing nothing) a bucket this session cannot take: no session, not the
@@ -364,8 +459,10 @@ class EngineCore:
             self.weights_released = True
 
     def resume_memory(self, tags: Sequence[str]) -> dict[str, Any]:
+        """Give memory back; reports which of `tags` were released before (and are back now)."""
         self._check_tags(tags)
         intact = True
+        resumed = [t for t in tags if (self.weights_released if t == "weights" else self.kv_released)]
         if "weights" in tags and self.weights_released:
             if self._backup is not None:
                 self.params, self._backup = self._backup, None
@@ -378,7 +475,7 @@ class EngineCore:
             self.weights_epoch += 1
         if "kv_cache" in tags:
             self.kv_released = False
-        return {"weights_intact": intact}
+        return {"weights_intact": intact, "resumed": resumed}
 
     @staticmethod
     def _check_tags(tags: Sequence[str]) -> None:
@@ -508,8 +605,9 @@ class EngineCore:
     def _forward(
         self, tokens: list[int], past: list[tuple[torch.Tensor, torch.Tensor]] | None, start: int
     ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
-        c, p = self.config, self.params
-        h, kvd, t = c.hidden_size, c.num_kv_heads * c.head_dim, len(tokens)
+        c, p, comm = self.config, self.params, self.comm
+        heads, kv_heads = c.num_heads // comm.size, c.num_kv_heads // comm.size  # this rank's heads
+        qd, kvd, t = heads * c.head_dim, kv_heads * c.head_dim, len(tokens)
         pos = torch.arange(start, start + t)
         x = F.embedding(torch.tensor([tokens]), p["model.embed_tokens.weight"])
         new_kv = []
@@ -517,21 +615,21 @@ class EngineCore:
             pre = f"model.layers.{i}."
             n = rms_norm(x, p[pre + "input_layernorm.weight"], c.rms_norm_eps)
             qkv = F.linear(n, p[pre + "self_attn.qkv_proj.weight"])
-            q = qkv[..., :h].contiguous().view(1, t, c.num_heads, c.head_dim).transpose(1, 2)
-            k = qkv[..., h : h + kvd].contiguous().view(1, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
-            v = qkv[..., h + kvd :].contiguous().view(1, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
+            q = qkv[..., :qd].contiguous().view(1, t, heads, c.head_dim).transpose(1, 2)
+            k = qkv[..., qd : qd + kvd].contiguous().view(1, t, kv_heads, c.head_dim).transpose(1, 2)
+            v = qkv[..., qd + kvd :].contiguous().view(1, t, kv_heads, c.head_dim).transpose(1, 2)
             q, k = rope(q, pos, c.rope_theta), rope(k, pos, c.rope_theta)
             if past is not None:
                 k = torch.cat([past[i][0], k], dim=2)
                 v = torch.cat([past[i][1], v], dim=2)
             new_kv.append((k, v))
-            out = attention(q, k, v, start).transpose(1, 2).reshape(1, t, h)
-            x = x + F.linear(out, p[pre + "self_attn.o_proj.weight"])
+            out = attention(q, k, v, start).transpose(1, 2).reshape(1, t, qd)
+            x = x + comm.all_reduce(F.linear(out, p[pre + "self_attn.o_proj.weight"]))
             n = rms_norm(x, p[pre + "post_attention_layernorm.weight"], c.rms_norm_eps)
             gate, up = F.linear(n, p[pre + "mlp.gate_up_proj.weight"]).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, p[pre + "mlp.down_proj.weight"])
+            x = x + comm.all_reduce(F.linear(F.silu(gate) * up, p[pre + "mlp.down_proj.weight"]))
         logits = F.linear(rms_norm(x, p["model.norm.weight"], c.rms_norm_eps), self.head_serving)
-        return logits[0], new_kv
+        return comm.all_gather_cat(logits[0], dim=-1), new_kv
 
     def info(self) -> dict[str, Any]:
         return {
@@ -546,4 +644,5 @@ class EngineCore:
             "running": len(self.running),
             "waiting": len(self.waiting),
             "cached_tokens": self.cache.size,
+            "tp": self.comm.size,
         }

@@ -10,6 +10,16 @@ kwargs)``; the engine decodes it with an allowlisting unpickler (builtins and re
 payload types only), so a payload naming any other class is refused before anything runs. A reply
 is ``(call_id, ok, value)``; a failed call's value is ``(kind, message)``.
 
+Batches. `steps(list of (call, args))` runs consecutive protocol calls in one request, stopping at
+the first that fails, and answers with one (ok, value-or-error, seconds) per step run: a refit's
+control calls take one round trip per wave instead of one per call.
+
+Tensor parallelism. An engine with TP=t is t processes: the head (TP rank 0) talks to the driver
+and forwards every request that touches the model to its followers over their own sockets before
+running it itself; every rank runs it on its own core (sharded weights, replicated scheduler), and
+they meet in gloo collectives (forward all-reduces, a bucket's accept-or-refuse vote, readback).
+Followers die with their head.
+
 Fault arming (tests, `refit demo --fail-at`): `arm_fault(kind, call, bucket, seconds)` makes the
 engine misbehave on its next matching request: ``hang`` (stall `seconds`, then carry on late),
 ``kill`` (the process dies with SIGKILL; a thread engine's loop ends and its channel closes),
@@ -19,11 +29,17 @@ body arrives truncated and cannot be decoded).
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import importlib
 import io
+import json
 import os
 import pickle
 import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 from collections import deque
@@ -31,7 +47,6 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from refit.drivers.base import ConnectInfo, Payload, Receiver
-from refit.drivers.buckets import crc32
 from refit.errors import EngineError
 from refit.reference.engine import EngineCore
 
@@ -49,8 +64,15 @@ ALLOWED_CLASSES = frozenset(
 FAULT_KINDS = ("hang", "kill", "corrupt")
 AUDITED = frozenset(
     {
-        "pause", "flush", "begin", "load", "finalize", "publish", "label_version", "continue_generation",
+        "probe", "pause", "flush", "begin", "load", "finalize", "publish", "label_version", "continue_generation",
         "quarantine", "resume_memory", "release_memory",
+    }
+)  # fmt: skip
+HEAD_ONLY = frozenset({"info", "audit", "ping", "arm_fault", "result"})  # no model state: not forwarded
+PROTOCOL_CALLS = frozenset(
+    {
+        "probe", "resume_memory", "release_memory", "attach", "detach", "pause", "flush", "begin", "load",
+        "finalize", "publish", "continue_generation", "quarantine",
     }
 )  # fmt: skip
 
@@ -183,12 +205,14 @@ class PipeChannel:
         self._conn.close()
 
 
-def load_receiver(info: ConnectInfo) -> Receiver:
+def load_receiver(info: ConnectInfo, tp_rank: int = 0) -> Receiver:
     module_name, _, cls_name = info.receiver.partition(":")
     if not module_name.startswith(RECEIVER_PREFIX):
         raise EngineError("bad_request", f"receiver {info.receiver!r} is not a refit receiver")
+    if tp_rank >= len(info.parts):
+        raise EngineError("bad_request", f"connect info has {len(info.parts)} parts, TP rank {tp_rank} has none")
     cls = getattr(importlib.import_module(module_name), cls_name)
-    return cls(info)
+    return cls(info, tp_rank)
 
 
 class _Killed(Exception):
@@ -202,14 +226,17 @@ class EngineServer:
         {
             "info", "submit", "result", "score", "state_dict", "pause", "continue_generation", "flush",
             "begin", "load", "finalize", "publish", "label_version", "quarantine", "release_memory",
-            "resume_memory", "attach", "detach", "ping", "audit", "arm_fault",
+            "resume_memory", "attach", "detach", "ping", "audit", "arm_fault", "probe", "steps",
         }
     )  # fmt: skip
 
-    def __init__(self, core: EngineCore, name: str, *, in_process: bool) -> None:
+    def __init__(
+        self, core: EngineCore, name: str, *, in_process: bool, followers: list[Channel] | None = None
+    ) -> None:
         self.core = core
         self.name = name
         self.in_process = in_process  # False: this is the engine's own process
+        self.followers = followers or []  # TP ranks 1.. (this is the head)
         self.receiver: Receiver | None = None
         self.transport_kind: str | None = None
         self.armed: dict[tuple[str, int | None], tuple[str, float]] = {}
@@ -237,22 +264,55 @@ class EngineServer:
         return result
 
     def dispatch(self, method: str, body: bytes) -> Any:
-        """Decode, apply any armed fault, handle."""
+        """Decode, apply any armed fault, forward to the TP followers, handle."""
         fault = self._armed_for(method, body)
-        if fault is not None:
-            kind, seconds = fault
-            if kind == "kill":
-                if self.in_process:
-                    raise _Killed(method)
-                os.kill(os.getpid(), signal.SIGKILL)
-            elif kind == "hang":
-                time.sleep(seconds)
-            elif method == "load":
-                self._corrupt_next_load = True
-            else:
-                body = body[: len(body) // 2]  # the request arrives truncated
+        if fault is not None and self._fire(fault, method) == "corrupt" and method != "load":
+            body = body[: len(body) // 2]  # the request arrives truncated
         args, kwargs = safe_decode(body)
+        if method == "steps":
+            return self._steps(*args)
+        self.forward(method, body)
         return self.handle(method, args, kwargs)
+
+    def forward(self, method: str, body: bytes) -> None:
+        if self.followers and method not in HEAD_ONLY:
+            for ch in self.followers:
+                ch.send((method, body))
+
+    def _fire(self, fault: tuple[str, float], method: str) -> str:
+        kind, seconds = fault
+        if kind == "kill":
+            if self.in_process:
+                raise _Killed(method)
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif kind == "hang":
+            time.sleep(seconds)
+        elif method == "load":
+            self._corrupt_next_load = True
+        return kind
+
+    def _steps(self, steps: list[tuple[str, tuple[Any, ...]]]) -> list[tuple[bool, Any, float]]:
+        """Run consecutive protocol calls, stopping at the first that fails."""
+        out: list[tuple[bool, Any, float]] = []
+        for call, args in steps:
+            t0 = time.monotonic()
+            try:
+                if call not in PROTOCOL_CALLS:
+                    raise EngineError("bad_request", f"{call!r} is not a protocol step")
+                bucket = args[0].manifest.index if call == "load" and args and isinstance(args[0], Payload) else None
+                fault = self.armed.pop((call, bucket), None) or self.armed.pop((call, None), None)
+                if fault is not None and self._fire(fault, call) == "corrupt" and call != "load":
+                    raise EngineError("bad_payload", f"{call}: request arrived damaged and could not be decoded")
+                if self.followers:
+                    self.forward("steps", encode(([(call, args)],), {}))
+                value = self.handle(call, tuple(args), {})
+            except _Killed:
+                raise
+            except Exception as exc:
+                out.append((False, _error_value(exc), time.monotonic() - t0))
+                break
+            out.append((True, value, time.monotonic() - t0))
+        return out
 
     def _armed_for(self, method: str, body: bytes) -> tuple[str, float] | None:
         if not self.armed:
@@ -271,6 +331,9 @@ class EngineServer:
             raise EngineError("bad_request", f"fault kind {kind!r}; known {FAULT_KINDS}")
         self.armed[(call, bucket)] = (kind, float(seconds))
 
+    def _probe(self, target_version: int) -> dict[str, Any]:
+        return {**self.core.probe(target_version), "pid": os.getpid()}
+
     def _ping(self) -> dict[str, Any]:
         return {"pid": os.getpid(), "name": self.name}
 
@@ -282,7 +345,7 @@ class EngineServer:
 
     def _attach(self, info: ConnectInfo) -> None:
         self._detach()
-        self.receiver = load_receiver(info)
+        self.receiver = load_receiver(info, self.core.comm.rank)
         self.transport_kind = info.kind
 
     def _detach(self) -> None:
@@ -292,23 +355,30 @@ class EngineServer:
         self.transport_kind = None
 
     def _load(self, payload: Payload) -> None:
+        """Every TP rank reads its own part and checks it; they vote; all apply or none does."""
         if self.receiver is None or payload.kind != self.transport_kind:
             raise EngineError("not_attached", f"no {payload.kind!r} transport attached; attach before load")
         index = payload.manifest.index
         self.core.check_load(payload.manifest)  # the manifest first: a truncated bucket is named as such
+        problem = None
+        tensors: list[tuple[str, Any]] = []
         try:
             tensors = self.receiver.read(payload)
-        except (ValueError, KeyError, OSError) as exc:
-            self.core.break_session(f"bucket {index} could not be read")
-            raise EngineError("bad_payload", f"bucket {index}: {exc}") from exc
-        expected = payload.fields.get("crc32")
-        if self._corrupt_next_load:
-            self._corrupt_next_load = False
-            tensors = _damaged(tensors)
-        if expected is not None and crc32(tensors) != expected:
-            self.core.break_session(f"bucket {index} failed its checksum")
-            raise EngineError("bad_payload", f"bucket {index}: checksum mismatch, the bytes changed in transit")
+            if self._corrupt_next_load:
+                self._corrupt_next_load = False
+                tensors = _damaged(tensors)
+            self.receiver.verify(payload, tensors)
+        except (ValueError, KeyError, OSError, IndexError, RuntimeError) as exc:
+            problem = f"{type(exc).__name__}: {exc}"
+        comm = self.core.comm
+        votes = comm.gather_objects(problem)
+        bad = [(rank, p) for rank, p in enumerate(votes) if p is not None]
+        if bad:
+            self.core.break_session(f"bucket {index} could not be read on TP rank {bad[0][0]}")
+            rank, text = bad[0]
+            raise EngineError("bad_payload", f"bucket {index} (TP rank {rank}): {text}")
         self.core.load(payload.manifest, tensors)
+        comm.gather_objects(None)  # the ack leaves only once every rank has copied its shard
 
 
 def _damaged(tensors: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
@@ -346,6 +416,7 @@ def serve(channel: Channel, server: EngineServer) -> None:
                 try:
                     if method == "generate":
                         args, kwargs = safe_decode(body)
+                        server.forward("submit", body)
                         rid = core.submit(*args, **kwargs)
                         waiters.setdefault(rid, []).append(call_id)
                     else:
@@ -355,6 +426,7 @@ def serve(channel: Channel, server: EngineServer) -> None:
                 except Exception as exc:  # the engine survives a bad request and says why
                     channel.send((call_id, False, _error_value(exc)))
             else:
+                server.forward("__step__", b"")
                 core.step()
             for rid in core.pop_finished():
                 for call_id in waiters.pop(rid, []):
@@ -366,28 +438,106 @@ def serve(channel: Channel, server: EngineServer) -> None:
         channel.close()
 
 
-def process_main(
-    fd: int, config: dict[str, Any], seed: int, name: str, version: int, threads: int, serving: bool
-) -> None:
-    """Entry point of an engine process: `python -m refit.reference.server FD JSON`."""
+def follow(channel: Channel, server: EngineServer) -> None:
+    """A TP follower's loop: run what the head forwards, until the head goes away."""
+    core = server.core
+    try:
+        while True:
+            method, body = channel.recv()
+            if method == "__step__":
+                core.step()
+                continue
+            try:
+                args, kwargs = safe_decode(body)
+                if method == "steps":
+                    for call, call_args in args[0]:
+                        server.handle(call, tuple(call_args), {})
+                elif method == "submit":
+                    core.submit(*args, **kwargs)
+                else:
+                    server.handle(method, args, kwargs)
+            except Exception:
+                pass  # group shows up again at the next collective, and the head's exit ends this loop
+    except (EOFError, OSError, BrokenPipeError, ConnectionResetError):
+        pass
+    finally:
+        server._detach()
+
+
+def _die_with_parent() -> None:
+    """A follower is killed when its head dies (Linux), so no TP rank outlives its engine."""
+    import ctypes
+
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+TP_STORE_TIMEOUT = datetime.timedelta(seconds=120)
+TP_GROUP_TIMEOUT = datetime.timedelta(seconds=600)  # a TP collective waits for a rank this long
+
+
+def _tp_group(store: Any, rank: int, size: int) -> Any:
+    import torch.distributed as dist
+
+    return dist.ProcessGroupGloo(dist.PrefixStore("tp", store), rank, size, TP_GROUP_TIMEOUT)
+
+
+def process_main(fd: int, spec: dict[str, Any]) -> None:
+    """Entry point of an engine process: `python -m refit.reference.server FD JSON`. The head
+    (TP rank 0) starts its followers with the same command and `"tp_rank"` set."""
     from multiprocessing.connection import Connection
 
     import torch
 
+    from refit.reference.engine import Comm
     from refit.reference.model import ModelConfig
 
-    torch.set_num_threads(threads)
+    torch.set_num_threads(spec["threads"])
     conn = Connection(fd)
-    core = EngineCore(ModelConfig(**config), seed, version=version, serving=serving)
+    tp, rank = int(spec.get("tp", 1)), int(spec.get("tp_rank", 0))
+    comm, store, followers, procs = None, None, [], []
+    if tp > 1:
+        import torch.distributed as dist
+
+        if rank > 0:
+            _die_with_parent()
+        port = int(spec.get("tp_port", 0))
+        store = dist.TCPStore(
+            "127.0.0.1", port, tp, is_master=rank == 0, wait_for_workers=False, timeout=TP_STORE_TIMEOUT
+        )
+    if tp > 1 and rank == 0:
+        for r in range(1, tp):
+            ours, theirs = socket.socketpair()
+            child = {**spec, "tp_rank": r, "tp_port": store.port}
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "refit.reference.server", str(theirs.fileno()), json.dumps(child)],
+                pass_fds=(theirs.fileno(),),
+            ))  # fmt: skip
+            theirs.close()
+            followers.append(PipeChannel(Connection(ours.detach())))
+    if tp > 1:
+        comm = Comm(_tp_group(store, rank, tp), rank, tp)
+    core = EngineCore(
+        ModelConfig(**spec["config"]), spec["seed"], version=spec["version"], serving=spec["serving"], comm=comm
+    )
+    channel = PipeChannel(conn)
+    if rank > 0:
+        channel.send(("ready", os.getpid()))
+        follow(channel, EngineServer(core, spec["name"], in_process=False))
+        return
+    for f in followers:  # every follower built its core: the engine is ready
+        f.recv()
     conn.send(("ready", os.getpid()))
-    serve(PipeChannel(conn), EngineServer(core, name, in_process=False))
+    try:
+        serve(channel, EngineServer(core, spec["name"], in_process=False, followers=followers))
+    finally:
+        for f in followers:
+            f.close()
+        for p in procs:
+            with contextlib.suppress(Exception):
+                p.wait(5)
+        del store
 
 
 if __name__ == "__main__":
-    import json
-    import sys
-
-    spec = json.loads(sys.argv[2])
-    process_main(
-        int(sys.argv[1]), spec["config"], spec["seed"], spec["name"], spec["version"], spec["threads"], spec["serving"]
-    )
+    process_main(int(sys.argv[1]), json.loads(sys.argv[2]))

@@ -1,13 +1,26 @@
-"""The refit state table and the strict machine built from it."""
+"""The refit state tables and the strict machines built from them."""
 
 from refit.errors import IllegalTransition
-from refit.states._machine import RefitMachine
-from refit.states._table import ACTIVE_STATES, TERMINAL_STATES, TRANSITIONS, RefitState, Trigger
+from refit.states._machine import EngineMachine, RefitMachine
+from refit.states._table import (
+    ACTIVE_STATES,
+    ENGINE_TRANSITIONS,
+    TERMINAL_STATES,
+    TRANSITIONS,
+    EngineEvent,
+    EngineState,
+    RefitState,
+    Trigger,
+)
 
 __all__ = [
     "ACTIVE_STATES",
+    "ENGINE_TRANSITIONS",
     "TERMINAL_STATES",
     "TRANSITIONS",
+    "EngineEvent",
+    "EngineMachine",
+    "EngineState",
     "IllegalTransition",
     "RefitMachine",
     "RefitState",

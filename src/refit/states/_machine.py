@@ -1,7 +1,9 @@
-"""Builds the legality "brain" from the table with `transitions`, strictly.
+"""Builds the legality "brains" from the tables, strictly.
 
-No callbacks, no I/O: the machine only answers "is this move legal?" and records where the run is.
-A refused trigger raises `IllegalTransition`; it never returns False.
+No callbacks, no I/O: a machine only answers "is this move legal?" and records where it is. A
+refused trigger raises `IllegalTransition`; it never returns False. The run machine uses
+`transitions`; an engine machine is a plain lookup in the same kind of table (a run has one per
+engine, so it must be cheap to build).
 """
 
 from __future__ import annotations
@@ -9,11 +11,11 @@ from __future__ import annotations
 from transitions import Machine, MachineError
 
 from refit.errors import IllegalTransition
-from refit.states._table import TRANSITIONS, RefitState, Trigger
+from refit.states._table import ENGINE_TRANSITIONS, TRANSITIONS, EngineEvent, EngineState, RefitState, Trigger
 
 
 class RefitMachine:
-    """One run's position in the table."""
+    """One run's position in the run table."""
 
     state: RefitState
 
@@ -50,3 +52,27 @@ class RefitMachine:
 
     def legal_triggers(self) -> list[str]:
         return sorted(self._machine.get_triggers(self.state))
+
+
+_ENGINE_MOVES: dict[tuple[EngineState, EngineEvent], EngineState] = {
+    (src, event): dest for event, sources, dest in ENGINE_TRANSITIONS for src in sources
+}
+
+
+class EngineMachine:
+    """One engine's position in the engine table during one run."""
+
+    __slots__ = ("state",)
+
+    def __init__(self, initial: EngineState = EngineState.JOINED) -> None:
+        self.state = initial
+
+    def can(self, event: EngineEvent) -> bool:
+        return (self.state, event) in _ENGINE_MOVES
+
+    def fire(self, event: EngineEvent) -> EngineState:
+        dest = _ENGINE_MOVES.get((self.state, event))
+        if dest is None:
+            raise IllegalTransition(str(self.state), str(event))
+        self.state = dest
+        return dest

@@ -1,17 +1,23 @@
-"""The refit state table: the single source of truth for which moves a run may make.
+"""The refit state tables: the single source of truth for which moves a run, and each engine in it,
+may make.
 
-Rule 1: every state and every legal move of a refit run is listed here, as data, and nowhere else.
+Rule 1: every state and every legal move is listed here, as data, and nowhere else.
 Rule 2: this file knows nothing about drivers, engines, I/O or time. The runner
-(`refit.protocol`) asks the machine built from this table whether a move is legal, commits it,
-and only then performs the phase's driver calls; `docs/diagrams/` is generated from it.
+(`refit.protocol`) asks the machines built from these tables whether a move is legal and commits
+it; `docs/diagrams/` is generated from them.
 
-A state names the phase a run is *in*. Colocated runs pass OFFLOADING and RESTORING;
-disaggregated runs skip them (`connect` from IDLE, `finish` from CONTINUING). An engine whose
-update failed is retried (`retry`: back to INVALIDATING for that engine alone) while attempts and
-time remain; engines that failed for good are quarantined inside CONTINUING while healthy ones
-publish. A failure of the run itself (trainer side, deadline, no engine left) moves to ABORTING;
-from there the run may quarantine poisoned engines and always ends latched in FAILED. DONE and
-FAILED have no exits.
+The run table. A state names the phase a run is *in*. Colocated runs pass OFFLOADING and
+RESTORING; disaggregated runs skip them (`connect` from IDLE, `finish` from CONTINUING). Engines
+whose update failed are retried (`retry`: back to INVALIDATING for them alone) while attempts and
+time remain; a transport whose group a failed member broke is first rebuilt without it
+(`reconnect`: RECONNECTING, then `retry`). Engines that failed for good are quarantined inside
+CONTINUING while healthy ones publish. A failure of the run itself (trainer side, deadline, no
+engine left) moves to ABORTING; from there the run may quarantine poisoned engines and always ends
+latched in FAILED. DONE and FAILED have no exits.
+
+The engine table. One per engine and run (h11 keeps one state per role): where that engine
+stands in the update. Facts that are not positions (whether its weights changed or were lost,
+why it left the attempt) are kept beside it; outcomes are derived from both.
 """
 
 from enum import StrEnum
@@ -25,6 +31,7 @@ class RefitState(StrEnum):
     INVALIDATING = "INVALIDATING"
     TRANSFERRING = "TRANSFERRING"
     POST_PROCESSING = "POST_PROCESSING"
+    RECONNECTING = "RECONNECTING"
     CONTINUING = "CONTINUING"
     RESTORING = "RESTORING"
     DONE = "DONE"
@@ -41,6 +48,7 @@ class Trigger(StrEnum):
     TRANSFER = "transfer"
     NEXT_BUCKET = "next_bucket"
     POST_PROCESS = "post_process"
+    RECONNECT = "reconnect"
     RETRY = "retry"
     PUBLISH = "publish"
     RESTORE = "restore"
@@ -60,12 +68,13 @@ ACTIVE_STATES: tuple[RefitState, ...] = (
     S.INVALIDATING,
     S.TRANSFERRING,
     S.POST_PROCESSING,
+    S.RECONNECTING,
     S.CONTINUING,
     S.RESTORING,
 )
 TERMINAL_STATES: tuple[RefitState, ...] = (S.DONE, S.FAILED)
 
-# (trigger, sources, destination), in the order of the happy path, then the failure path.
+# (trigger, sources, destination), in the order of the happy path, then recovery, then failure.
 TRANSITIONS: tuple[tuple[Trigger, tuple[RefitState, ...], RefitState], ...] = (
     (T.OFFLOAD, (S.IDLE,), S.OFFLOADING),
     (T.CONNECT, (S.IDLE, S.OFFLOADING), S.CONNECTING),
@@ -74,11 +83,48 @@ TRANSITIONS: tuple[tuple[Trigger, tuple[RefitState, ...], RefitState], ...] = (
     (T.TRANSFER, (S.INVALIDATING,), S.TRANSFERRING),
     (T.NEXT_BUCKET, (S.TRANSFERRING,), S.TRANSFERRING),
     (T.POST_PROCESS, (S.TRANSFERRING,), S.POST_PROCESSING),
-    (T.RETRY, (S.POST_PROCESSING,), S.INVALIDATING),
     (T.PUBLISH, (S.POST_PROCESSING,), S.CONTINUING),
     (T.RESTORE, (S.CONTINUING,), S.RESTORING),
     (T.FINISH, (S.CONTINUING, S.RESTORING), S.DONE),
-    (T.FAIL, ACTIVE_STATES, S.ABORTING),
+    (T.RECONNECT, (S.POST_PROCESSING,), S.RECONNECTING),
+    (T.RETRY, (S.POST_PROCESSING, S.RECONNECTING), S.INVALIDATING),
+    (T.FAIL, (S.IDLE, *ACTIVE_STATES), S.ABORTING),  # IDLE: the ranks' metadata or the plan was refused
     (T.QUARANTINE, (S.ABORTING,), S.QUARANTINING),
     (T.LATCH, (S.ABORTING, S.QUARANTINING), S.FAILED),
+)
+
+
+class EngineState(StrEnum):
+    JOINED = "JOINED"  # in the run; nothing that changes generation has happened to it yet
+    PAUSED = "PAUSED"  # generation stopped, no update session open
+    OPEN = "OPEN"  # cache flushed and an update session begun: exactly one finalize is owed
+    FINALIZED = "FINALIZED"  # its attempt acked every bucket and finalized: it may publish
+    PUBLISHED = "PUBLISHED"  # labelled with the run's version: it must be continued
+    SERVING = "SERVING"  # continued (colocated: and its KV memory back): generating again
+    QUARANTINED = "QUARANTINED"  # kept out of service until a refit completes
+    GONE = "GONE"  # died or stopped answering: only a restart helps
+
+
+class EngineEvent(StrEnum):
+    PAUSE = "pause"
+    OPEN = "open"  # flush and begin succeeded (first attempt or retry)
+    FINALIZE = "finalize"  # finalize succeeded after every bucket was acked
+    CLOSE = "close"  # the session ended without a publishable update (partial, failed finalize)
+    PUBLISH = "publish"
+    CONTINUE = "continue"
+    QUARANTINE = "quarantine"
+    LOSE = "lose"
+
+
+E, EV = EngineState, EngineEvent
+
+ENGINE_TRANSITIONS: tuple[tuple[EngineEvent, tuple[EngineState, ...], EngineState], ...] = (
+    (EV.PAUSE, (E.JOINED,), E.PAUSED),
+    (EV.OPEN, (E.PAUSED,), E.OPEN),
+    (EV.FINALIZE, (E.OPEN,), E.FINALIZED),
+    (EV.CLOSE, (E.OPEN,), E.PAUSED),
+    (EV.PUBLISH, (E.FINALIZED,), E.PUBLISHED),
+    (EV.CONTINUE, (E.PAUSED, E.PUBLISHED), E.SERVING),
+    (EV.QUARANTINE, (E.JOINED, E.PAUSED, E.OPEN, E.FINALIZED, E.PUBLISHED), E.QUARANTINED),
+    (EV.LOSE, (E.JOINED, E.PAUSED, E.OPEN, E.FINALIZED, E.PUBLISHED, E.SERVING), E.GONE),
 )
