@@ -301,6 +301,13 @@ class SpmdRanks(Ranks):
         self._lanes = _Lanes(participant)
         self._waiters = ThreadPoolExecutor(4, thread_name_prefix="refit-spmd") if self.leader else None
         self._stale: list[str] = []
+        self._local = threading.local()  # a store client blocks its connection while it waits: one per thread
+
+    def _client(self) -> Any:
+        client = getattr(self._local, "store", None)
+        if client is None:
+            client = self._local.store = self.store.clone()
+        return client
 
     @classmethod
     def create(cls, source: Source, transport: Transport, *, timeout_s: float = 300.0) -> SpmdRanks:
@@ -359,24 +366,25 @@ class SpmdRanks(Ranks):
         return out
 
     def _collect(self, seq: int, timeout: float) -> list[Any]:
+        store = self._client()
         keys = [self._key("r", seq, r) for r in range(1, self.world)]
         try:
-            self.store.wait(keys, _td(timeout + 0.5))
+            store.wait(keys, _td(timeout + 0.5))
         except Exception as exc:
-            missing = [r for r, k in enumerate(keys, start=1) if not self.store.check([k])]
+            missing = [r for r, k in enumerate(keys, start=1) if not store.check([k])]
             self._stale.extend(keys)
             raise TimeoutError(
                 f"trainer ranks {missing} did not answer within {timeout:.3g}s (every rank must call "
                 f"protocol.run(ctx) and ctx.close()): {type(exc).__name__}"
             ) from None
         values = []
-        for rank, raw in enumerate(self.store.multi_get(keys), start=1):
+        for rank, raw in enumerate(store.multi_get(keys), start=1):
             ok, value = pickle.loads(raw)
             if not ok:
                 raise value if isinstance(value, BaseException) else RankError(rank, str(value))
             values.append(value)
         for k in [*keys, self._key("c", seq)]:
-            self.store.delete_key(k)
+            store.delete_key(k)
         return values
 
     def finish(self, result: Any) -> None:
@@ -427,7 +435,7 @@ class SpmdRanks(Ranks):
         except Exception as err:  # an unpicklable value or error still gets a reply
             raw = pickle.dumps((False, RankError(self.rank, f"reply could not be pickled: {err}")))
         with contextlib.suppress(Exception):  # the leader is gone: nothing to tell
-            self.store.set(self._key("r", seq, self.rank), raw)
+            self._client().set(self._key("r", seq, self.rank), raw)
 
 
 def default_ranks(source: Source, transport: Transport) -> Ranks:

@@ -44,36 +44,39 @@ ENGINE_DTYPE = "float32"
 
 
 class Comm:
-    """Collectives among one engine's TP ranks (a gloo group); a single rank needs none."""
+    """Collectives among one engine's TP ranks over a gloo backend made from a store (no default
+    process group involved); a single rank needs none."""
 
     def __init__(self, group: Any = None, rank: int = 0, size: int = 1) -> None:
         self.group, self.rank, self.size = group, rank, size
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
-            import torch.distributed as dist
-
-            dist.all_reduce(t, group=self.group)
+            self.group.allreduce([t]).wait()
         return t
 
     def all_gather_cat(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         if self.size == 1:
             return t
-        import torch.distributed as dist
-
         parts = [torch.empty_like(t) for _ in range(self.size)]
-        dist.all_gather(parts, t.contiguous(), group=self.group)
+        self.group.allgather([parts], [t.contiguous()]).wait()
         return torch.cat(parts, dim=dim)
 
     def gather_objects(self, obj: Any) -> list[Any]:
         """Every rank's `obj`, in rank order, on every rank."""
         if self.size == 1:
             return [obj]
-        import torch.distributed as dist
+        import pickle
 
-        out: list[Any] = [None] * self.size
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
+        raw = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
+        self.group.allgather([sizes], [torch.tensor([raw.numel()], dtype=torch.int64)]).wait()
+        width = int(max(int(s) for s in sizes))
+        padded = torch.zeros(width, dtype=torch.uint8)
+        padded[: raw.numel()] = raw
+        outs = [torch.empty(width, dtype=torch.uint8) for _ in range(self.size)]
+        self.group.allgather([outs], [padded]).wait()
+        return [pickle.loads(o[: int(n)].numpy().tobytes()) for o, n in zip(outs, sizes, strict=True)]
 
 
 class WeightLayout:

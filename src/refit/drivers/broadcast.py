@@ -1,0 +1,267 @@
+"""Collective broadcast transport: trainer rank 0 broadcasts each bucket to every engine TP rank over
+a torch.distributed side group (`gloo` on CPU; the same code takes `nccl` on GPUs).
+
+The group is built from a store the trainer opens for this connection, never by splitting the
+trainer's default group (with NCCL, a default group bound to a device turns that into
+ncclCommSplit, which hangs unless every rank of the default group joins). Group rank 0 is the
+trainer's source rank; engine i's TP rank j is group rank 1 + rank_offset_i + j.
+
+Lifecycle:
+  CONNECTING     every trainer rank: `connect` (rank 0 opens a TCPStore on a free port, names the
+                 group, allocates `slots` send buffers; the other ranks only drain). Then, at the
+                 same time: rank 0 `join`s the group while every engine TP rank attaches
+                 (`BroadcastReceiver`: it joins as its group rank); the group forms when all are
+                 in, or fails for all after the rendezvous timeout (a receiver then raises
+                 EngineError("rendezvous") unless the fault is its own).
+  TRANSFERRING   every rank `pack`s bucket k (rank 0 into a free send buffer, hashing as it
+                 copies; the others make the same gathers and keep nothing). Then rank 0's
+                 `send(k)` broadcasts while every engine's load receives (the runner starts both
+                 together); bucket k+1 is packed into the other buffer meanwhile. A buffer is
+                 released after the send finished and every engine acked. A member that fails
+                 breaks the group for all: the runner stops streaming, tears the group down and
+                 rebuilds it without that member before retrying.
+  disconnect     the group and the store are dropped (a receiver blocked on a dead group sees its
+                 peers go and fails); buffers freed. Idempotent.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import uuid
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from refit.drivers.base import ConnectInfo, EngineSpec, LazyTensors, Payload, Receiver, Topology, Transport
+from refit.drivers.buckets import BucketManifest, checksum, pack_into, slot_bytes, unpack
+from refit.errors import EngineError
+
+if TYPE_CHECKING:
+    import torch
+
+SOURCE_RANK = 0
+
+
+def _td(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=max(float(seconds), 0.05))
+
+
+def _group(store: Any, name: str, rank: int, size: int, timeout_s: float, backend: str) -> Any:
+    """A process group of `size` members made from `store` alone (no default group involved)."""
+    import torch.distributed as dist
+
+    prefixed = dist.PrefixStore(name, store)
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(prefixed, rank, size, _td(timeout_s))
+    if backend == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = _td(timeout_s)
+        return dist.ProcessGroupNCCL(prefixed, rank, size, opts)
+    raise ValueError(f"backend {backend!r}: use gloo or nccl")
+
+
+def _broadcast(group: Any, tensor: torch.Tensor) -> None:
+    import torch.distributed as dist
+
+    opts = dist.BroadcastOptions()
+    opts.rootRank = SOURCE_RANK
+    group.broadcast([tensor], opts).wait()
+
+
+class BroadcastTransport(Transport):
+    kind = "broadcast"
+    collective = True
+
+    def __init__(
+        self, slots: int = 2, *, backend: str = "gloo", host: str | None = None, checksums: bool = True
+    ) -> None:
+        """`backend`: gloo (CPU tensors) or nccl (CUDA tensors, two GPUs or more). `host`: the
+        address engines reach the trainer's store at (default MASTER_ADDR, else this host)."""
+        if not isinstance(slots, int) or slots < 1:
+            raise ValueError(f"slots must be an integer >= 1, got {slots!r}")
+        self.slots = slots
+        self.backend = backend
+        self.host = host
+        self.checksums = checksums
+        self.temp_bytes = 0
+        self._sender = False
+        self._store: Any = None
+        self._group: Any = None
+        self._info: dict[str, Any] = {}
+        self._buffers: list[torch.Tensor] = []
+        self._busy: list[int | None] = []
+        self._own: dict[int, torch.Tensor] = {}
+        self._slot_bytes = 0
+        self._plan: dict[int, BucketManifest] = {}
+
+    @property
+    def connected(self) -> bool:
+        return bool(self._info)
+
+    @property
+    def buffer_bytes(self) -> int:
+        return len(self._buffers) * self._slot_bytes + sum(int(t.numel()) for t in self._own.values())
+
+    def route(self, topology: Topology, engine: EngineSpec, tp_rank: int) -> int:
+        return SOURCE_RANK  # one source rank broadcasts to every engine TP rank
+
+    def connect(self, plan: Sequence[BucketManifest], topology: Topology, rank: int) -> dict[str, Any]:
+        self.disconnect()
+        self._sender = rank == SOURCE_RANK
+        self._plan = {m.index: m for m in plan}
+        if not self._sender:
+            self._info = {"rank": rank}
+            return {}
+        import torch
+        import torch.distributed as dist
+
+        host = self.host or os.environ.get("MASTER_ADDR") or socket.gethostbyname(socket.gethostname())
+        world = 1 + topology.engine_ranks
+        self._store = dist.TCPStore(
+            host, 0, world, is_master=True, wait_for_workers=False, timeout=_td(topology.timeout_s)
+        )
+        self._slot_bytes = slot_bytes(plan)
+        self._buffers = [torch.empty(self._slot_bytes, dtype=torch.uint8) for _ in range(self.slots)]
+        self._busy = [None] * self.slots
+        self._info = {
+            "addr": host, "port": self._store.port, "group": f"refit-{uuid.uuid4().hex[:12]}", "world": world,
+            "timeout_s": topology.timeout_s, "backend": self.backend, "slot_bytes": self._slot_bytes,
+        }  # fmt: skip
+        return dict(self._info)
+
+    def attach_infos(self, rank_infos: Sequence[dict[str, Any]], topology: Topology) -> dict[str, ConnectInfo]:
+        shared = rank_infos[SOURCE_RANK]
+        receiver = f"{__name__}:BroadcastReceiver"
+        return {
+            e.name: ConnectInfo(
+                self.kind,
+                receiver,
+                fields=dict(shared),
+                parts=tuple({"rank": 1 + e.rank_offset + j} for j in range(e.tp)),
+            )
+            for e in topology.engines
+        }
+
+    def join(self) -> None:
+        if self._sender:
+            info = self._info
+            self._group = _group(
+                self._store, info["group"], SOURCE_RANK, info["world"], info["timeout_s"], self.backend
+            )
+
+    def pack(self, manifest: BucketManifest, tensors: LazyTensors) -> dict[str, Any] | None:
+        if not self.connected:
+            raise RuntimeError("broadcast transport: pack() before connect()")
+        if not self._sender:  # the same gathers as the source rank, nothing kept
+            self.temp_bytes = pack_into(None, manifest, tensors).temp_bytes
+            return None
+        buffer = self._buffer_for(manifest)
+        try:
+            packed = pack_into(buffer, manifest, tensors, hash_bytes=self.checksums)
+        except BaseException:
+            self.release(manifest.index)
+            raise
+        self.temp_bytes = packed.temp_bytes
+        return {} if packed.checksum is None else {"xxh3": packed.checksum}
+
+    def _buffer_for(self, manifest: BucketManifest) -> torch.Tensor:
+        import torch
+
+        if manifest.oversized:
+            buffer = self._own[manifest.index] = torch.empty(manifest.nbytes, dtype=torch.uint8)
+            return buffer
+        try:
+            slot = self._busy.index(None)
+        except ValueError:
+            raise RuntimeError(
+                f"broadcast transport: no free buffer for bucket {manifest.index}; buckets {self._busy} wait for acks"
+            ) from None
+        self._busy[slot] = manifest.index
+        return self._buffers[slot]
+
+    def payloads(
+        self, manifest: BucketManifest, parts: Sequence[dict[str, Any] | None], topology: Topology
+    ) -> dict[str, Payload]:
+        fields = dict(parts[SOURCE_RANK] or {})
+        return {e.name: Payload(self.kind, manifest, fields, parts=({},) * e.tp) for e in topology.engines}
+
+    def send(self, index: int) -> None:
+        if not self._sender:
+            return
+        if self._group is None:
+            raise RuntimeError("broadcast transport: send() before the group formed (join)")
+        manifest = self._plan[index]
+        buffer = self._own.get(index)
+        if buffer is None:
+            buffer = self._buffers[self._slot_of(index)]
+        _broadcast(self._group, buffer[: manifest.nbytes])
+
+    def _slot_of(self, index: int) -> int:
+        try:
+            return self._busy.index(index)
+        except ValueError:
+            raise RuntimeError(
+                f"broadcast transport: no buffer holds bucket {index} (slots hold {self._busy})"
+            ) from None
+
+    def release(self, index: int) -> None:
+        if not self._sender:
+            return
+        if self._own.pop(index, None) is None:
+            self._busy[self._slot_of(index)] = None
+
+    def abandon(self, index: int) -> None:
+        """A send still in flight keeps its tensor alive; this rank never writes into it again."""
+        if not self._sender or self._own.pop(index, None) is not None:
+            return
+        import torch
+
+        slot = self._slot_of(index)
+        self._buffers[slot] = torch.empty(self._slot_bytes, dtype=torch.uint8)
+        self._busy[slot] = None
+
+    def disconnect(self) -> None:
+        self._group = None  # dropping the group closes its connections: peers blocked on it fail
+        self._store = None
+        self._buffers, self._busy, self._own, self._info, self._plan = [], [], {}, {}, {}
+
+
+class BroadcastReceiver(Receiver):
+    """One engine TP rank's side: joins the group at attach (blocking until it forms), receives
+    each bucket into a reusable buffer and returns views into it."""
+
+    def __init__(self, info: ConnectInfo, tp_rank: int = 0) -> None:
+        super().__init__(info, tp_rank)
+        import torch
+        import torch.distributed as dist
+
+        f = info.fields
+        try:
+            store = dist.TCPStore(
+                f["addr"], int(f["port"]), int(f["world"]), is_master=False, timeout=_td(f["timeout_s"])
+            )
+            self._group = _group(
+                store, f["group"], int(self.part["rank"]), int(f["world"]), f["timeout_s"], f["backend"]
+            )
+        except (RuntimeError, OSError, ValueError) as exc:  # the group did not form (a member is missing)
+            raise EngineError("rendezvous", f"group {f.get('group')} did not form: {exc}") from exc
+        self._store = store
+        self._buffer = torch.empty(int(f.get("slot_bytes", 0)), dtype=torch.uint8)
+
+    def read(self, payload: Payload) -> list[tuple[str, torch.Tensor]]:
+        import torch
+
+        n = payload.manifest.nbytes
+        buffer = self._buffer if n <= self._buffer.numel() else torch.empty(n, dtype=torch.uint8)
+        _broadcast(self._group, buffer[:n])
+        return unpack(buffer, payload.manifest)
+
+    def verify(self, payload: Payload, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        expected = payload.fields.get("xxh3")
+        if expected is not None and checksum(tensors) != expected:
+            raise ValueError(f"bucket {payload.manifest.index}: checksum mismatch, the bytes changed in transit")
+
+    def close(self) -> None:
+        self._group = None
+        self._store = None
