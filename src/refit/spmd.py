@@ -38,6 +38,7 @@ DEFAULT_SPEC: dict[str, Any] = {
     "call_timeout": 10.0,
     "retries": 1,
     "seed": 0,
+    "aux_dtype": None,  # e.g. "bfloat16": a one-row tensor of another dtype that rank 1 owns none of
     "faults": {},  # refit number (1-based, as a string) -> fault spec ("transferring:engine=1:bucket=2:kind=kill")
     "leader_only": False,  # only rank 0 calls protocol.run (a misuse: it must fail clearly, in time)
     "check": True,
@@ -97,6 +98,8 @@ def _fsdp_model(config: Any, seed: int) -> Any:
     model = TinyLlama(config, seed=seed)
     for layer in model.model.layers:
         fully_shard(layer)
+    if config.aux_dtype is not None:  # FSDP2 groups hold one dtype: the auxiliary tensor gets its own
+        fully_shard(model.aux)
     fully_shard(model)
     return model
 
@@ -147,7 +150,7 @@ def worker(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    config = ModelConfig()
+    config = ModelConfig(aux_dtype=spec["aux_dtype"])
     model = _fsdp_model(config, spec["seed"])
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     gen = torch.Generator().manual_seed(spec["seed"] + 1 + rank)  # each rank trains on its own data

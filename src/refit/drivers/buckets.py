@@ -172,13 +172,11 @@ def _is_dtensor(tensor: Any) -> bool:
     return hasattr(tensor, "full_tensor") and hasattr(tensor, "placements")
 
 
-def _even_shard0(tensor: Any) -> bool:
-    """A DTensor sharded on dim 0 over a 1-D mesh in equal pieces: gathered straight into place."""
+def _shard0(tensor: Any) -> bool:
+    """A DTensor sharded on dim 0 over a 1-D mesh (FSDP2's layout): gathered straight into place."""
     from torch.distributed.tensor import Shard
 
-    mesh = tensor.device_mesh
-    placements = tuple(tensor.placements)
-    return mesh.ndim == 1 and placements == (Shard(0),) and len(tensor.shape) > 0 and tensor.shape[0] % mesh.size() == 0
+    return tensor.device_mesh.ndim == 1 and tuple(tensor.placements) == (Shard(0),) and len(tensor.shape) > 0
 
 
 def gather_into(out: torch.Tensor | None, tensor: Any, dtype: torch.dtype) -> int:
@@ -194,20 +192,39 @@ def gather_into(out: torch.Tensor | None, tensor: Any, dtype: torch.dtype) -> in
             out.copy_(tensor.detach())
         return 0
     temp = 0
-    if _even_shard0(tensor):
+    if _shard0(tensor):
         local = tensor.to_local().detach()
         if local.dtype != dtype:
             local = local.to(dtype)
             temp += local.nbytes
         local = local.contiguous()
-        target = out
-        if target is None:
-            target = torch.empty(tuple(tensor.shape), dtype=dtype, device=local.device)
-            temp += target.nbytes
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        gather(target, local, group=tensor.device_mesh.get_group())
+        group = tensor.device_mesh.get_group()
+        world, n = tensor.device_mesh.size(), tensor.shape[0]
+        if n % world == 0:  # equal pieces: one all-gather into place
+            target = out
+            if target is None:
+                target = torch.empty(tuple(tensor.shape), dtype=dtype, device=local.device)
+                temp += target.nbytes
+            gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+            gather(target, local, group=group)
+            return temp
+        # unequal pieces (torch.chunk's split, as FSDP2 uses; a rank may own none): each owner
+        # broadcasts its rows straight into their place; empty pieces are skipped by every rank
+        me, rows = dist.get_rank(group), -(-n // world)
+        for r in range(world):
+            lo, hi = r * rows, min((r + 1) * rows, n)
+            if hi <= lo:
+                continue
+            if out is not None:
+                piece = out[lo:hi]
+            else:
+                piece = torch.empty((hi - lo, *tensor.shape[1:]), dtype=dtype, device=local.device)
+                temp = max(temp, piece.nbytes)
+            if r == me:
+                piece.copy_(local)
+            dist.broadcast(piece, src=dist.get_global_rank(group, r), group=group)
         return temp
-    full = tensor.detach().full_tensor()  # uneven or multi-dimensional sharding: DTensor gathers
+    full = tensor.detach().full_tensor()  # other layouts (several mesh dims, other dims): DTensor gathers
     temp += full.nbytes
     if out is not None:
         out.copy_(full)

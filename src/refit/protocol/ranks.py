@@ -369,7 +369,7 @@ class SpmdRanks(Ranks):
         store = self._client()
         keys = [self._key("r", seq, r) for r in range(1, self.world)]
         try:
-            store.wait(keys, _td(timeout + 0.5))
+            store.wait(keys, _td(timeout))
         except Exception as exc:
             missing = [r for r, k in enumerate(keys, start=1) if not store.check([k])]
             self._stale.extend(keys)

@@ -194,6 +194,7 @@ class _Run:
         self.batches = itertools.count()
         self.ahead: list[str] = []  # engines whose probe found them at or past the target version
         self.restore_failed: BaseException | None = None
+        self.ranks_stuck = False  # a trainer-side step did not answer in time this run
 
     # ---- recording ---------------------------------------------------------------------------
 
@@ -277,10 +278,12 @@ class _Run:
         values = None
         try:
             values = rc.future.result(timeout=max(rc.started + rc.budget + SLACK_S - time.monotonic(), 0.0))
-        except concurrent.futures.TimeoutError:
-            exc = TimeoutError(f"{rc.step.call} did not return on every trainer rank inside {rc.budget:.3g}s")
         except Exception as caught:
             exc = caught
+            if isinstance(caught, TimeoutError) and not rc.future.done():  # our wait ran out, not the ranks'
+                exc = TimeoutError(f"{rc.step.call} did not return on every trainer rank inside {rc.budget:.3g}s")
+        if isinstance(exc, TimeoutError):
+            self.ranks_stuck = True
         outcome = "ok" if exc is None else outcome_of(exc)
         self.emit(
             "call", rc.step.call, state=state or rc.step.state, side=rc.step.side, outcome=outcome,
@@ -844,7 +847,7 @@ class _Run:
 
     def end_ranks(self) -> list[Any]:
         """Every rank closes its stream and reports its stats (bookkeeping: not a protocol step)."""
-        budget = self._budget(True, cap=False)
+        budget = CLEANUP_FLOOR_S if self.ranks_stuck else min(self._budget(True, cap=False), LOCK_TIMEOUT_S)
         try:
             return self.ctx.ranks.start(RankStep("end_run", str(self.machine.state)), timeout=budget).result(
                 timeout=budget + SLACK_S

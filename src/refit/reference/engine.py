@@ -40,7 +40,7 @@ from refit.reference.model import ModelConfig, attention, init_weights, rms_norm
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 MEMORY_TAGS = ("weights", "kv_cache")
-ENGINE_DTYPE = "float32"
+ENGINE_DTYPE = "float32"  # every tensor but an auxiliary one (ModelConfig.aux_dtype)
 
 
 class Comm:
@@ -93,6 +93,7 @@ class WeightLayout:
             if n % t:
                 raise ValueError(f"tensor parallelism {t} does not divide {what}={n}")
         self.hf_shapes = config.hf_shapes()
+        self.hf_dtypes = config.hf_dtypes()
         h = c.hidden_size
         qn, kn, inn, vn = (
             c.num_heads * c.head_dim // t,
@@ -227,9 +228,7 @@ class EngineCore:
         self.config = config
         self.comm = comm or Comm()
         self.layout = WeightLayout(config, self.comm.rank, self.comm.size)
-        self.params: dict[str, torch.Tensor] = {
-            name: torch.zeros(shape) for name, shape in self.layout.engine_shapes.items()
-        }
+        self.params: dict[str, torch.Tensor] = {name: self._zeros(name) for name in self.layout.engine_shapes}
         with torch.no_grad():
             for name, tensor in init_weights(config, seed).items():
                 self._write(name, tensor)
@@ -255,6 +254,10 @@ class EngineCore:
         self.audit: list[dict[str, Any]] = []  # what the engine itself did, for engine-side invariants
         if not serving:
             self.quarantine("awaiting its first refit")
+
+    def _zeros(self, engine_name: str) -> torch.Tensor:
+        dtype = self.layout.hf_dtypes.get(engine_name, ENGINE_DTYPE)  # fused parameters are float32
+        return torch.zeros(self.layout.engine_shapes[engine_name], dtype=getattr(torch, dtype))
 
     def record(self, op: str, ok: bool, **fields: Any) -> None:
         """Append one engine-side audit record (time is CLOCK_MONOTONIC, comparable across processes)."""
@@ -312,8 +315,9 @@ class EngineCore:
                 seen[meta.name] = manifest.index
                 if tuple(meta.shape) != shape:
                     problems.append(f"{meta.name}: shape {list(meta.shape)} != model {list(shape)}")
-                if meta.dtype != ENGINE_DTYPE:
-                    problems.append(f"{meta.name}: dtype {meta.dtype} != model {ENGINE_DTYPE}")
+                want = self.layout.hf_dtypes[meta.name]
+                if meta.dtype != want:
+                    problems.append(f"{meta.name}: dtype {meta.dtype} != model {want}")
         missing = [n for n in self.layout.hf_shapes if n not in seen]
         if missing:
             problems.append(f"{len(missing)} model tensors missing from the plan, first {missing[0]!r}")
@@ -470,7 +474,7 @@ class EngineCore:
             if self._backup is not None:
                 self.params, self._backup = self._backup, None
             else:
-                self.params = {name: torch.zeros(shape) for name, shape in self.layout.engine_shapes.items()}
+                self.params = {name: self._zeros(name) for name in self.layout.engine_shapes}
                 intact = False
                 self.dirty = True  # zeros are no version's weights until a refit completes
             self.head_serving = self.params["lm_head.weight"].clone()

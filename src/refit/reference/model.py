@@ -32,6 +32,11 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-6
     max_seq_len: int = 256
+    # an auxiliary tensor `aux.weight` [1, hidden] of this dtype (None: no such tensor): what
+    # real checkpoints carry beside the math (quantization scales, router biases, rotary buffers):
+    # moved and checked like any weight, not used by the forward. Its one row means that a
+    # sharded trainer has ranks that own none of it.
+    aux_dtype: str | None = None
 
     @property
     def head_dim(self) -> int:
@@ -57,18 +62,26 @@ class ModelConfig:
             shapes[p + "post_attention_layernorm.weight"] = (h,)
         shapes["model.norm.weight"] = (h,)
         shapes["lm_head.weight"] = (self.vocab_size, h)
+        if self.aux_dtype is not None:
+            shapes["aux.weight"] = (1, h)
         return shapes
+
+    def hf_dtypes(self) -> dict[str, str]:
+        """Every trainer (HF) parameter name and its dtype name."""
+        return {name: (self.aux_dtype or "float32") if name == "aux.weight" else "float32" for name in self.hf_shapes()}
 
 
 def init_weights(config: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
     """Deterministic HF-named fp32 weights: the 'checkpoint' trainer and engines start from."""
     gen = torch.Generator().manual_seed(seed)
     out = {}
+    dtypes = config.hf_dtypes()
     for name, shape in config.hf_shapes().items():
         if name.endswith("layernorm.weight") or name == "model.norm.weight":
             out[name] = 1.0 + 0.1 * torch.randn(shape, generator=gen)
         else:
             out[name] = torch.randn(shape, generator=gen) / math.sqrt(shape[-1])
+        out[name] = out[name].to(getattr(torch, dtypes[name]))
     return out
 
 
@@ -162,6 +175,14 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+class Aux(nn.Module):
+    """The auxiliary tensor (see ModelConfig.aux_dtype)."""
+
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(1, c.hidden_size, dtype=getattr(torch, c.aux_dtype or "float32")))
+
+
 class _Backbone(nn.Module):
     def __init__(self, c: ModelConfig) -> None:
         super().__init__()
@@ -178,6 +199,8 @@ class TinyLlama(nn.Module):
         self.config = config
         self.model = _Backbone(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.aux_dtype is not None:
+            self.aux = Aux(config)
         if seed is not None:
             self.load_state_dict(init_weights(config, seed))
 

@@ -162,11 +162,14 @@ class LocalChannel:
 
 
 def _to_wire(obj: Any) -> Any:
-    """Tensors cross the socket as numpy arrays (pickled by value: no shared fds to leak)."""
+    """Tensors cross the socket as (dtype, shape, raw bytes), pickled by value: no shared fds to
+    leak, and any dtype (bfloat16 has no numpy form)."""
     import torch
 
     if isinstance(obj, torch.Tensor):
-        return ("__tensor__", obj.detach().cpu().numpy())
+        t = obj.detach().cpu().contiguous()
+        raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        return ("__tensor__", str(t.dtype).removeprefix("torch."), tuple(t.shape), raw)
     if isinstance(obj, dict):
         return {k: _to_wire(v) for k, v in obj.items()}
     if isinstance(obj, list | tuple):
@@ -177,8 +180,10 @@ def _to_wire(obj: Any) -> Any:
 def _from_wire(obj: Any) -> Any:
     import torch
 
-    if isinstance(obj, tuple) and len(obj) == 2 and obj[0] == "__tensor__":
-        return torch.from_numpy(obj[1])
+    if isinstance(obj, tuple) and len(obj) == 4 and obj[0] == "__tensor__":
+        _, dtype, shape, raw = obj
+        flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+        return flat.view(getattr(torch, dtype)).reshape(shape)
     if isinstance(obj, dict):
         return {k: _from_wire(v) for k, v in obj.items()}
     if isinstance(obj, list | tuple):
