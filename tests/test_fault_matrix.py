@@ -1,15 +1,20 @@
 """The fault matrix: every active state x fault kind x {first, last engine} x {first, middle, last
 bucket} (the bucket only matters in TRANSFERRING), each a real refit into two reference engines
 whose faults happen inside the engine (hang, kill, corrupt) or at the call (raise), with no
-retries so every fault shows its own handling (retries are covered by the kit). After each:
-trace invariants, engine-side audit invariants, acks, the lock, and that no engine serves weights
-its version does not name. The count of violations is printed in the test summary; it must be 0."""
+retries so every fault shows its own handling, over both transports: shared memory, and the
+collective broadcast transport (where one failed member breaks the group for all). For the
+broadcast transport, RECONNECTING (rebuilding the group without a dead member before a retry) is
+reached by a kill at bucket 1 plus the fault under test, with one retry. After each: trace
+invariants, engine-side audit invariants, acks, the lock, and that no engine serves weights its
+version does not name. The count of violations is printed in the test summary; it must be 0."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from refit import invariants, protocol
+from refit.drivers.broadcast import BroadcastTransport
 from refit.drivers.reference import ReferenceEngine
 from refit.drivers.shm import SharedMemoryTransport
 from refit.drivers.torch_source import TorchSource
@@ -23,26 +28,36 @@ KINDS = ("raise", "hang", "kill", "corrupt")
 N_BUCKETS = 8  # the default model in 64 KiB buckets
 
 
-def cases() -> list[tuple[str, str, int, int | None]]:
+TRANSPORTS = {"shm": SharedMemoryTransport, "broadcast": BroadcastTransport}
+
+
+def cases(transport: str = "shm") -> list[tuple[str, str, str, int, int | None]]:
     out = []
     for state in (s for s in ACTIVE_STATES if s != "RECONNECTING"):
         buckets = [0, N_BUCKETS // 2, N_BUCKETS - 1] if state == "TRANSFERRING" else [None]
         for kind in KINDS:
             for engine in (0, 1):
-                out.extend((str(state), kind, engine, b) for b in buckets)
+                out.extend((transport, str(state), kind, engine, b) for b in buckets)
+    if transport == "broadcast":  # engine 1 dies at bucket 1; engine 0 meets the fault while the group is rebuilt
+        out.extend((transport, "RECONNECTING", kind, 0, None) for kind in KINDS)
     return out
 
 
-def run_case(state: str, kind: str, engine: int, bucket: int | None) -> list[str]:
+def run_case(transport: str, state: str, kind: str, engine: int, bucket: int | None) -> list[str]:
     """One refit with one fault; returns every violation found (empty: the case passed)."""
     engines = [ReferenceEngine.in_thread(f"m{i}", CONFIG, seed=0) for i in range(2)]
     old = TinyLlama(CONFIG, seed=0).state_dict()
     model = perturbed(TinyLlama(CONFIG, seed=0), seed=7)
     new = model.state_dict()
-    faults = protocol.FaultPlan().fail_at(state, engine=engine, bucket=bucket, kind=kind)
+    faults = protocol.FaultPlan()
+    retries = 0
+    if state == "RECONNECTING":
+        faults.fail_at("TRANSFERRING", engine=1, bucket=1, kind="kill")
+        retries = 1
+    faults.fail_at(state, engine=engine, bucket=bucket, kind=kind)
     ctx = protocol.RefitContext(
-        TorchSource(model), SharedMemoryTransport(), engines, mode="colocated", bucket_bytes=64 << 10,
-        deadline_s=5.0, cleanup_grace_s=2.0, call_timeout_s=0.3, retries=0, faults=faults,
+        TorchSource(model), TRANSPORTS[transport](), engines, mode="colocated", bucket_bytes=64 << 10,
+        deadline_s=5.0, cleanup_grace_s=2.0, call_timeout_s=0.3, retries=retries, faults=faults,
     )  # fmt: skip
     found: list[str] = []
     try:
@@ -51,8 +66,8 @@ def run_case(state: str, kind: str, engine: int, bucket: int | None) -> list[str
         except protocol.InvariantViolation as exc:
             found.append(str(exc))
             result = exc.result  # type: ignore[attr-defined]
-        if faults.faults[0].fired != 1:
-            found.append("the fault did not fire")
+        if any(f.fired != 1 for f in faults.faults):
+            found.append(f"a fault did not fire: {faults.faults}")
         if ctx.lock.holder is not None:
             found.append("lock: held after the run")
         ctx.close()
@@ -100,12 +115,17 @@ def serving_problems(
     return []
 
 
-def test_fault_matrix() -> None:
-    matrix = cases()
-    assert len(matrix) == 8 * 4 * 2 + 4 * 2 * 2  # 8 states x 4 kinds x 2 engines, + 2 more buckets in TRANSFERRING
+@pytest.mark.parametrize("transport", sorted(TRANSPORTS))
+def test_fault_matrix(transport: str) -> None:
+    matrix = cases(transport)
+    extra = 4 if transport == "broadcast" else 0
+    assert (
+        len(matrix) == 8 * 4 * 2 + 4 * 2 * 2 + extra
+    )  # 8 states x 4 kinds x 2 engines, + 2 more buckets in TRANSFERRING
     violations = {case: problems for case in matrix if (problems := run_case(*case))}
     SUMMARY.append(
-        f"fault matrix: {len(matrix)} cases (8 states x 4 kinds x 2 engines, x 3 buckets in TRANSFERRING), "
-        f"{sum(len(v) for v in violations.values())} invariant violations"
+        f"fault matrix ({transport}): {len(matrix)} cases (8 states x 4 kinds x 2 engines, x 3 buckets in TRANSFERRING"
+        + (", + RECONNECTING x 4 kinds" if extra else "")
+        + f"), {sum(len(v) for v in violations.values())} invariant violations"
     )
     assert not violations, "\n".join(f"{case}: {problems}" for case, problems in violations.items())

@@ -112,9 +112,10 @@ class EngineError(_Picklable, RuntimeError):
     way does not poison the engine.
     """
 
-    def __init__(self, kind: str, message: str) -> None:
+    def __init__(self, kind: str, message: str, data: dict[str, Any] | None = None) -> None:
         self.kind = kind
         self.message = message
+        self.data = data or {}  # small JSON-safe facts for the runner (the version a probe found, ...)
         super().__init__(f"{kind}: {message}")
 
     @property

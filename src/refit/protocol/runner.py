@@ -392,6 +392,8 @@ class _Run:
         err = res.error
         if isinstance(err, EngineError) and err.kind == "version_ahead":
             self.ahead.append(e.name)
+            if isinstance(err.data.get("version"), int):
+                e.previous_version = err.data["version"]  # it keeps serving the version it holds
         if call == "load" and not getattr(err, "no_effect", False):
             e.weights = "changed" if e.weights == "kept" else e.weights  # part of it may have landed
         elif call == "pause" and e.machine.can(EV.PAUSE):

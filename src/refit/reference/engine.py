@@ -334,7 +334,9 @@ class EngineCore:
         completes). Refuses, changing nothing, when it already holds `target_version` or newer."""
         if self.version >= target_version:
             raise EngineError(
-                "version_ahead", f"engine holds version {self.version}, the refit targets {target_version}"
+                "version_ahead",
+                f"engine holds version {self.version}, the refit targets {target_version}",
+                {"version": self.version},
             )
         closed = self.session is not None
         if closed:

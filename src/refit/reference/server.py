@@ -401,9 +401,9 @@ def _damaged(tensors: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
     return out
 
 
-def _error_value(exc: BaseException) -> tuple[str, str]:
+def _error_value(exc: BaseException) -> tuple[Any, ...]:
     if isinstance(exc, EngineError):
-        return exc.kind, exc.message
+        return (exc.kind, exc.message, exc.data) if exc.data else (exc.kind, exc.message)
     return "internal", f"{type(exc).__name__}: {exc}"
 
 

@@ -1,0 +1,358 @@
+"""The driver contract's robustness: waits bounded by the one deadline however many engines misbehave,
+bounded lock and incarnation calls, errors that survive pickling, a context that refuses what it
+cannot run, cleanup that still sends what it owes past the deadline, a colocated run that gives back
+what it took, and a trainer whose version counter is behind refused before any byte moves."""
+
+from __future__ import annotations
+
+import copy
+import math
+import pickle
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+import torch
+
+from refit import invariants, protocol
+from refit.drivers.base import Step
+from refit.drivers.reference import ReferenceEngine
+from refit.drivers.shm import SharedMemoryTransport
+from refit.drivers.torch_source import TorchSource
+from refit.errors import (
+    ConfigError,
+    DeadlineExceeded,
+    DriverCallError,
+    EngineDied,
+    EngineError,
+    IllegalTransition,
+    InvariantViolation,
+    NoTimeLeft,
+    RankError,
+    RefitBusyError,
+)
+from refit.protocol.lock import LocalLock
+
+from .conftest import CONFIG, matches, perturbed
+
+PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
+
+
+class IgnoresTimeout(ReferenceEngine):
+    """Its pause answers long after the budget it was given (a blocking HTTP client with no timeout)."""
+
+    def pause(self, mode: Any, *, timeout: float) -> None:
+        time.sleep(timeout + 3.0)
+        super().pause(mode, timeout=timeout)
+
+
+def test_sixteen_engines_that_ignore_their_timeout_cost_one_deadline_not_sixteen(trainer) -> None:
+    engines = [IgnoresTimeout.in_thread(f"slow{i}", CONFIG, seed=0) for i in range(16)]
+    ctx = protocol.RefitContext(
+        TorchSource(trainer), SharedMemoryTransport(), engines, bucket_bytes=64 << 10, deadline_s=1.5,
+        cleanup_grace_s=0.5,
+    )  # fmt: skip
+    try:
+        t0 = time.monotonic()
+        result = protocol.run(ctx)
+        took = time.monotonic() - t0
+        assert took <= 1.5 + 0.5 + invariants.DEADLINE_SLACK_S, took  # not 16 x (timeout + slack)
+        assert not result.ok and {o.status for o in result.engines.values()} == {"failed"}
+        assert ctx.lock.holder is None
+    finally:
+        ctx.close()
+        for e in engines:
+            e.close()
+    assert invariants.check_trace(ctx.recorder.events) == []
+
+
+class FlakyReleaseLock(LocalLock):
+    """Releases, then raises (a lock actor whose reply is lost)."""
+
+    def release(self, owner: str) -> bool:
+        super().release(owner)
+        raise ConnectionError("lock service went away while answering")
+
+
+class HungLock(LocalLock):
+    def acquire(self, owner: str) -> bool:
+        time.sleep(30)
+        return True
+
+
+def test_a_lock_that_raises_on_release_still_ends_the_run_and_leaves_the_context_usable(
+    trainer, thread_engines, make_ctx
+) -> None:
+    ctx = make_ctx(trainer, thread_engines(2), lock=FlakyReleaseLock())
+    first = protocol.run(ctx)
+    assert first.ok
+    run_events = [e for e in ctx.recorder.events if e.get("run") == first.run_id]
+    release = next(e for e in run_events if e["kind"] == "lock" and e["event"] == "release")
+    assert release["outcome"] == "error" and "ConnectionError" in release["error"]
+    assert run_events[-1]["kind"] == "run" and run_events[-1]["event"] == "end"
+    perturbed(trainer, seed=5)
+    assert protocol.run(ctx).ok  # the context is still usable
+
+
+def test_lock_calls_and_incarnation_reads_are_bounded(trainer, thread_engines, make_ctx) -> None:
+    ctx = make_ctx(trainer, thread_engines(1), lock=HungLock(), deadline_s=2.0)
+    t0 = time.monotonic()
+    with pytest.raises(DeadlineExceeded, match="acquiring the engines' lock"):
+        protocol.run(ctx)
+    assert time.monotonic() - t0 < 2.0 + 1.0
+
+    class SlowIncarnation(ReferenceEngine):
+        @property
+        def incarnation(self) -> str:
+            time.sleep(30)
+            return "never"
+
+    engine = SlowIncarnation.in_thread("inc", CONFIG, seed=0)
+    try:
+        ctx = make_ctx(trainer, [engine], deadline_s=2.0)
+        t0 = time.monotonic()
+        with pytest.raises(DeadlineExceeded, match="incarnation of engine inc"):
+            protocol.run(ctx)
+        assert time.monotonic() - t0 < 2.0 + 1.0
+        assert ctx.lock.holder is None  # refused before the lock was taken
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize(
+    "err",
+    [
+        EngineError("bad_manifest", "model.norm.weight: shape [65] != model [64]"),
+        EngineError("flush_refused", "2 running requests hold KV"),
+        DriverCallError(
+            "load failed",
+            cause=EngineError("bad_payload", "x"),
+            state="TRANSFERRING",
+            engine="e1",
+            call="load",
+            bucket=3,
+        ),
+        DeadlineExceeded("pause did not finish", cause=TimeoutError("t"), state="PAUSING", engine="e0", call="pause"),
+        ConfigError("deadline_s must be a positive finite number, got nan"),
+        RefitBusyError("engines ['e0'] are being refit by another run", state="IDLE"),
+        InvariantViolation("lock: released twice"),
+        IllegalTransition("IDLE", "publish"),
+        RankError(1, "RuntimeError: gather failed"),
+        EngineDied("engine e1 is gone (exit code -9)"),
+        NoTimeLeft("no time left for pause"),
+    ],
+    ids=lambda e: type(e).__name__ + "-" + str(getattr(e, "kind", "")),
+)
+def test_every_refit_error_survives_pickling_with_its_kind_message_and_effect(err: BaseException) -> None:
+    back = pickle.loads(pickle.dumps(err))
+    assert type(back) is type(err) and str(back) == str(err)
+    for attr in ("kind", "message", "state", "engine", "call", "bucket", "rank", "trigger"):
+        assert getattr(back, attr, None) == getattr(err, attr, None), attr
+    assert getattr(back, "no_effect", None) == getattr(err, "no_effect", None)
+    cause = getattr(err, "cause", None)
+    if cause is not None:
+        assert type(back.cause) is type(cause) and str(back.cause) == str(cause)
+
+
+class NotASource:
+    def metas(self) -> list:
+        return []
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"source": NotASource()}, "source must implement refit.drivers.Source, got NotASource"),
+        ({"transport": object()}, "transport must implement refit.drivers.Transport, got object"),
+        ({"engines": [object()]}, "engines must implement refit.drivers.EngineDriver"),
+        ({"bucket_bytes": 0}, "bucket_bytes must be a positive finite integer, got 0"),
+        ({"bucket_bytes": 1.5}, "bucket_bytes must be a positive finite integer, got 1.5"),
+        ({"deadline_s": math.nan}, "deadline_s must be a positive finite number, got nan"),
+        ({"deadline_s": math.inf}, "deadline_s must be a positive finite number, got inf"),
+        ({"deadline_s": -1}, "deadline_s must be a positive finite number, got -1"),
+        ({"cleanup_grace_s": -0.5}, "cleanup_grace_s must be a finite number >= 0, got -0.5"),
+        ({"call_timeout_s": 0.0}, "call_timeout_s must be a positive finite number, got 0.0"),
+        ({"retries": -1}, "retries must be an integer >= 0, got -1"),
+        ({"retries": True}, "retries must be an integer >= 0, got True"),
+        ({"version": 1.5}, "version must be an integer >= 0, got 1.5"),
+        ({"mode": "both"}, "mode must be 'colocated' or 'disaggregated', got 'both'"),
+        ({"pause_mode": "freeze"}, "pause_mode must be one of"),
+    ],
+)
+def test_the_context_refuses_what_it_cannot_run(trainer, thread_engines, kwargs: dict, message: str) -> None:
+    engine = thread_engines(1)[0]
+    base: dict[str, Any] = {"source": TorchSource(trainer), "transport": SharedMemoryTransport(), "engines": [engine]}
+    with pytest.raises(ConfigError) as info:
+        protocol.RefitContext(**{**base, **kwargs})
+    assert message in str(info.value)
+    assert engine.info()["paused"] is False  # nothing was started
+
+
+def test_a_quarantine_never_sent_does_not_count_as_done(trainer, thread_engines, make_ctx) -> None:
+    """The invariant reads what reached the engine: a quarantine recorded as never sent leaves the
+    paused engine unaccounted for."""
+    ctx = make_ctx(trainer, thread_engines(2), retries=0,
+                   faults=protocol.FaultPlan().fail_at("transferring", engine=1, bucket=2, call="load"))  # fmt: skip
+    result = protocol.run(ctx)
+    assert result.engines["t1"].status == "quarantined"
+    events = copy.deepcopy([e for e in ctx.recorder.events if e.get("run") == result.run_id])
+    assert invariants.check_run(events) == []
+    for e in events:
+        if e["kind"] == "call" and e["event"] == "quarantine":
+            e["sent"] = False
+    found = invariants.check_run(events)
+    assert any(v.invariant == "pause_continue" and "neither continued nor quarantined" in v.message for v in found)
+
+
+class HangsTransfers(ReferenceEngine):
+    """Its loads stall past the whole run: the deadline and the grace are gone before cleanup."""
+
+    def load(self, payload: Any, *, timeout: float) -> None:
+        time.sleep(4.0)
+
+
+def test_cleanup_still_sends_owed_calls_after_deadline_and_grace(trainer) -> None:
+    """A slow engine eats the whole deadline (and there is no grace): the run still finalizes and
+    quarantines the healthy engine that got bytes (each wave waits a short floor), and records
+    those calls as sent and answered."""
+    hung = HangsTransfers.in_thread("late", CONFIG, seed=0)
+    healthy = ReferenceEngine.in_thread("ok", CONFIG, seed=0)
+    ctx = protocol.RefitContext(
+        TorchSource(trainer), SharedMemoryTransport(), [healthy, hung], bucket_bytes=64 << 10, deadline_s=1.0,
+        cleanup_grace_s=0.0,
+    )  # fmt: skip
+    try:
+        result = protocol.run(ctx)
+        assert result.state == "FAILED"
+        run = [e for e in ctx.recorder.events if e.get("run") == result.run_id]
+        fail = next(e for e in run if e["kind"] == "transition" and e["event"] == "fail")
+        assert fail["t"] - run[0]["t"] >= 1.0  # cleanup starts with no time left
+        owed = [
+            e for e in run if e["kind"] == "call" and e["event"] in ("finalize", "quarantine") and e["engine"] == "ok"
+        ]
+        assert [e["event"] for e in owed] == ["finalize", "quarantine"]
+        assert all(e["outcome"] != "timeout" and e.get("sent") is not False for e in owed)  # sent and answered
+        assert healthy.info()["quarantined"]  # it got bytes: out of service, not serving mixed weights
+        assert result.engines["ok"].status == "quarantined" and result.engines["late"].status == "failed"
+    finally:
+        ctx.close()
+        hung.close()
+        healthy.close()
+
+
+def test_a_colocated_run_failing_before_pause_gives_back_the_memory_it_took(trainer, thread_engines, make_ctx) -> None:
+    engines = thread_engines(2)
+    for e in engines:  # training holds the memory; the weights have a CPU copy, so they come back intact
+        e.release_memory(["weights", "kv_cache"], cpu_backup=True)
+    ctx = make_ctx(
+        trainer, engines, mode="colocated", faults=protocol.FaultPlan().fail_at("connecting", call="connect")
+    )
+    result = protocol.run(ctx)
+    assert result.state == "FAILED"
+    for e in engines:
+        info = e.info()
+        assert info["weights_released"] and not info["paused"]  # as it was before the run
+        assert result.engines[e.name].status == "unchanged" and not result.engines[e.name].serving
+    run = [e for e in ctx.recorder.events if e.get("run") == result.run_id and e["kind"] == "call"]
+    assert [c["event"] for c in run if c.get("engine") == "t0"] == ["probe", "resume_memory", "release_memory"]
+    ctx.faults = None
+    assert protocol.run(ctx).ok and all(matches(e, trainer) for e in engines)
+
+
+class LosesKv(ReferenceEngine):
+    def resume_memory(self, tags: Sequence[str], *, timeout: float) -> dict[str, Any]:
+        if "kv_cache" in tags:
+            raise EngineError("oom", "no memory for the KV cache")
+        return super().resume_memory(tags, timeout=timeout)
+
+
+def test_an_engine_left_without_its_kv_memory_is_reported_failed_not_unchanged(trainer) -> None:
+    engine = LosesKv.in_thread("nokv", CONFIG, seed=0)
+    engine.release_memory(["weights", "kv_cache"])
+    ctx = protocol.RefitContext(TorchSource(trainer), SharedMemoryTransport(), [engine], mode="colocated",
+                                bucket_bytes=64 << 10)  # fmt: skip
+    try:
+        result = protocol.run(ctx)
+        assert result.engines["nokv"].status == "failed" and not result.engines["nokv"].serving
+    finally:
+        ctx.close()
+        engine.close()
+
+
+def test_a_trainer_behind_the_engines_is_refused_before_any_byte_moves(trainer) -> None:
+    engines = [ReferenceEngine.in_thread(f"v{i}", CONFIG, seed=0, version=5) for i in range(2)]
+    before = [e.score(PROMPT) for e in engines]
+    ctx = protocol.RefitContext(
+        TorchSource(trainer), SharedMemoryTransport(), engines, bucket_bytes=64 << 10, version=0
+    )
+    try:
+        result = protocol.run(ctx)
+        assert result.state == "FAILED" and result.version is None and result.bytes_moved == 0
+        assert "already hold version 1 or newer" in str(result.error) and "behind" in str(result.error)
+        calls = [e["event"] for e in ctx.recorder.events if e.get("run") == result.run_id and e["kind"] == "call"]
+        assert "pause" not in calls and "load" not in calls and "pack" not in calls
+        for e, old in zip(engines, before, strict=True):
+            assert e.info()["version"] == 5 and not e.info()["paused"] and torch.equal(e.score(PROMPT), old)
+            assert result.engines[e.name].status == "unchanged" and result.engines[e.name].version == 5
+    finally:
+        ctx.close()
+        for e in engines:
+            e.close()
+
+
+def test_batched_steps_take_two_control_round_trips(trainer, thread_engines, make_ctx) -> None:
+    """Steady state: [probe, resume weights, pause, flush, begin] and [publish, continue, resume KV]
+    go out as one call per engine each; every step is still its own event in its own state."""
+    engines = thread_engines(3)
+    for e in engines:
+        e.release_memory(["weights", "kv_cache"])
+    ctx = make_ctx(trainer, engines, mode="colocated")
+    assert protocol.run(ctx).round_trips == 4  # the first run also connects: probe, attach, then the rest
+    for e in engines:
+        e.release_memory(["weights", "kv_cache"])
+    perturbed(trainer, seed=8)
+    result = protocol.run(ctx)
+    assert result.ok and result.round_trips == 2
+    run = [e for e in ctx.recorder.events if e.get("run") == result.run_id]
+    t0 = [(e["state"], e["event"], e["batch"]) for e in run if e["kind"] == "call" and e.get("engine") == "t0"]
+    assert [(s, c) for s, c, _ in t0 if c != "load"] == [
+        ("OFFLOADING", "probe"), ("OFFLOADING", "resume_memory"), ("PAUSING", "pause"), ("INVALIDATING", "flush"),
+        ("INVALIDATING", "begin"), ("POST_PROCESSING", "finalize"), ("CONTINUING", "publish"),
+        ("CONTINUING", "continue_generation"), ("RESTORING", "resume_memory"),
+    ]  # fmt: skip
+    assert len({b for s, c, b in t0 if s in ("OFFLOADING", "PAUSING", "INVALIDATING")}) == 1  # one call
+    assert len({b for s, c, b in t0 if s in ("CONTINUING", "RESTORING")}) == 1
+    assert invariants.check_run(run) == []
+
+
+class Unbatched(ReferenceEngine):
+    """A driver whose engine cannot batch: the default runs one engine call per step."""
+
+    batches = False
+
+    def run_steps_async(self, steps: Sequence[Step], *, timeout: float, executor: Any) -> Any:
+        self.calls = getattr(self, "calls", 0) + len(steps)
+        return super(ReferenceEngine, self).run_steps_async(steps, timeout=timeout, executor=executor)
+
+
+def test_a_driver_that_cannot_batch_gets_one_call_per_step(trainer) -> None:
+    engine = Unbatched.in_thread("one-by-one", CONFIG, seed=0)
+    ctx = protocol.RefitContext(TorchSource(trainer), SharedMemoryTransport(), [engine], bucket_bytes=64 << 10)
+    try:
+        result = protocol.run(ctx)
+        assert result.ok and matches(engine, trainer)
+    finally:
+        ctx.close()
+        engine.close()
+
+
+def test_publish_is_refused_engine_side_without_a_complete_finalized_session(thread_engines) -> None:
+    engine = thread_engines(1)[0]
+    results = engine.run_steps_async(
+        [Step("probe", "CONNECTING", (1,)), Step("publish", "CONTINUING", (1,)), Step("continue_generation", "CONTINUING")],
+        timeout=5.0, executor=None,  # type: ignore[arg-type]
+    ).result(timeout=5)  # fmt: skip
+    assert [r.outcome for r in results] == ["ok", "error"]  # the batch stopped at the refused publish
+    assert isinstance(results[1].error, EngineError) and results[1].error.kind == "not_ready"
+    assert engine.info()["version"] == 0
