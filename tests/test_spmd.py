@@ -121,7 +121,7 @@ def test_fsdp2_ranks_refit_tp2_engines_over_broadcast_through_a_death_and_no_eng
     assert nobody["state"] == "FAILED" and nobody["version"] is None
     assert {e["status"] for e in nobody["engines"].values()} == {"failed"}
     assert all(b < 4 for b, _ in packs(nobody))  # streaming stopped for every rank together
-    assert all(r["refits"][3]["wall_s"] < 30 for r in reports)  # nobody waited out the 60 s deadline
+    assert nobody["seconds"] < 30  # nobody waited out the 60 s deadline
 
 
 def test_a_rank_that_never_calls_run_fails_the_leader_clearly_inside_the_deadline() -> None:

@@ -125,6 +125,9 @@ def _demo_arguments(p: argparse.ArgumentParser) -> None:
         "(keys: engine, bucket, call, kind = raise | hang | kill | corrupt)",
     )
     p.add_argument("--in-thread", action="store_true", help="run engines on threads instead of processes")
+    p.add_argument("--ranks", type=int, default=1, help="trainer ranks; >1: FSDP2 on gloo processes (default 1)")
+    p.add_argument("--engine-tp", type=int, default=1, help="TP processes per engine, each with a shard (default 1)")
+    p.add_argument("--transport", choices=("shm", "broadcast"), default="shm", help="shm or a broadcast group")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,25 +6,29 @@ Colocated (default): like a synchronous RL loop, the engines release their weigh
 while the trainer trains; the refit gives the memory back, moves the weights, restores.
 Disaggregated: the engines keep generating while the trainer trains; requests are in flight when
 the refit pauses them (retract: they are re-prefilled under the new weights after it).
+
+`--ranks N` trains with FSDP2 on N gloo ranks (processes; every rank calls `protocol.run`, rank 0
+leads and prints); `--engine-tp T` gives each engine T TP processes holding shards; `--transport`
+picks shared memory or the broadcast side group. The same loop (`refit_loop`) runs either way.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from refit import protocol
 from refit.drivers.reference import ReferenceEngine
-from refit.drivers.shm import SharedMemoryTransport
-from refit.drivers.torch_source import TorchSource
 from refit.reference.model import ModelConfig, TinyLlama, greedy, prompt_logits
 
 PROMPTS = ([5, 6, 7, 8], [100, 101, 102], [250, 251, 252, 253, 254], [40])
 NEW_TOKENS = 8
-LOGIT_ATOL = 1e-5  # fused q/k/v may sum in another order than separate matmuls (0.0 is typical)
+LOGIT_ATOL = 1e-5  # fused q/k/v (and TP partial sums) may add in another order than the trainer
 MIN_CHANGE = 1e-3  # logits of the previous weights must differ by more, so the check can fail
 
 PHASES = (
@@ -40,16 +44,24 @@ PHASES = (
 SHORT = ("offload", "connect", "pause", "inval", "transfer", "post", "continue", "restore")
 
 
-def _batch(gen: torch.Generator, vocab: int, batch: int = 32, length: int = 12) -> torch.Tensor:
+def make_transport(kind: str) -> Any:
+    if kind == "shm":
+        from refit.drivers.shm import SharedMemoryTransport
+
+        return SharedMemoryTransport()
+    if kind == "broadcast":
+        from refit.drivers.broadcast import BroadcastTransport
+
+        return BroadcastTransport()
+    raise ValueError(f"transport {kind!r}: use shm or broadcast")
+
+
+def train(model: Any, opt: torch.optim.Optimizer, gen: torch.Generator, steps: int, vocab: int) -> float:
     """Counting sequences (t, t+1, t+2, ... mod vocab): a task the model visibly learns."""
-    starts = torch.randint(0, vocab, (batch, 1), generator=gen)
-    return (starts + torch.arange(length)[None, :]) % vocab
-
-
-def _train(model: TinyLlama, opt: torch.optim.Optimizer, gen: torch.Generator, steps: int) -> float:
     loss = torch.tensor(0.0)
     for _ in range(steps):
-        ids = _batch(gen, model.config.vocab_size)
+        starts = torch.randint(0, vocab, (32, 1), generator=gen)
+        ids = (starts + torch.arange(12)[None, :]) % vocab
         logits = model(ids[:, :-1])
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
         opt.zero_grad(set_to_none=True)
@@ -70,16 +82,145 @@ def check_engine(engine: ReferenceEngine, model: TinyLlama, previous: list[torch
     state = engine.state_dict()
     weights_ok = all(torch.equal(state[k], v) for k, v in model.state_dict().items())
     ok = tokens_ok and weights_ok and max_diff <= LOGIT_ATOL and min_change > MIN_CHANGE
+    return {"ok": ok, "tokens": tokens_ok, "weights": weights_ok, "max_diff": max_diff, "min_change": min_change}
+
+
+def combine(checks: list[dict[str, Any]]) -> dict[str, Any]:
     return {
-        "ok": ok,
-        "tokens": tokens_ok,
-        "weights": weights_ok,
-        "max_diff": max_diff,
-        "min_change": min_change,
+        "ok": all(c["ok"] for c in checks),
+        "tokens": all(c["tokens"] for c in checks),
+        "weights": all(c["weights"] for c in checks),
+        "max_diff": max(c["max_diff"] for c in checks),
+        "min_change": min(c["min_change"] for c in checks),
     }
 
 
+def header() -> str:
+    h = f"{'refit':>5} {'ver':>3} {'loss':>6} " + " ".join(f"{s:>8}" for s in SHORT)
+    h += f" {'total s':>8} {'rt':>2} {'bkts':>4} {'KiB':>6} {'peak KiB':>8}"
+    return h + f" {'tokens':>6} {'max|dlogit|':>11} {'vs prev':>8} {'weights':>7}"
+
+
+def row(r: int, result: protocol.RefitResult, loss: float, check: dict[str, Any]) -> str:
+    cells = " ".join(f"{result.phase_seconds.get(p, 0.0):8.4f}" for p in PHASES)
+    return (
+        f"{r:>5} {result.version:>3} {loss:6.3f} {cells} {result.seconds:8.4f} {result.round_trips:>2} "
+        f"{result.buckets:>4} {result.bytes_moved / 1024:6.0f} {result.trainer_peak_bytes / 1024:8.0f}"
+        f" {'equal' if check['tokens'] else 'DIFFER':>6} {check['max_diff']:11.2e} {check['min_change']:8.3f}"
+        f" {'exact' if check['weights'] else 'DIFFER':>7}"
+    )
+
+
+@dataclass
+class Trainer:
+    """What the loop needs from the training side, however it is hosted."""
+
+    train: Callable[[int], float]  # optimizer steps -> last loss
+    reference: Callable[[], TinyLlama]  # the current full weights as a plain model (a collective under FSDP)
+
+
+def refit_loop(
+    ctx: protocol.RefitContext,
+    engines: list[ReferenceEngine],
+    trainer: Trainer,
+    *,
+    refits: int,
+    steps: int,
+    faults: dict[int, str] | None = None,
+    leader: bool = True,
+    stop_on_failure: bool = True,
+    echo: bool = True,
+) -> list[dict[str, Any]]:
+    """Train, refit, check, `refits` times; every trainer rank runs it (only the leader checks and
+    prints). Returns one summary per refit."""
+    say = print if (echo and leader) else (lambda *a, **k: None)
+    say(header())
+    out: list[dict[str, Any]] = []
+    for r in range(1, refits + 1):
+        ref = trainer.reference()
+        previous = [prompt_logits(ref, list(p)) for p in PROMPTS] if leader else []
+        if leader and ctx.colocated:
+            for e in engines:  # the rollout phase is over: the engines give their memory to training
+                e.release_memory(["weights", "kv_cache"])
+        loss = trainer.train(steps)
+        inflight = []
+        if leader and not ctx.colocated:  # rollouts are still generating when the refit starts
+            inflight = [e.submit(list(p), 200) for e in engines for p in PROMPTS[:2]]
+        spec = (faults or {}).get(r)
+        ctx.faults = protocol.FaultPlan.parse(spec) if (spec and leader) else None
+        result = protocol.run(ctx)
+        ref = trainer.reference()  # every rank: under FSDP this gathers
+        entry: dict[str, Any] = {"refit": r, "loss": loss, **summary(result)}
+        if leader:
+            updated = [e for e in engines if result.engines[e.name].status == "updated"]
+            if updated:
+                entry["check"] = combine([check_engine(e, ref, previous) for e in updated])
+            spans = [f.result(timeout=60) for f in inflight]
+            if result.ok:
+                say(row(r, result, loss, entry["check"]))
+                retried = [o.name for o in result.engines.values() if o.attempts > 1]
+                if retried:
+                    say(f"      retried and caught up: {', '.join(retried)}")
+            else:
+                say(f"\nrefit {r} did not reach every engine (run state {result.state}): {result.error}")
+                for o in result.engines.values():
+                    say(f"  {o.name}: {o.status}, serves version {o.version}, {o.attempts} attempt(s), "
+                        f"{o.buckets} buckets acked in the last")  # fmt: skip
+                say(f"  lock holder after the run: {ctx.lock.holder if ctx.lock else None}")
+                if updated:  # the healthy engines really hold the new weights
+                    say(f"  healthy engines match the trainer: {entry['check']['ok']}")
+            if spans:
+                versions = sorted({v for s in spans for v in s["weight_versions"]})
+                retracted = sum(s["num_retractions"] for s in spans)
+                reasons = sorted({s["finish_reason"] for s in spans})
+                say(f"      {len(spans)} in-flight requests finished ({', '.join(reasons)}); {retracted} retractions; "
+                    f"token versions {versions}")  # fmt: skip
+        out.append(entry)
+        if stop_on_failure and not result.ok:
+            break
+    return out
+
+
+def summary(result: protocol.RefitResult) -> dict[str, Any]:
+    return {
+        "ok": result.ok,
+        "state": result.state,
+        "version": result.version,
+        "error": None if result.error is None else str(result.error),
+        "round_trips": result.round_trips,
+        "seconds": result.seconds,
+        "buckets": result.buckets,
+        "bytes_moved": result.bytes_moved,
+        "trainer_peak_bytes": result.trainer_peak_bytes,
+        "phase_seconds": result.phase_seconds,
+        "engines": {
+            n: {"status": o.status, "version": o.version, "attempts": o.attempts} for n, o in result.engines.items()
+        },
+        "rank_steps": [list(map(list, s.steps)) for s in result.rank_stats],
+        "rank_peak_bytes": [s.peak_bytes for s in result.rank_stats],
+    }
+
+
+def verdict(entries: list[dict[str, Any]], refits: int, trace: str | None) -> int:
+    if trace:
+        print(f"trace: {trace}  (check it: refit check {trace})")
+    if len(entries) < refits or not all(e["ok"] for e in entries):
+        return 1
+    bad = sum(not e.get("check", {}).get("ok", False) for e in entries)
+    if bad:
+        print(f"MISMATCH in {bad} of {refits} refits")
+        return 1
+    peak = max(e["trainer_peak_bytes"] for e in entries)
+    print(
+        f"all {refits} refits matched the trainer: tokens equal, logits within {LOGIT_ATOL:g}, weights bit-exact; "
+        f"extra trainer memory at most {peak / 1024:.0f} KiB"
+    )
+    return 0
+
+
 def run_demo(args: argparse.Namespace) -> int:
+    if args.ranks > 1:
+        return _run_ranks(args)
     torch.manual_seed(args.seed)
     config = ModelConfig()
     model = TinyLlama(config, seed=args.seed)
@@ -87,25 +228,22 @@ def run_demo(args: argparse.Namespace) -> int:
     gen = torch.Generator().manual_seed(args.seed + 1)
     names = [f"engine-{i}" for i in range(args.engines)]
     kind = "threads" if args.in_thread else "processes"
-    print(f"starting {args.engines} reference engines ({kind}) ...", flush=True)
+    print(f"starting {args.engines} reference engines ({kind}, TP={args.engine_tp}) ...", flush=True)
     if args.in_thread:
+        if args.engine_tp != 1:
+            print("refit demo: --in-thread engines have TP=1; drop --engine-tp or --in-thread", file=sys.stderr)
+            return 2
         engines = [ReferenceEngine.in_thread(n, config, seed=args.seed) for n in names]
     else:
-        engines = ReferenceEngine.spawn_many(names, config, seed=args.seed)
+        engines = ReferenceEngine.spawn_many(names, config, seed=args.seed, tp=args.engine_tp)
+    from refit.drivers.torch_source import TorchSource
+
     try:
         ctx = protocol.RefitContext(
-            source=TorchSource(model, optimizer=opt),
-            transport=SharedMemoryTransport(),
-            engines=engines,
-            mode=args.mode,
-            pause_mode=args.pause_mode,
-            bucket_bytes=args.bucket_bytes,
-            deadline_s=args.deadline,
-            retries=args.retries,
-            call_timeout_s=args.call_timeout,
-            trace=args.trace,
-            faults=protocol.FaultPlan.parse(args.fail_at) if args.fail_at else None,
-        )
+            source=TorchSource(model, optimizer=opt), transport=make_transport(args.transport), engines=engines,
+            mode=args.mode, pause_mode=args.pause_mode, bucket_bytes=args.bucket_bytes, deadline_s=args.deadline,
+            retries=args.retries, call_timeout_s=args.call_timeout, trace=args.trace,
+        )  # fmt: skip
     except (protocol.ConfigError, ValueError) as exc:
         for e in engines:
             e.close()
@@ -113,75 +251,46 @@ def run_demo(args: argparse.Namespace) -> int:
         return 2
     n_params = sum(p.numel() for p in model.parameters())
     print(
-        f"model: {n_params:,} fp32 params ({n_params * 4 / 2**20:.2f} MiB) | mode {args.mode} "
-        f"| pause {args.pause_mode} "
-        f"| bucket {args.bucket_bytes / 1024:.0f} KiB | deadline {args.deadline:g}s"
+        f"model: {n_params:,} fp32 params ({n_params * 4 / 2**20:.2f} MiB) | mode {args.mode} | pause "
+        f"{args.pause_mode} | transport {args.transport} | bucket {args.bucket_bytes / 1024:.0f} KiB | "
+        f"deadline {args.deadline:g}s"
     )
-    header = f"{'refit':>5} {'ver':>3} {'loss':>6} " + " ".join(f"{s:>8}" for s in SHORT)
-    header += f" {'total s':>8} {'bkts':>4} {'KiB':>6} {'tokens':>6} {'max|dlogit|':>11} {'vs prev':>8} {'weights':>7}"
-    failures = 0
+    trainer = Trainer(lambda n: train(model, opt, gen, n, config.vocab_size), lambda: model)
     try:
-        print(header)
-        for r in range(1, args.refits + 1):
-            previous = [prompt_logits(model, list(p)) for p in PROMPTS]
-            inflight = []
-            if args.mode == "colocated":
-                for e in engines:  # the rollout phase is over: the engines give their memory to training
-                    e.release_memory(["weights", "kv_cache"])
-            loss = _train(model, opt, gen, args.steps)
-            if args.mode == "disaggregated":  # rollouts are still generating when the refit starts
-                inflight = [e.submit(list(p), 200) for e in engines for p in PROMPTS[:2]]
-            result = protocol.run(ctx)
-            if not result.ok:
-                print(f"\nrefit {r} did not reach every engine (run state {result.state}): {result.error}")
-                for o in result.engines.values():
-                    print(
-                        f"  {o.name}: {o.status}, serves version {o.version}, {o.attempts} attempt(s), "
-                        f"{o.buckets} buckets acked in the last"
-                    )
-                print(f"  lock holder after the run: {ctx.lock.holder if ctx.lock else None}")
-                updated = [e for e in engines if result.engines[e.name].status == "updated"]
-                if updated:  # the healthy engines really hold the new weights
-                    checks = [check_engine(e, model, previous) for e in updated]
-                    print(f"  healthy engines match the trainer: {all(c['ok'] for c in checks)}")
-                return 1
-            retried = [o.name for o in result.engines.values() if o.attempts > 1]
-            checks = [check_engine(e, model, previous) for e in engines]
-            spans = [f.result(timeout=60) for f in inflight]
-            ok = all(c["ok"] for c in checks)
-            failures += not ok
-            cells = [f"{result.phase_seconds.get(p, 0.0):8.4f}" for p in PHASES]
-            print(
-                f"{r:>5} {result.version:>3} {loss:6.3f} "
-                + " ".join(cells)
-                + f" {result.seconds:8.4f} {result.buckets:>4} {result.bytes_moved / 1024:6.0f}"
-                + f" {'equal' if all(c['tokens'] for c in checks) else 'DIFFER':>6}"
-                + f" {max(c['max_diff'] for c in checks):11.2e} {min(c['min_change'] for c in checks):8.3f}"
-                + f" {'exact' if all(c['weights'] for c in checks) else 'DIFFER':>7}"
-            )
-            if retried:
-                print(f"      retried and caught up: {', '.join(retried)}")
-            if spans:
-                versions = sorted({v for s in spans for v in s["weight_versions"]})
-                retracted = sum(s["num_retractions"] for s in spans)
-                reasons = sorted({s["finish_reason"] for s in spans})
-                print(
-                    f"      {len(spans)} in-flight requests finished ({', '.join(reasons)}); {retracted} retractions; "
-                    f"token versions {versions}"
-                )
+        faults = {1: args.fail_at} if args.fail_at else None
+        entries = refit_loop(ctx, engines, trainer, refits=args.refits, steps=args.steps, faults=faults)
     finally:
         ctx.close()
         for e in engines:
             e.close()
-    if args.trace:
-        print(f"trace: {args.trace}  (check it: refit check {args.trace})")
-    if failures:
-        print(f"MISMATCH in {failures} of {args.refits} refits")
-        return 1
+    return verdict(entries, args.refits, args.trace)
+
+
+def _run_ranks(args: argparse.Namespace) -> int:
+    from refit.spmd import launch
+
+    if args.in_thread:
+        print("refit demo: --ranks runs engines as processes; drop --in-thread", file=sys.stderr)
+        return 2
     print(
-        f"all {args.refits} refits matched the trainer: tokens equal, logits within {LOGIT_ATOL:g}, weights bit-exact"
+        f"starting {args.ranks} FSDP2 trainer ranks (gloo) and {args.engines} reference engines (TP={args.engine_tp}, "
+        f"{args.engines * args.engine_tp} processes) | mode {args.mode} | transport {args.transport} ...",
+        flush=True,
     )
-    return 0
+    spec = {
+        "engines": args.engines, "engine_tp": args.engine_tp, "transport": args.transport, "mode": args.mode,
+        "pause_mode": args.pause_mode, "refits": args.refits, "steps": args.steps, "bucket_bytes": args.bucket_bytes,
+        "deadline": args.deadline, "call_timeout": args.call_timeout, "retries": args.retries, "seed": args.seed,
+        "faults": {"1": args.fail_at} if args.fail_at else {}, "trace": args.trace, "echo": True,
+        "stop_on_failure": True,
+    }  # fmt: skip
+    reports = launch(args.ranks, spec, timeout=max(120.0, args.refits * (args.deadline + 30.0)))
+    missing = [r for r in reports if "refits" not in r]
+    for r in missing:
+        print(f"rank {r['rank']} failed (exit {r.get('exit')}):\n{r.get('stderr', '')}", file=sys.stderr)
+    if missing:
+        return 1
+    return verdict(reports[0]["refits"], args.refits, args.trace)
 
 
 if __name__ == "__main__":

@@ -21,10 +21,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-PROMPTS = ([3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8])
-NEW_TOKENS = 12
-LOGIT_ATOL = 1e-5
-
 DEFAULT_SPEC: dict[str, Any] = {
     "engines": 2,
     "engine_tp": 1,
@@ -39,10 +35,11 @@ DEFAULT_SPEC: dict[str, Any] = {
     "retries": 1,
     "seed": 0,
     "aux_dtype": None,  # e.g. "bfloat16": a one-row tensor of another dtype that rank 1 owns none of
-    "faults": {},  # refit number (1-based, as a string) -> fault spec ("transferring:engine=1:bucket=2:kind=kill")
+    "faults": {},  # refit number (as a string) -> fault spec ("transferring:engine=1:bucket=2:kind=kill")
     "leader_only": False,  # only rank 0 calls protocol.run (a misuse: it must fail clearly, in time)
-    "check": True,
-    "verbose": False,
+    "trace": None,  # rank 0 writes the JSONL trace here
+    "echo": False,  # rank 0 prints the demo's table as it goes
+    "stop_on_failure": False,
 }
 
 
@@ -66,7 +63,7 @@ def launch(world: int, spec: dict[str, Any], *, timeout: float = 300.0) -> list[
             subprocess.Popen(
                 [sys.executable, "-m", "refit.spmd", str(r), str(world), str(port), json.dumps(spec), str(outs[r])],
                 env=env,
-                stdout=None if (spec["verbose"] and r == 0) else subprocess.DEVNULL,
+                stdout=None if (spec["echo"] and r == 0) else subprocess.DEVNULL,
                 stderr=subprocess.PIPE,
                 text=True,
             )
@@ -104,49 +101,15 @@ def _fsdp_model(config: Any, seed: int) -> Any:
     return model
 
 
-def _train(model: Any, opt: Any, gen: Any, steps: int, vocab: int) -> float:
-    import torch
-
-    loss = torch.tensor(0.0)
-    for _ in range(steps):
-        starts = torch.randint(0, vocab, (4, 1), generator=gen)
-        ids = (starts + torch.arange(17)[None, :]) % vocab
-        logits = model(ids[:, :-1])
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-    return float(loss.detach())
-
-
-def _check(engines: list[Any], full: dict[str, Any], config: Any, previous: list[Any]) -> dict[str, Any]:
-    import torch
-
-    from refit.reference.model import TinyLlama, greedy, prompt_logits
-
-    ref = TinyLlama(config)
-    ref.load_state_dict(full)
-    tokens, weights, max_diff, min_change = True, True, 0.0, float("inf")
-    for e in engines:
-        state = e.state_dict()
-        weights &= all(torch.equal(state[k], v) for k, v in full.items())
-        for prompt, prev in zip(PROMPTS, previous, strict=True):
-            tokens &= e.generate(list(prompt), NEW_TOKENS)["output"] == greedy(ref, list(prompt), NEW_TOKENS)
-            got = e.score(list(prompt))
-            max_diff = max(max_diff, float((got - prompt_logits(ref, list(prompt))).abs().max()))
-            min_change = min(min_change, float((got - prev).abs().max()))
-    ok = tokens and weights and max_diff <= LOGIT_ATOL and min_change > 1e-4
-    return {"ok": ok, "tokens": tokens, "weights": weights, "max_diff": max_diff, "min_change": min_change}
-
-
 def worker(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     """One trainer rank of the job; returns its report."""
     import torch
     import torch.distributed as dist
 
     from refit import protocol
+    from refit.demo import Trainer, make_transport, refit_loop, train
     from refit.drivers.torch_source import TorchSource
-    from refit.reference.model import ModelConfig, prompt_logits
+    from refit.reference.model import ModelConfig, TinyLlama
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -154,6 +117,13 @@ def worker(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     model = _fsdp_model(config, spec["seed"])
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     gen = torch.Generator().manual_seed(spec["seed"] + 1 + rank)  # each rank trains on its own data
+
+    def reference() -> TinyLlama:
+        full = {k: v.full_tensor() for k, v in model.state_dict().items()}  # every rank: a collective
+        ref = TinyLlama(config)
+        ref.load_state_dict(full)
+        return ref
+
     engines: list[Any] = []
     report: dict[str, Any] = {"rank": rank, "world": world, "refits": []}
     if rank == 0:
@@ -163,88 +133,36 @@ def worker(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
         engines = ReferenceEngine.spawn_many(names, config, seed=spec["seed"], tp=spec["engine_tp"])
     try:
         ctx = protocol.RefitContext(
-            source=TorchSource(model, optimizer=opt),
-            transport=make_transport(spec["transport"]),
-            engines=engines,
-            mode=spec["mode"],
-            pause_mode=spec["pause_mode"],
-            bucket_bytes=spec["bucket_bytes"],
-            deadline_s=spec["deadline"],
-            call_timeout_s=spec["call_timeout"],
-            retries=spec["retries"],
-        )
-        for n in range(1, spec["refits"] + 1):
-            full0 = {k: v.full_tensor() for k, v in model.state_dict().items()}
-            previous = []
-            if rank == 0:
-                from refit.reference.model import TinyLlama
-
-                ref = TinyLlama(config)
-                ref.load_state_dict(full0)
-                previous = [prompt_logits(ref, list(p)) for p in PROMPTS]
-                if spec["mode"] == "colocated":
-                    for e in engines:  # rollouts are over: the engines give their memory to training
-                        e.release_memory(["weights", "kv_cache"])
-            loss = _train(model, opt, gen, spec["steps"], config.vocab_size)
-            fault = spec["faults"].get(str(n))
-            ctx.faults = protocol.FaultPlan.parse(fault) if (fault and rank == 0) else None
-            entry: dict[str, Any] = {"refit": n, "loss": loss}
-            t0 = time.monotonic()
-            if spec["leader_only"] and rank != 0:
-                entry["skipped"] = True  # this rank never calls protocol.run: rank 0 must fail clearly
-                time.sleep(spec["deadline"] + 5.0)
-            else:
-                try:
-                    result = protocol.run(ctx)
-                    entry.update(_summary(result))
-                except protocol.RefitError as exc:
-                    entry.update(raised=f"{type(exc).__name__}: {exc}")
-            entry["wall_s"] = round(time.monotonic() - t0, 4)
-            if not (spec["leader_only"]):
-                full = {k: v.full_tensor() for k, v in model.state_dict().items()}  # every rank: a collective
-                if rank == 0 and spec["check"] and entry.get("ok"):
-                    entry["check"] = _check(engines, full, config, previous)
-            report["refits"].append(entry)
-            if spec["verbose"] and rank == 0:
-                print(json.dumps(entry), flush=True)
-        if not spec["leader_only"]:
-            ctx.close()
+            source=TorchSource(model, optimizer=opt), transport=make_transport(spec["transport"]), engines=engines,
+            mode=spec["mode"], pause_mode=spec["pause_mode"], bucket_bytes=spec["bucket_bytes"],
+            deadline_s=spec["deadline"], call_timeout_s=spec["call_timeout"], retries=spec["retries"],
+            trace=spec["trace"] if rank == 0 else None,
+        )  # fmt: skip
+        if spec["leader_only"]:  # a misuse: rank 1 never calls protocol.run
+            report["refits"] = _leader_only(ctx, rank, spec)
+            return report
+        report["refits"] = refit_loop(
+            ctx, engines, Trainer(lambda n: train(model, opt, gen, n, config.vocab_size), reference),
+            refits=spec["refits"], steps=spec["steps"], faults={int(k): v for k, v in spec["faults"].items()},
+            leader=rank == 0, stop_on_failure=spec["stop_on_failure"], echo=spec["echo"],
+        )  # fmt: skip
+        ctx.close()
     finally:
         for e in engines:
             e.close()
     return report
 
 
-def make_transport(kind: str) -> Any:
-    if kind == "shm":
-        from refit.drivers.shm import SharedMemoryTransport
+def _leader_only(ctx: Any, rank: int, spec: dict[str, Any]) -> list[dict[str, Any]]:
+    from refit import protocol
+    from refit.demo import summary
 
-        return SharedMemoryTransport()
-    if kind == "broadcast":
-        from refit.drivers.broadcast import BroadcastTransport
-
-        return BroadcastTransport()
-    raise ValueError(f"transport {kind!r}: use shm or broadcast")
-
-
-def _summary(result: Any) -> dict[str, Any]:
-    return {
-        "ok": result.ok,
-        "state": result.state,
-        "version": result.version,
-        "error": None if result.error is None else str(result.error),
-        "round_trips": result.round_trips,
-        "seconds": result.seconds,
-        "buckets": result.buckets,
-        "bytes_moved": result.bytes_moved,
-        "trainer_peak_bytes": result.trainer_peak_bytes,
-        "phase_seconds": result.phase_seconds,
-        "engines": {
-            n: {"status": o.status, "version": o.version, "attempts": o.attempts} for n, o in result.engines.items()
-        },
-        "rank_steps": [list(map(list, s.steps)) for s in result.rank_stats],
-        "rank_peak_bytes": [s.peak_bytes for s in result.rank_stats],
-    }
+    if rank != 0:
+        time.sleep(spec["deadline"] + 5.0)
+        return [{"skipped": True}]
+    t0 = time.monotonic()
+    entry = summary(protocol.run(ctx))
+    return [{**entry, "wall_s": round(time.monotonic() - t0, 4)}]
 
 
 def main(argv: list[str]) -> int:
