@@ -155,7 +155,12 @@ def refit_loop(
             updated = [e for e in engines if result.engines[e.name].status == "updated"]
             if updated:
                 entry["check"] = combine([check_engine(e, ref, previous) for e in updated])
-            spans = [f.result(timeout=60) for f in inflight]
+            spans, lost = [], 0
+            for f in inflight:  # requests on an engine that died are lost with it
+                try:
+                    spans.append(f.result(timeout=60))
+                except Exception:  # noqa: BLE001 - counted and reported below
+                    lost += 1
             if result.ok:
                 say(row(r, result, loss, entry["check"]))
                 retried = [o.name for o in result.engines.values() if o.attempts > 1]
@@ -174,7 +179,7 @@ def refit_loop(
                 retracted = sum(s["num_retractions"] for s in spans)
                 reasons = sorted({s["finish_reason"] for s in spans})
                 say(f"      {len(spans)} in-flight requests finished ({', '.join(reasons)}); {retracted} retractions; "
-                    f"token versions {versions}")  # fmt: skip
+                    f"token versions {versions}" + (f"; {lost} lost with a dead engine" if lost else ""))  # fmt: skip
         out.append(entry)
         if stop_on_failure and not result.ok:
             break
