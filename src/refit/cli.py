@@ -85,6 +85,38 @@ def _soak(args: argparse.Namespace) -> int:
     return 1 if report.leaks or report.mismatches else 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from refit import bench
+
+    if args.what == "control":
+        report = bench.control(engines=args.engines, refits=args.refits, mode=args.mode)
+        print(
+            f"control plane: {report['engines']} engine processes, {report['refits']} refits ({report['mode']}), "
+            f"{report['buckets_per_refit']} bucket each"
+        )
+        print(f"  round trips per refit: {report['round_trips_per_refit']:g} (goal <= 2)")
+        print(
+            f"  stall minus transfer: median {report['control_ms_median']:.2f} ms, "
+            f"p99 {report['control_ms_p99']:.2f} ms (goal: median <= 10 ms); stall {report['stall_ms_median']:.2f} ms, transfer "
+            f"{report['transfer_ms_median']:.2f} ms"
+        )
+    else:
+        report = bench.transport(refits=args.refits, bucket_mb=args.bucket_mb, checksums=not args.no_checksums)
+        print(
+            f"shm transport: {report['bytes'] / 1e9:.2f} GB in {report['buckets']} buckets of "
+            f"{report['bucket_bytes'] >> 20} MiB, checksums {'on' if report['checksums'] else 'off'}, "
+            f"bit-exact {report['bit_exact']}"
+        )
+        print(
+            f"  {report['gbps']:.2f} GB/s through protocol.run vs {report['memcpy_gbps']:.2f} GB/s memcpy: "
+            f"ratio {report['ratio']:.2f} (goal >= 0.7)"
+        )
+    bench.write_json(report, args.json)
+    if args.json:
+        print(f"wrote {args.json}")
+    return 0
+
+
 def _diagram(args: argparse.Namespace) -> int:
     from refit import diagram
 
@@ -160,6 +192,16 @@ def main(argv: list[str] | None = None) -> int:
     soak_p.add_argument("--json", action="store_true")
     soak_p.set_defaults(func=_soak)
 
+    bench_p = sub.add_parser("bench", help="measured figures against a floor: control plane, transport")
+    bench_p.add_argument("what", choices=("control", "transport"))
+    bench_p.add_argument("--engines", type=int, default=8, help="control: engine processes (default 8)")
+    bench_p.add_argument("--refits", type=int, default=None, help="refits to measure (control 100, transport 3)")
+    bench_p.add_argument("--mode", choices=("colocated", "disaggregated"), default="disaggregated")
+    bench_p.add_argument("--bucket-mb", type=int, default=64, help="transport: bucket size in MiB (default 64)")
+    bench_p.add_argument("--no-checksums", action="store_true", help="transport: turn corruption detection off")
+    bench_p.add_argument("--json", metavar="PATH", help="also write the figures as JSON here")
+    bench_p.set_defaults(func=_bench)
+
     diag = sub.add_parser("diagram", help="regenerate docs/diagrams from the state table")
     diag.add_argument("--out", default="docs/diagrams", help="output directory (default docs/diagrams)")
     diag.add_argument("--readme", default="README.md", help="README whose diagram block to refresh (default README.md)")
@@ -167,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     diag.set_defaults(func=_diagram)
 
     args = parser.parse_args(argv)
+    if getattr(args, "func", None) is _bench and args.refits is None:
+        args.refits = 100 if args.what == "control" else 3
     return int(args.func(args))
 
 

@@ -159,7 +159,7 @@ def refit_loop(
             for f in inflight:  # requests on an engine that died are lost with it
                 try:
                     spans.append(f.result(timeout=60))
-                except Exception:  # noqa: BLE001 - counted and reported below
+                except Exception:  # counted and reported below
                     lost += 1
             if result.ok:
                 say(row(r, result, loss, entry["check"]))

@@ -1,0 +1,163 @@
+"""`refit bench`: measured figures against a floor (benchmarks, never asserted as time limits).
+
+  control    N reference-engine processes and a tiny model (one bucket): how long the engines stall
+             (pause -> continue, read from the engines' own audit clocks) minus the transfer, per
+             refit; median and p99; control round trips per refit (engine call waves outside the
+             bucket loop).
+  transport  a >= 0.5 GB fp32 state through `protocol.run` into one engine process, corruption
+             detection on: bytes / time in TRANSFERRING, against this machine's memcpy bandwidth
+             (one `copy_` of the same bytes in one process).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from refit import protocol
+from refit.drivers.reference import ReferenceEngine
+from refit.drivers.shm import SharedMemoryTransport
+from refit.drivers.torch_source import TorchSource
+from refit.reference.model import ModelConfig, TinyLlama
+
+# ~0.67 GB of fp32 weights (168M parameters) for the transport bench
+TRANSPORT_CONFIG = ModelConfig(
+    vocab_size=32000, hidden_size=1024, num_layers=8, num_heads=8, num_kv_heads=8, intermediate_size=2816
+)
+
+
+def _step(model: Any, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1e-3 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    k = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
+    return ordered[k]
+
+
+def _window(audit: list[dict[str, Any]], since: float) -> tuple[float, float, float, float] | None:
+    """(pause start, continue end, first load start, last load end) after `since`, engine clock."""
+    recent = [r for r in audit if r.get("start", r["t"]) >= since and r.get("ok")]
+    pauses = [r["start"] for r in recent if r["op"] == "pause"]
+    continues = [r["t"] for r in recent if r["op"] == "continue_generation"]
+    loads = [r for r in recent if r["op"] == "load"]
+    if not pauses or not continues or not loads:
+        return None
+    return min(pauses), max(continues), min(r["start"] for r in loads), max(r["t"] for r in loads)
+
+
+def control(engines: int = 8, refits: int = 100, mode: str = "disaggregated", warmup: int = 3) -> dict[str, Any]:
+    """Stall minus transfer per refit, from the engines' own clocks (CLOCK_MONOTONIC, one host)."""
+    config = ModelConfig()
+    model = TinyLlama(config, seed=0)
+    pool = ReferenceEngine.spawn_many([f"bench-{i}" for i in range(engines)], config, seed=0)
+    ctx = protocol.RefitContext(
+        TorchSource(model), SharedMemoryTransport(), pool, mode=mode, bucket_bytes=4 << 20, deadline_s=60.0  # type: ignore[arg-type]
+    )
+    controls, stalls, transfers, trips = [], [], [], []
+    try:
+        for i in range(warmup + refits):
+            _step(model, i)
+            if mode == "colocated":
+                for e in pool:
+                    e.release_memory(["weights", "kv_cache"])
+            since = time.monotonic()
+            result = protocol.run(ctx).raise_for_error()
+            if i < warmup:
+                continue
+            windows = [_window(e.audit(), since) for e in pool]
+            if any(w is None for w in windows):
+                raise RuntimeError("an engine's audit has no pause/load/continue for this refit")
+            stall = max(w[1] for w in windows) - min(w[0] for w in windows)  # type: ignore[index]
+            transfer = max(w[3] for w in windows) - min(w[2] for w in windows)  # type: ignore[index]
+            stalls.append(stall)
+            transfers.append(transfer)
+            controls.append(stall - transfer)
+            trips.append(result.round_trips)
+    finally:
+        ctx.close()
+        for e in pool:
+            e.close()
+    ms = [c * 1e3 for c in controls]
+    return {
+        "bench": "control",
+        "engines": engines,
+        "refits": refits,
+        "mode": mode,
+        "buckets_per_refit": result.buckets,
+        "round_trips_per_refit": statistics.median(trips),
+        "control_ms_median": round(statistics.median(ms), 3),
+        "control_ms_p99": round(_percentile(ms, 0.99), 3),
+        "stall_ms_median": round(statistics.median(stalls) * 1e3, 3),
+        "transfer_ms_median": round(statistics.median(transfers) * 1e3, 3),
+    }
+
+
+def memcpy_gbps(nbytes: int, repeats: int = 3) -> float:
+    """One-process `copy_` of `nbytes` (torch's default threads): this machine's memcpy bandwidth."""
+    src = torch.empty(nbytes, dtype=torch.uint8).fill_(7)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # touch every page first
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best / 1e9
+
+
+def transport(refits: int = 3, bucket_mb: int = 64, checksums: bool = True, threads: int = 1) -> dict[str, Any]:
+    """A >= 0.5 GB state through protocol.run into one engine process over shared memory."""
+    config = TRANSPORT_CONFIG
+    model = TinyLlama(config, seed=0)
+    nbytes = sum(p.nbytes for p in model.parameters())
+    engine = ReferenceEngine.spawn("bench-transport", config, seed=0, threads=threads)
+    ctx = protocol.RefitContext(
+        TorchSource(model), SharedMemoryTransport(checksums=checksums), [engine], mode="disaggregated",
+        bucket_bytes=bucket_mb << 20, deadline_s=600.0,
+    )  # fmt: skip
+    seconds = []
+    try:
+        for i in range(refits + 1):  # the first refit connects and maps the buffers: not counted
+            _step(model, i)
+            result = protocol.run(ctx).raise_for_error()
+            if i:
+                seconds.append(result.phase_seconds["TRANSFERRING"])
+        state = engine.state_dict(timeout=600)
+        exact = all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+    finally:
+        ctx.close()
+        engine.close()
+    best = min(seconds)
+    gbps = result.bytes_moved / best / 1e9
+    floor = memcpy_gbps(nbytes)
+    return {
+        "bench": "transport",
+        "transport": "shm",
+        "checksums": checksums,
+        "bytes": result.bytes_moved,
+        "bucket_bytes": bucket_mb << 20,
+        "buckets": result.buckets,
+        "seconds": round(best, 4),
+        "seconds_all": [round(s, 4) for s in seconds],
+        "gbps": round(gbps, 3),
+        "memcpy_gbps": round(floor, 3),
+        "ratio": round(gbps / floor, 3),
+        "engine_threads": threads,
+        "bit_exact": exact,
+    }
+
+
+def write_json(report: dict[str, Any], path: str | None) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(report, indent=2) + "\n")
