@@ -1,12 +1,12 @@
 """`refit bench`: measured figures against a floor (benchmarks, never asserted as time limits).
 
-  control    N reference-engine processes and a tiny model (one bucket): how long the engines stall
-             (pause -> continue, read from the engines' own audit clocks) minus the transfer, per
-             refit; median and p99; control round trips per refit (engine call waves outside the
-             bucket loop).
-  transport  a >= 0.5 GB fp32 state through `protocol.run` into one engine process, corruption
-             detection on: bytes / time in TRANSFERRING, against this machine's memcpy bandwidth
-             (one `copy_` of the same bytes in one process).
+control    N reference-engine processes and a tiny model (one bucket): how long the engines stall
+           (pause -> continue, read from the engines' own audit clocks) minus the transfer, per
+           refit; median and p99; control round trips per refit (engine call waves outside the
+           bucket loop).
+transport  a >= 0.5 GB fp32 state through `protocol.run` into one engine process, corruption
+           detection on: bytes / time in TRANSFERRING, against this machine's memcpy bandwidth
+           (one `copy_` of the same bytes in one process).
 """
 
 from __future__ import annotations
@@ -61,7 +61,12 @@ def control(engines: int = 8, refits: int = 100, mode: str = "disaggregated", wa
     model = TinyLlama(config, seed=0)
     pool = ReferenceEngine.spawn_many([f"bench-{i}" for i in range(engines)], config, seed=0)
     ctx = protocol.RefitContext(
-        TorchSource(model), SharedMemoryTransport(), pool, mode=mode, bucket_bytes=4 << 20, deadline_s=60.0  # type: ignore[arg-type]
+        TorchSource(model),
+        SharedMemoryTransport(),
+        pool,
+        mode=mode,
+        bucket_bytes=4 << 20,
+        deadline_s=60.0,  # type: ignore[arg-type]
     )
     controls, stalls, transfers, trips = [], [], [], []
     try:

@@ -97,8 +97,8 @@ def _bench(args: argparse.Namespace) -> int:
         print(f"  round trips per refit: {report['round_trips_per_refit']:g} (goal <= 2)")
         print(
             f"  stall minus transfer: median {report['control_ms_median']:.2f} ms, "
-            f"p99 {report['control_ms_p99']:.2f} ms (goal: median <= 10 ms); stall {report['stall_ms_median']:.2f} ms, transfer "
-            f"{report['transfer_ms_median']:.2f} ms"
+            f"p99 {report['control_ms_p99']:.2f} ms (goal: median <= 10 ms); "
+            f"stall {report['stall_ms_median']:.2f} ms, transfer {report['transfer_ms_median']:.2f} ms"
         )
     else:
         report = bench.transport(refits=args.refits, bucket_mb=args.bucket_mb, checksums=not args.no_checksums)
