@@ -147,3 +147,42 @@ def test_colocated_parts_come_from_each_tp_ranks_own_trainer_rank(tmp_path: Path
     assert [ranks[0].feeds(disagg, r) for r in range(2)] == [True, False]  # rank 1 only drains
     for t in ranks:
         t.disconnect()
+
+
+def test_tensors_in_a_shared_arena_travel_by_reference(tmp_path: Path) -> None:
+    """After share_memory(model) the trainer's parameters live in one shared file: a bucket of them
+    takes no slot and no copy; the engine reads them in place, bit-exact, checksum verified. A
+    tensor the trainer reallocated since (outside the arena) is copied as usual."""
+    from torch import nn
+
+    from refit.drivers.shm import share_memory
+    from refit.drivers.torch_source import TorchSource
+
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 8))
+    weight = model[0].weight
+    path = share_memory(model, directory=tmp_path)
+    assert Path(path).exists() and model[0].weight is weight  # the same Parameter, now backed by the arena
+    source = TorchSource(model)
+    t = SharedMemoryTransport(directory=tmp_path)
+    plan = t.plan(source.metas(), 1 << 20)
+    rx = SharedMemoryReceiver(_connect(t, plan))
+    ((manifest, tensors),) = zip(plan, source.iter_buckets(plan), strict=True)
+    part = t.pack(manifest, tensors)
+    assert part["refs"] and all(r is not None for r in part["refs"]) and "path" not in part  # no slot taken
+    payload = t.payloads(manifest, [part], ONE)["e0"]
+    got = rx.read(payload)
+    rx.verify(payload, got)
+    assert all(torch.equal(v, model.state_dict()[n]) for n, v in got)
+    with torch.no_grad():
+        model[0].weight.add_(1.0)  # training in place: the engine's view sees the arena, not a stale copy
+    assert torch.equal(rx.read(payload)[0][1], model[0].weight)
+    t.release(0)
+    model[1].weight = nn.Parameter(torch.zeros(8, 16))  # reallocated outside the arena
+    ((manifest, tensors),) = zip(plan, source.iter_buckets(plan), strict=True)
+    part = t.pack(manifest, tensors)
+    refs = dict(zip(manifest.names, part["refs"], strict=True))
+    assert refs["1.weight"] is None and refs["0.weight"] is not None and "path" in part  # copied into a slot
+    got = dict(rx.read(t.payloads(manifest, [part], ONE)["e0"]))
+    assert torch.equal(got["1.weight"], torch.zeros(8, 16)) and torch.equal(got["0.weight"], model[0].weight)
+    t.release(0)
+    t.disconnect()

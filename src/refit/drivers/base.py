@@ -285,8 +285,17 @@ class Receiver(ABC):
     @abstractmethod
     def read(self, payload: Payload) -> list[tuple[str, torch.Tensor]]: ...
 
-    def verify(self, payload: Payload, tensors: list[tuple[str, torch.Tensor]]) -> None:  # noqa: B027
-        """Raise ValueError when the bytes read are not the bytes sent (checksums)."""
+    def expected(self, payload: Payload) -> int | None:
+        """The bucket's checksum (refit.drivers.buckets.checksum) as the sender computed it, if sent."""
+        return None
+
+    def verify(self, payload: Payload, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        """Raise ValueError when the bytes read are not the bytes sent (before any is applied)."""
+        from refit.drivers.buckets import checksum
+
+        want = self.expected(payload)
+        if want is not None and checksum(tensors) != want:
+            raise ValueError(f"bucket {payload.manifest.index}: checksum mismatch, the bytes changed in transit")
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Detach from the transport's buffers."""

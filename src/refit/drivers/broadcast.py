@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from refit.drivers.base import ConnectInfo, EngineSpec, LazyTensors, Payload, Receiver, Topology, Transport
-from refit.drivers.buckets import BucketManifest, checksum, pack_into, slot_bytes, unpack
+from refit.drivers.buckets import BucketManifest, pack_into, slot_bytes, unpack
 from refit.errors import EngineError
 
 if TYPE_CHECKING:
@@ -160,7 +160,8 @@ class BroadcastTransport(Transport):
         try:
             packed = pack_into(buffer, manifest, tensors, hash_bytes=self.checksums)
         except BaseException:
-            self.release(manifest.index)
+            if manifest.index in self._busy or manifest.index in self._own:  # give back what it took
+                self.release(manifest.index)
             raise
         self.temp_bytes = packed.temp_bytes
         return {} if packed.checksum is None else {"xxh3": packed.checksum}
@@ -257,10 +258,8 @@ class BroadcastReceiver(Receiver):
         _broadcast(self._group, buffer[:n])
         return unpack(buffer, payload.manifest)
 
-    def verify(self, payload: Payload, tensors: list[tuple[str, torch.Tensor]]) -> None:
-        expected = payload.fields.get("xxh3")
-        if expected is not None and checksum(tensors) != expected:
-            raise ValueError(f"bucket {payload.manifest.index}: checksum mismatch, the bytes changed in transit")
+    def expected(self, payload: Payload) -> int | None:
+        return payload.fields.get("xxh3")
 
     def close(self) -> None:
         self._group = None

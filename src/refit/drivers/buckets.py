@@ -5,15 +5,14 @@ tensor's name, dtype, shape, byte offset and size; traces, engines and transport
 manifests. Planning needs only metadata, so `plan_buckets` never touches tensor data.
 
 Packing is streaming: `pack_into` takes the bucket's tensors one at a time (a source may produce
-them lazily), gathers a sharded tensor (DTensor) straight into its place in the buffer, and hashes
-each tensor's bytes right after copying them, while they are still in cache (xxHash3), so
-corruption detection costs no second pass over memory. `drain` makes the same collectives on a
-rank that packs nothing. Torch is imported lazily, so this module is light.
+them lazily) and gathers a sharded tensor (DTensor) straight into its place in the buffer; with
+`buffer=None` it makes the same collectives on a rank that packs nothing. Checksums (xxHash3) hash
+each tensor in 4 MiB pieces on several cores at once. Torch is imported lazily.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -231,54 +230,129 @@ def gather_into(out: torch.Tensor | None, tensor: Any, dtype: torch.dtype) -> in
     return temp
 
 
-class _Hasher:
-    def __init__(self) -> None:
-        import xxhash
+CHUNK = 1 << 20  # checksums hash each tensor's bytes in pieces of this size (small enough to stay in cache)
+_POOL: Any = None
 
-        self._h = xxhash.xxh3_64()
 
-    def update(self, tensor: torch.Tensor) -> None:
-        import torch
+def _pool() -> Any:
+    global _POOL  # noqa: PLW0603 - one lazily made pool per process
+    if _POOL is None:
+        from concurrent.futures import ThreadPoolExecutor
 
-        raw = tensor.detach().reshape(-1)
-        if raw.numel():
-            self._h.update(raw.view(torch.uint8).numpy())
+        _POOL = ThreadPoolExecutor(_workers(), thread_name_prefix="refit-hash")
+    return _POOL
 
-    def digest(self) -> int:
-        return self._h.intdigest()
+
+def _workers() -> int:
+    import os
+
+    return max(1, min(4, os.cpu_count() or 1))
+
+
+def _raw(tensor: torch.Tensor) -> Any:
+    """The tensor's bytes as a flat numpy uint8 array (no copy for a contiguous CPU tensor)."""
+    import torch
+
+    t = tensor.detach()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+def _spread(n: int, work: Callable[[int, int], list[int]]) -> list[int]:
+    """Run `work(first_chunk, end_chunk)` over `n` chunks split in contiguous runs, one per core
+    (xxhash and numpy's copy release the GIL), and concatenate the digests in order."""
+    chunks = -(-n // CHUNK)
+    if chunks <= 1:
+        return work(0, chunks)
+    parts = min(_workers(), chunks)
+    bounds = [chunks * i // parts for i in range(parts + 1)]
+    out: list[int] = []
+    for digests in _pool().map(work, bounds[:-1], bounds[1:]):
+        out.extend(digests)
+    return out
+
+
+def chunk_digests(tensor: torch.Tensor) -> list[int]:
+    """xxHash3-64 of each CHUNK-byte piece of the tensor's raw bytes."""
+    import xxhash
+
+    raw = _raw(tensor)
+    return _spread(
+        raw.size, lambda a, b: [xxhash.xxh3_64_intdigest(raw[c * CHUNK : (c + 1) * CHUNK]) for c in range(a, b)]
+    )
+
+
+def copy_digests(dst: torch.Tensor, src: torch.Tensor) -> list[int]:
+    """Copy `src` into the contiguous `dst` piece by piece and hash each piece right after copying
+    it, while it is in cache: the same digests as `chunk_digests(src)` at almost no extra cost."""
+    import numpy as np
+    import xxhash
+
+    d, s = _raw_out(dst), _raw(src)
+    if d.size != s.size:
+        raise ValueError(f"copy of {s.size} bytes into {d.size}")
+
+    def work(a: int, b: int) -> list[int]:
+        out = []
+        for c in range(a, b):
+            piece = d[c * CHUNK : (c + 1) * CHUNK]
+            np.copyto(piece, s[c * CHUNK : (c + 1) * CHUNK])
+            out.append(xxhash.xxh3_64_intdigest(piece))
+        return out
+
+    return _spread(s.size, work)
+
+
+def _raw_out(tensor: torch.Tensor) -> Any:
+    import torch
+
+    if not tensor.is_contiguous():
+        raise ValueError("copy_digests writes into contiguous tensors only")
+    return tensor.reshape(-1).view(torch.uint8).numpy()
+
+
+def combine(digests: Sequence[int]) -> int:
+    import array
+
+    import xxhash
+
+    return xxhash.xxh3_64_intdigest(array.array("Q", digests).tobytes())
 
 
 def checksum(tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-    """xxHash3-64 over the raw bytes of every tensor, in order (padding excluded, so any
-    transport and any copy of the bytes agree)."""
-    h = _Hasher()
-    for _, tensor in tensors:
-        h.update(tensor.contiguous() if not tensor.is_contiguous() else tensor)
-    return h.digest()
+    """A bucket's checksum: xxHash3-64 over the per-chunk digests of every tensor's raw bytes, in
+    order (padding excluded, so any transport and any copy of the bytes agree)."""
+    return combine([d for _, tensor in tensors for d in chunk_digests(tensor)])
 
 
 @dataclass
 class Packed:
     checksum: int | None
     temp_bytes: int  # the largest temporary a gather needed while packing
+    refs: list[Any] | None = None  # per entry: where it already lies (zero-copy), or None: copied into the buffer
+    used_buffer: bool = False
 
 
 def pack_into(
-    buffer: torch.Tensor | None,
+    buffer: torch.Tensor | Callable[[], torch.Tensor] | None,
     manifest: BucketManifest,
     tensors: Iterable[tuple[str, torch.Tensor]],
     *,
     hash_bytes: bool = False,
+    refer: Callable[[TensorMeta, Any], Any] | None = None,
 ) -> Packed:
     """Copy (or gather) the bucket's tensors, taken one at a time, into the uint8 `buffer` at the
-    manifest's offsets; `buffer=None` drains (same collectives, nothing kept). Refuses a tensor
-    whose name, shape or dtype class does not match its manifest entry, naming it."""
-    if buffer is not None and buffer.numel() < manifest.nbytes:
-        raise ValueError(f"bucket {manifest.index} needs {manifest.nbytes} bytes, buffer has {buffer.numel()}")
-    hasher = _Hasher() if hash_bytes and buffer is not None else None
+    manifest's offsets; `buffer=None` drains (same collectives, nothing kept). `buffer` may be a
+    function that hands the buffer out on first need. `refer(meta, tensor)` may name where a tensor
+    already lies in memory the engine can read (zero-copy): it is then not copied. Refuses a
+    tensor whose name or shape does not match its manifest entry, naming it."""
+    digests: list[int] | None = [] if hash_bytes and buffer is not None else None
     entries = iter(manifest.entries)
     peak = 0
     count = 0
+    refs: list[Any] = []
+    buf: torch.Tensor | None = None
     for name, tensor in tensors:
         entry = next(entries, None)
         if entry is None:
@@ -289,19 +363,30 @@ def pack_into(
                 f"bucket {manifest.index}: source tensor {name!r} {list(tensor.shape)} does not match manifest "
                 f"entry {meta.name!r} {list(meta.shape)}"
             )
+        count += 1
+        ref = refer(meta, tensor) if (refer is not None and buffer is not None) else None
+        refs.append(ref)
+        if ref is not None:
+            if digests is not None:
+                digests.extend(chunk_digests(tensor))
+            continue
         dtype = torch_dtype(meta.dtype)
         view = None
         if buffer is not None:
-            view = buffer[entry.offset : entry.offset + meta.nbytes].view(dtype).view(meta.shape)
+            if buf is None:
+                buf = buffer() if callable(buffer) else buffer
+                if buf.numel() < manifest.nbytes:
+                    raise ValueError(f"bucket {manifest.index} needs {manifest.nbytes} bytes, buffer has {buf.numel()}")
+            view = buf[entry.offset : entry.offset + meta.nbytes].view(dtype).view(meta.shape)
         peak = max(peak, gather_into(view, tensor, dtype))
-        if hasher is not None and view is not None:
-            hasher.update(view)  # still in cache: no second pass over memory
-        count += 1
+        if digests is not None and view is not None:
+            digests.extend(chunk_digests(view))
     if count != len(manifest.entries):
         raise ValueError(
             f"bucket {manifest.index}: source gave {count} tensors, manifest lists {len(manifest.entries)}"
         )
-    return Packed(hasher.digest() if hasher is not None else None, peak)
+    zero_copy = any(r is not None for r in refs)
+    return Packed(combine(digests) if digests is not None else None, peak, refs if zero_copy else None, buf is not None)
 
 
 def unpack(buffer: torch.Tensor, manifest: BucketManifest) -> list[tuple[str, torch.Tensor]]:

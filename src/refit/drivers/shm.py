@@ -17,6 +17,12 @@ which trainer rank's files: colocated, the rank on its own device; disaggregated
                  while an engine still maps it stays valid for that engine (POSIX), so an
                  abandoned slot never turns into a dangling read.
 
+Zero-copy. `share_memory(model)` moves a trainer's weights into one shared-memory arena once (its
+parameters keep training in place there). Each engine TP rank maps the arenas of the rank that
+feeds it at attach; a tensor that still lies in an arena is then sent as a reference, not copied
+(the trainer only hashes it), so a refit costs the engine's one copy. A tensor the trainer has
+since reallocated elsewhere is simply copied: a stale reference cannot happen.
+
 Files are unlinked on `disconnect`, when the transport is garbage-collected and at interpreter
 exit; `leaked_segments()` lists what is left (the soak benchmark counts it).
 """
@@ -33,7 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from refit.drivers.base import ConnectInfo, LazyTensors, Payload, Receiver, Topology, Transport
-from refit.drivers.buckets import BucketManifest, checksum, pack_into, slot_bytes, unpack
+from refit.drivers.buckets import BucketManifest, itemsize, pack_into, slot_bytes, torch_dtype, unpack
 
 if TYPE_CHECKING:
     import torch
@@ -65,16 +71,93 @@ def _map(path: str, size: int) -> torch.Tensor:
     return torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
 
 
+class _Arena:
+    """A shared-memory file holding a trainer's tensors in place."""
+
+    def __init__(self, path: str, buffer: torch.Tensor) -> None:
+        self.path = path
+        self.size = int(buffer.numel())
+        self.base = int(buffer.data_ptr())
+        self.buffer = buffer
+
+    def offset_of(self, tensor: Any) -> int | None:
+        ptr, n = int(tensor.data_ptr()), int(tensor.numel() * tensor.element_size())
+        return ptr - self.base if self.base <= ptr and ptr + n <= self.base + self.size else None
+
+
+_ARENAS: list[weakref.ref[_Arena]] = []  # alive while their model is
+
+
+def _live_arenas() -> list[_Arena]:
+    alive = [a for a in (ref() for ref in _ARENAS) if a is not None]
+    _ARENAS[:] = [weakref.ref(a) for a in alive]
+    return alive
+
+
+def share_memory(model: Any, directory: str | Path | None = None) -> str:
+    """Move every parameter and buffer of `model` (an nn.Module) into one shared-memory arena, in
+    place: the module keeps training on the same Parameter objects, now backed by the arena, and
+    the shared-memory transport sends them to engines without copying. Returns the arena's path;
+    the file is unlinked when the interpreter exits. Not for sharded (DTensor) models."""
+    import torch
+    from torch import nn
+
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"share_memory takes an nn.Module, got {type(model).__name__}")
+    owners: list[tuple[nn.Module, str, bool, torch.Tensor]] = []
+    seen: dict[int, int] = {}
+    offset = 0
+    for module in model.modules():
+        for kind, table in ((True, module._parameters), (False, module._buffers)):
+            for name, t in table.items():
+                if t is None or hasattr(t, "placements") or t.device.type != "cpu":
+                    continue
+                owners.append((module, name, kind, t))
+                if id(t) not in seen:
+                    seen[id(t)] = offset
+                    offset = (offset + t.numel() * t.element_size() + 63) // 64 * 64
+    path = str(Path(directory or _default_dir()) / f"{PREFIX}arena-{os.getpid()}-{secrets.token_hex(4)}")
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, max(offset, 1))
+    finally:
+        os.close(fd)
+    buffer = _map(path, max(offset, 1))
+    placed: dict[int, torch.Tensor] = {}
+    for module, name, is_param, t in owners:
+        view = placed.get(id(t))
+        if view is None:
+            start = seen[id(t)]
+            view = buffer[start : start + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+            with torch.no_grad():
+                view.copy_(t.detach())
+            placed[id(t)] = view
+        if is_param:
+            module._parameters[name].data = view  # the same Parameter (the optimizer's), new storage
+        else:
+            module._buffers[name] = view
+    arena = _Arena(path, buffer)
+    weakref.finalize(arena, _unlink_all, [path])  # the file goes with the model (or at exit)
+    model._refit_arena = arena  # the model keeps its arena alive
+    _ARENAS.append(weakref.ref(arena))
+    return path
+
+
 class SharedMemoryTransport(Transport):
     kind = "shm"
 
-    def __init__(self, slots: int = 2, directory: str | Path | None = None, *, checksums: bool = True) -> None:
+    def __init__(
+        self, slots: int = 2, directory: str | Path | None = None, *, checksums: bool = True, zero_copy: bool = True
+    ) -> None:
         """`checksums`: put each bucket's xxHash3 in its part so the engine can detect damaged
-        bytes (hashed while packing; turn off when the link is trusted)."""
+        bytes (turn off when the link is trusted). `zero_copy`: send tensors that lie in a
+        `share_memory` arena by reference."""
         if not isinstance(slots, int) or slots < 1:
             raise ValueError(f"slots must be an integer >= 1, got {slots!r}")
         self.slots = slots
         self.checksums = checksums
+        self.zero_copy = zero_copy
+        self._arenas: list[_Arena] = []  # the arenas the engines map (known at connect)
         self.directory = Path(directory) if directory else _default_dir()
         self.temp_bytes = 0
         self._feeds = False
@@ -106,7 +189,11 @@ class SharedMemoryTransport(Transport):
                 self._paths.append(self._new_file(self._slot_bytes))
                 self._busy.append(None)
             self._buffers = [_map(p, self._slot_bytes) for p in self._paths]
-        return {"rank": rank, "paths": list(self._paths), "slot_bytes": self._slot_bytes}
+        self._arenas = _live_arenas() if (self.zero_copy and self._feeds) else []
+        return {
+            "rank": rank, "paths": list(self._paths), "slot_bytes": self._slot_bytes,
+            "arenas": [[a.path, a.size] for a in self._arenas],
+        }  # fmt: skip
 
     def attach_infos(self, rank_infos: Sequence[dict[str, Any]], topology: Topology) -> dict[str, ConnectInfo]:
         receiver = f"{__name__}:SharedMemoryReceiver"
@@ -133,12 +220,14 @@ class SharedMemoryTransport(Transport):
         if not self._feeds:  # this rank feeds no engine: it makes the same gathers and keeps nothing
             self.temp_bytes = pack_into(None, manifest, tensors).temp_bytes
             return None
-        if manifest.oversized:
-            path = self._new_file(manifest.nbytes)
-            buffer = _map(path, manifest.nbytes)
-            self._own[manifest.index] = (path, buffer)
-            part: dict[str, Any] = {"path": path, "size": manifest.nbytes, "once": True}
-        else:
+        part: dict[str, Any] = {}
+
+        def take_buffer() -> torch.Tensor:  # only once a tensor of the bucket has to be copied
+            if manifest.oversized:
+                path = self._new_file(manifest.nbytes)
+                self._own[manifest.index] = (path, _map(path, manifest.nbytes))
+                part.update(path=path, size=manifest.nbytes, once=True)
+                return self._own[manifest.index][1]
             try:
                 slot = self._busy.index(None)
             except ValueError:
@@ -146,18 +235,34 @@ class SharedMemoryTransport(Transport):
                     f"shm transport: no free buffer for bucket {manifest.index}; buckets "
                     f"{self._busy} are still waiting for their acknowledgements"
                 ) from None
-            buffer = self._buffers[slot]
             self._busy[slot] = manifest.index
-            part = {"path": self._paths[slot], "size": self._slot_bytes}
+            part.update(path=self._paths[slot], size=self._slot_bytes)
+            return self._buffers[slot]
+
         try:
-            packed = pack_into(buffer, manifest, tensors, hash_bytes=self.checksums)
+            packed = pack_into(
+                take_buffer, manifest, tensors, hash_bytes=self.checksums, refer=self._refer if self._arenas else None
+            )
         except BaseException:
-            self.release(manifest.index)
+            if manifest.index in self._busy or manifest.index in self._own:  # give back what it took
+                self.release(manifest.index)
             raise
         self.temp_bytes = packed.temp_bytes
+        if packed.refs is not None:
+            part["refs"] = packed.refs
         if packed.checksum is not None:
             part["xxh3"] = packed.checksum
         return part
+
+    def _refer(self, meta: Any, tensor: Any) -> list[int] | None:
+        """[arena index, byte offset] of a tensor that lies, unchanged in form, in a mapped arena."""
+        if hasattr(tensor, "placements") or not tensor.is_contiguous() or tensor.dtype != torch_dtype(meta.dtype):
+            return None
+        for i, arena in enumerate(self._arenas):
+            offset = arena.offset_of(tensor)
+            if offset is not None:
+                return [i, offset]
+        return None
 
     def payloads(
         self, manifest: BucketManifest, parts: Sequence[dict[str, Any] | None], topology: Topology
@@ -183,13 +288,16 @@ class SharedMemoryTransport(Transport):
         if own is not None:
             _unlink_all([own[0]])
             return
-        self._busy[self._slot_of(index)] = None
+        if index in self._busy:
+            self._busy[self._slot_of(index)] = None
+        elif not self._arenas:  # without arenas every bucket has a buffer: a double release is a bug
+            self._slot_of(index)
 
     def abandon(self, index: int) -> None:
         if not self._feeds:
             return
-        if self._own.pop(index, None) is not None:
-            return  # its file stays linked until disconnect: an engine may still read it
+        if self._own.pop(index, None) is not None or index not in self._busy:
+            return  # its file stays linked until disconnect (or it was sent by reference)
         slot = self._slot_of(index)
         self._paths[slot] = self._new_file(self._slot_bytes)  # the old file stays until disconnect
         self._buffers[slot] = _map(self._paths[slot], self._slot_bytes)
@@ -200,6 +308,7 @@ class SharedMemoryTransport(Transport):
             self._finalizer()  # unlinks the files exactly once
             self._finalizer = None
         self._buffers, self._paths, self._busy, self._own, self._all_paths = [], [], [], {}, []
+        self._arenas = []
 
 
 class SharedMemoryReceiver(Receiver):
@@ -209,6 +318,7 @@ class SharedMemoryReceiver(Receiver):
         super().__init__(info, tp_rank)
         self._size = int(self.part.get("slot_bytes", 0))
         self._buffers: dict[str, torch.Tensor] = {p: self._map(p, self._size) for p in self.part.get("paths", [])}
+        self._arenas = [self._map(path, int(size)) for path, size in self.part.get("arenas", [])]
 
     @staticmethod
     def _map(path: str, size: int) -> torch.Tensor:
@@ -221,17 +331,36 @@ class SharedMemoryReceiver(Receiver):
 
     def read(self, payload: Payload) -> list[tuple[str, torch.Tensor]]:
         part = payload.parts[self.tp_rank]
-        path = part.get("path")
-        if part.get("once"):  # an oversized bucket's own file: mapped for this bucket only
-            return unpack(self._map(path, int(part["size"])), payload.manifest)
-        if path not in self._buffers:  # a replacement for an abandoned slot: mapped once
-            self._buffers[path] = self._map(path, self._size)
-        return unpack(self._buffers[path], payload.manifest)
+        manifest = payload.manifest
+        refs = part.get("refs") or [None] * len(manifest.entries)
+        copied = None
+        if any(r is None for r in refs):
+            path = part.get("path")
+            if part.get("once"):  # an oversized bucket's own file: mapped for this bucket only
+                copied = unpack(self._map(path, int(part["size"])), manifest)
+            else:
+                if path not in self._buffers:  # a replacement for an abandoned slot: mapped once
+                    self._buffers[path] = self._map(path, self._size)
+                copied = unpack(self._buffers[path], manifest)
+        if len(refs) != len(manifest.entries):
+            raise ValueError(f"bucket {manifest.index}: {len(refs)} references for {len(manifest.entries)} tensors")
+        return [
+            copied[i] if ref is None else self._referenced(entry.meta, ref)
+            for i, (entry, ref) in enumerate(zip(manifest.entries, refs, strict=True))
+        ]  # type: ignore[index]
 
-    def verify(self, payload: Payload, tensors: list[tuple[str, torch.Tensor]]) -> None:
-        expected = payload.parts[self.tp_rank].get("xxh3")
-        if expected is not None and checksum(tensors) != expected:
-            raise ValueError(f"bucket {payload.manifest.index}: checksum mismatch, the bytes changed in transit")
+    def _referenced(self, meta: Any, ref: Any) -> tuple[str, torch.Tensor]:
+        """A tensor that lies in the trainer's arena (zero-copy): a view of it, bounds checked."""
+        arena, offset = int(ref[0]), int(ref[1])
+        if not 0 <= arena < len(self._arenas):
+            raise ValueError(f"{meta.name}: reference to arena {arena}, {len(self._arenas)} mapped")
+        buffer = self._arenas[arena]
+        if offset < 0 or offset % itemsize(meta.dtype) or offset + meta.nbytes > buffer.numel():
+            raise ValueError(f"{meta.name}: reference to bytes {offset}..{offset + meta.nbytes} outside its arena")
+        return meta.name, buffer[offset : offset + meta.nbytes].view(torch_dtype(meta.dtype)).view(meta.shape)
+
+    def expected(self, payload: Payload) -> int | None:
+        return payload.parts[self.tp_rank].get("xxh3")
 
     def close(self) -> None:
         self._buffers = {}

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from refit.drivers.buckets import BucketManifest, dtype_name
+from refit.drivers.buckets import BucketManifest, combine, copy_digests, dtype_name
 from refit.errors import EngineError
 from refit.reference.model import ModelConfig, attention, init_weights, rms_norm, rope
 
@@ -371,23 +371,43 @@ class EngineCore:
         if self.session is not None and self.session.broken is None:
             self.session.broken = reason
 
-    def load(self, manifest: BucketManifest, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+    def load(
+        self, manifest: BucketManifest, tensors: Sequence[tuple[str, torch.Tensor]], *, expected: int | None = None
+    ) -> None:
         """Apply one bucket in place (fused layout). Buckets apply in plan order; a refused one
         (validation, before any byte) makes the session refuse the rest, so an in-flight next
-        bucket never lands after a gap."""
+        bucket never lands after a gap. With `expected` (a single-rank engine), each piece is
+        hashed as it is copied (no second pass over memory); a mismatch is found after the bytes
+        landed: the bucket fails as `corrupted`, the session breaks and the engine is poisoned
+        (weights no version names) until a refit completes."""
         self.check_load(manifest)
         try:
             self._check_tensors(manifest, tensors)
         except EngineError as exc:
             self.break_session(f"bucket {manifest.index} was refused ({exc.kind})")
             raise
+        digests: list[int] = []
         with torch.no_grad():
             for name, tensor in tensors:
-                self._write(name, tensor)
+                if expected is None:
+                    self._write(name, tensor)
+                else:
+                    digests.extend(copy_digests(self._target(name), tensor))
         assert self.session is not None
-        self.session.loaded.add(manifest.index)
         self.weights_epoch += 1
         self.dirty = True
+        if expected is not None and combine(digests) != expected:
+            self.break_session(f"bucket {manifest.index} failed its checksum")
+            raise EngineError("corrupted", f"bucket {manifest.index}: checksum mismatch, the bytes changed in transit")
+        self.session.loaded.add(manifest.index)
+
+    def _target(self, hf_name: str) -> torch.Tensor:
+        """Where a whole HF tensor lands on a single-rank engine (a contiguous block of rows)."""
+        target, dim, src, dst, n = self.layout.targets[hf_name]
+        block = self.params[target].narrow(dim, dst, n)
+        if self.comm.size != 1 or src != 0 or not block.is_contiguous():
+            raise RuntimeError(f"{hf_name} is sharded on this engine: it cannot be copied whole")
+        return block
 
     def _check_tensors(self, manifest: BucketManifest, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
         names = [n for n, _ in tensors]
