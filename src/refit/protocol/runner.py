@@ -193,7 +193,6 @@ class _Run:
         self.round_trips = 0
         self.batches = itertools.count()
         self.ahead: list[str] = []  # engines whose probe found them at or past the target version
-        self.restore_failed: BaseException | None = None
         self.ranks_stuck = False  # a trainer-side step did not answer in time this run
 
     # ---- recording ---------------------------------------------------------------------------
@@ -355,32 +354,30 @@ class _Run:
                 return list(zip(steps, results, strict=False))
         return [(s, StepResult(outcome_of(exc), error=exc, seconds=now - wave.started, done_at=now)) for s in steps]
 
-    def wave(
-        self, plan: dict[_Engine, list[Step]], *, cleanup: bool = False, alongside: _RankCall | None = None
-    ) -> None:
+    def wave(self, plan: dict[_Engine, list[Step]], *, cleanup: bool = False) -> None:
         """Send a wave, wait for it, record and apply every step in table order."""
         w = self.start_wave(plan, cleanup=cleanup)
-        results = self.wait_wave(w)
-        self.absorb(results, w.batch, alongside=alongside)
+        self.absorb(self.wait_wave(w), w.batch)
 
-    def absorb(self, results: Results, batch: int, *, alongside: _RankCall | None = None) -> None:
+    def absorb(self, results: Results, batch: int, *, alongside: _RankCall | None = None) -> BaseException | None:
         """Record a wave's results state by state: move into each step's state (along the table),
         record the trainer-side step of that state first, then every engine's steps, in engine
-        order. Everything the wave did is recorded before anything is decided on it."""
-        states = sorted({s.state for pairs in results.values() for s, _ in pairs}, key=lambda s: _ORDER[RefitState(s)])
-        if alongside is not None and alongside.step.state not in states:
-            states = sorted({*states, alongside.step.state}, key=lambda s: _ORDER[RefitState(s)])
-        for state in states:
+        order. Everything the wave did is recorded before anything is decided on it. Returns the
+        trainer-side step's error, if it failed."""
+        states = {s.state for pairs in results.values() for s, _ in pairs}
+        if alongside is not None:
+            states.add(alongside.step.state)
+        failed: BaseException | None = None
+        for state in sorted(states, key=lambda s: _ORDER[RefitState(s)]):
             self.move_to(state)
             if alongside is not None and alongside.step.state == state:
-                _, exc = self.rank_wait(alongside)
-                if exc is not None and alongside.step.call == "restore":
-                    self.restore_failed = exc
+                _, failed = self.rank_wait(alongside)
             for e in self.engines:
                 for step, res in results.get(e, ()):
                     if step.state == state:
                         self.record_step(e, step, res, batch)
                         self.apply(e, step, res)
+        return failed
 
     # ---- applying results to the engine's machine and facts -------------------------------------
 
@@ -535,7 +532,7 @@ class _Run:
             )
             self.stream([e for e in retry if e.active and e.state == E.OPEN])
         self.commit()
-        self.finish()
+        self.enter(T.FINISH)
 
     def prepare(self) -> None:
         """IDLE: incarnations (bounded), every rank's metadata (which must agree), the plan."""
@@ -688,13 +685,13 @@ class _Run:
         sent_ok = True
         timed_out = False
         if b.send is not None:
-            _, exc = self.rank_wait(b.send, state=None if not cleanup else str(self.machine.state))
+            _, exc = self.rank_wait(b.send)
             sent_ok = exc is None
             timed_out = isinstance(exc, TimeoutError)
         for e in self.engines:
             for step, res in results.get(e, ()):
                 if step.call == "load":
-                    self.record_step(e, step, res, b.wave.batch, state=None if not cleanup else "TRANSFERRING")
+                    self.record_step(e, step, res, b.wave.batch)
                     self.apply(e, step, res)
                     timed_out |= res.outcome == "timeout"
                 else:
@@ -766,17 +763,13 @@ class _Run:
                 ]
             else:
                 plan[e] = self.settle_steps(e, "CONTINUING", "CONTINUING", kv_state="RESTORING")
-        restore = None
-        if ctx.colocated:
-            restore = self.rank_start(RankStep("restore", "RESTORING"))
-        self.restore_failed: BaseException | None = None
+        restore = self.rank_start(RankStep("restore", "RESTORING")) if ctx.colocated else None
         w = self.start_wave(plan)
-        self.absorb(self.wait_wave(w), w.batch, alongside=restore)
+        restore_failed = self.absorb(self.wait_wave(w), w.batch, alongside=restore)
         if restore is not None:
-            self.move_to("RESTORING")
-            self.offloaded = self.restore_failed is not None
-            if self.restore_failed is not None:
-                raise self._wrap(self.restore_failed, "restore", "RESTORING", None, None)
+            self.offloaded = restore_failed is not None
+            if restore_failed is not None:
+                raise self._wrap(restore_failed, "restore", "RESTORING", None, None)
         if not any(e.published for e in self.engines):
             raise self.first_error or DriverCallError("no engine published the version", state=str(self.machine.state))
         if self.broken:  # a group a member broke is not reused by the next run
@@ -810,9 +803,6 @@ class _Run:
             return [Step("continue_generation", continue_state), *kv]
         return steps
 
-    def finish(self) -> None:
-        self.enter(T.FINISH)
-
     # ---- the failure path ----------------------------------------------------------------------
 
     def abort(self, exc: BaseException) -> None:
@@ -842,9 +832,6 @@ class _Run:
         plan = {e: self.settle_steps(e, "ABORTING", "QUARANTINING", kv_state="ABORTING") for e in self.engines}
         if any(plan.values()):
             self.wave(plan, cleanup=True)
-        self.move_to_failed()
-
-    def move_to_failed(self) -> None:
         self.enter(T.LATCH)
 
     def end_ranks(self) -> list[Any]:
