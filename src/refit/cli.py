@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
+from typing import Any
 
 
 def _check(args: argparse.Namespace) -> int:
@@ -142,16 +144,39 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
+def _count(minimum: int) -> Any:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
+
+
 def _demo_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--engines", type=int, default=2, help="reference engines to refit (default 2)")
-    p.add_argument("--refits", type=int, default=3, help="refits to run (default 3)")
-    p.add_argument("--steps", type=int, default=20, help="optimizer steps between refits (default 20)")
+    p.add_argument("--engines", type=_count(1), default=2, help="reference engines to refit (default 2)")
+    p.add_argument("--refits", type=_count(1), default=3, help="refits to run (default 3)")
+    p.add_argument("--steps", type=_count(0), default=20, help="optimizer steps between refits (default 20)")
     p.add_argument("--mode", choices=("colocated", "disaggregated"), default="colocated")
     p.add_argument("--pause-mode", choices=("abort", "retract", "in_place"), default="retract")
-    p.add_argument("--bucket-bytes", type=int, default=64 << 10, help="bucket size in bytes (default 64 KiB)")
-    p.add_argument("--deadline", type=float, default=60.0, help="seconds each refit may take (default 60)")
-    p.add_argument("--retries", type=int, default=1, help="retries for an engine whose update failed (default 1)")
-    p.add_argument("--call-timeout", type=float, default=5.0, help="cap on one engine call in seconds (default 5)")
+    p.add_argument("--bucket-bytes", type=_count(1), default=64 << 10, help="bucket size in bytes (default 64 KiB)")
+    p.add_argument("--deadline", type=_seconds, default=60.0, help="seconds each refit may take (default 60)")
+    p.add_argument("--retries", type=_count(0), default=1, help="retries for an engine whose update failed (default 1)")
+    p.add_argument("--call-timeout", type=_seconds, default=5.0, help="cap on one engine call in seconds (default 5)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--trace", metavar="PATH", help="write the JSONL trace of every refit here")
     p.add_argument(
@@ -161,8 +186,10 @@ def _demo_arguments(p: argparse.ArgumentParser) -> None:
         "(keys: engine, bucket, call, kind = raise | hang | kill | corrupt)",
     )
     p.add_argument("--in-thread", action="store_true", help="run engines on threads instead of processes")
-    p.add_argument("--ranks", type=int, default=1, help="trainer ranks; >1: FSDP2 on gloo processes (default 1)")
-    p.add_argument("--engine-tp", type=int, default=1, help="TP processes per engine, each with a shard (default 1)")
+    p.add_argument("--ranks", type=_count(1), default=1, help="trainer ranks; >1: FSDP2 on gloo processes (default 1)")
+    p.add_argument(
+        "--engine-tp", type=_count(1), default=1, help="TP processes per engine, each with a shard (default 1)"
+    )
     p.add_argument("--transport", choices=("shm", "broadcast"), default="shm", help="shm or a broadcast group")
 
 
@@ -184,10 +211,10 @@ def main(argv: list[str] | None = None) -> int:
     rep.set_defaults(func=_replay)
 
     soak_p = sub.add_parser("soak", help="many consecutive refits, then count leaked segments, fds, threads, processes")
-    soak_p.add_argument("--refits", type=int, default=1000)
-    soak_p.add_argument("--engines", type=int, default=2)
+    soak_p.add_argument("--refits", type=_count(1), default=1000)
+    soak_p.add_argument("--engines", type=_count(1), default=2)
     soak_p.add_argument("--mode", choices=("colocated", "disaggregated"), default="disaggregated")
-    soak_p.add_argument("--bucket-bytes", type=int, default=64 << 10)
+    soak_p.add_argument("--bucket-bytes", type=_count(1), default=64 << 10)
     soak_p.add_argument(
         "--fault-every", type=int, default=10, help="inject a raise/corrupt fault every N refits (0: none)"
     )
@@ -198,10 +225,10 @@ def main(argv: list[str] | None = None) -> int:
 
     bench_p = sub.add_parser("bench", help="measured figures against a floor: control plane, transport")
     bench_p.add_argument("what", choices=("control", "transport"))
-    bench_p.add_argument("--engines", type=int, default=8, help="control: engine processes (default 8)")
-    bench_p.add_argument("--refits", type=int, default=None, help="refits to measure (control 100, transport 3)")
+    bench_p.add_argument("--engines", type=_count(1), default=8, help="control: engine processes (default 8)")
+    bench_p.add_argument("--refits", type=_count(1), default=None, help="refits to measure (control 100, transport 3)")
     bench_p.add_argument("--mode", choices=("colocated", "disaggregated"), default="disaggregated")
-    bench_p.add_argument("--bucket-mb", type=int, default=64, help="transport: bucket size in MiB (default 64)")
+    bench_p.add_argument("--bucket-mb", type=_count(1), default=64, help="transport: bucket size in MiB (default 64)")
     bench_p.add_argument("--no-checksums", action="store_true", help="transport: turn corruption detection off")
     bench_p.add_argument("--small", action="store_true", help="transport: a few-MB state (a quick smoke run)")
     bench_p.add_argument("--json", metavar="PATH", help="also write the figures as JSON here")

@@ -224,6 +224,11 @@ def verdict(entries: list[dict[str, Any]], refits: int, trace: str | None) -> in
 
 
 def run_demo(args: argparse.Namespace) -> int:
+    try:
+        ModelConfig().check_tp(args.engine_tp)
+    except ValueError as exc:
+        print(f"refit demo: --engine-tp {args.engine_tp}: {exc}", file=sys.stderr)
+        return 2
     if args.ranks > 1:
         return _run_ranks(args)
     torch.manual_seed(args.seed)

@@ -86,9 +86,6 @@ class Topology:
     def default_route(self, engine: EngineSpec, tp_rank: int) -> int:
         return (engine.rank_offset + tp_rank) % self.world if self.colocated else 0
 
-    def key(self) -> tuple[Any, ...]:
-        return (self.world, self.engines, self.colocated)
-
 
 @dataclass(frozen=True)
 class ConnectInfo:

@@ -91,6 +91,8 @@ class ReferenceEngine(EngineDriver):
         from refit.reference.client import await_ready, launch_process
         from refit.reference.model import ModelConfig
 
+        (config or ModelConfig()).check_tp(tp)  # refused here, not as a crash inside the new process
+
         launches = [
             launch_process(n, config or ModelConfig(), seed, version=version, threads=threads, serving=serving, tp=tp)
             for n in names

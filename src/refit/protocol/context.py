@@ -89,7 +89,6 @@ class _Shared:
     next_version: int
     connection_key: tuple[Any, ...] | None = None
     attached: set[str] = field(default_factory=set)  # incarnations attached to the open connection
-    members: tuple[str, ...] = ()  # engine names the open connection was made for
     topology: Any = None  # the open connection's Topology
     engine_versions: dict[str, int | None] = field(default_factory=dict)  # None: stale, must not serve
     incarnations: dict[str, str] = field(default_factory=dict)  # last incarnation seen per engine name

@@ -627,7 +627,6 @@ class _Run:
                 e.failure, e.error, e.exc = None, None, None
         self.topology = shared.topology = topo
         shared.connection_key = self.connection_key(members)
-        shared.members = tuple(e.name for e in members)
         self.connection_dirty = False
         self.broken = False
 
@@ -635,7 +634,7 @@ class _Run:
         """Engines detach, every rank disconnects; recorded, bounded, never raises."""
         shared = self.ctx._shared
         attached = [e for e in self.engines if e.incarnation in shared.attached and e.reachable]
-        shared.connection_key, shared.attached, shared.members = None, set(), ()
+        shared.connection_key, shared.attached = None, set()
         if attached:
             w = self.start_wave({e: [Step("detach", str(self.machine.state))] for e in attached}, cleanup=True)
             for e, pairs in self.wait_wave(w).items():
@@ -887,7 +886,7 @@ def disconnect(ctx: RefitContext, *, timeout: float, run: _Run | None = None) ->
     if not ctx.transport.connected and shared.connection_key is None:
         return
     attached = [d for d in ctx.engines if d.incarnation in shared.attached] if shared.attached else list(ctx.engines)
-    shared.connection_key, shared.attached, shared.members = None, set(), ()
+    shared.connection_key, shared.attached = None, set()
     emit = run.emit if run is not None else ctx.recorder.emit
     clock = ctx.clock
     budget = max(timeout, 0.05)

@@ -88,10 +88,7 @@ class WeightLayout:
 
     def __init__(self, config: ModelConfig, tp_rank: int = 0, tp_size: int = 1) -> None:
         c, t, r = config, tp_size, tp_rank
-        for what, n in (("num_heads", c.num_heads), ("num_kv_heads", c.num_kv_heads),
-                        ("intermediate_size", c.intermediate_size), ("vocab_size", c.vocab_size)):  # fmt: skip
-            if n % t:
-                raise ValueError(f"tensor parallelism {t} does not divide {what}={n}")
+        config.check_tp(t)
         self.hf_shapes = config.hf_shapes()
         self.hf_dtypes = config.hf_dtypes()
         h = c.hidden_size

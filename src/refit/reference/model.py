@@ -45,6 +45,13 @@ class ModelConfig:
     def to_dict(self) -> dict[str, int | float]:
         return asdict(self)
 
+    def check_tp(self, tp: int) -> None:
+        """Refuse a tensor-parallel size that does not split this model evenly (ValueError)."""
+        for what, n in (("num_heads", self.num_heads), ("num_kv_heads", self.num_kv_heads),
+                        ("intermediate_size", self.intermediate_size), ("vocab_size", self.vocab_size)):  # fmt: skip
+            if tp < 1 or n % tp:
+                raise ValueError(f"tensor parallelism {tp} does not divide {what}={n}")
+
     def hf_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every trainer (HF) parameter name and its shape, in state-dict order."""
         h, kv = self.hidden_size, self.num_kv_heads * self.head_dim
