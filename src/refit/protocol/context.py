@@ -254,8 +254,10 @@ class RefitContext:
         self._shared.closed = True
         assert self.ranks is not None
         if not self.leader:
-            self.ranks.follow(self.deadline_s + self.cleanup_grace_s + 5.0)
-            self.ranks.close()
+            try:
+                self.ranks.follow(self.deadline_s + self.cleanup_grace_s + 5.0)
+            finally:
+                self.ranks.close()
             return
         from refit.protocol.runner import disconnect
 

@@ -301,6 +301,7 @@ class SpmdRanks(Ranks):
         self._lanes = _Lanes(participant)
         self._waiters = ThreadPoolExecutor(4, thread_name_prefix="refit-spmd") if self.leader else None
         self._stale: list[str] = []
+        self._ends: list[str] = []  # end-of-run messages, deleted once every rank answered a later step
         self._local = threading.local()  # a store client blocks its connection while it waits: one per thread
 
     def _client(self) -> Any:
@@ -372,7 +373,7 @@ class SpmdRanks(Ranks):
             store.wait(keys, _td(timeout))
         except Exception as exc:
             missing = [r for r, k in enumerate(keys, start=1) if not store.check([k])]
-            self._stale.extend(keys)
+            self._stale.extend([*keys, self._key("c", seq)])
             raise TimeoutError(
                 f"trainer ranks {missing} did not answer within {timeout:.3g}s (every rank must call "
                 f"protocol.run(ctx) and ctx.close()): {type(exc).__name__}"
@@ -383,13 +384,15 @@ class SpmdRanks(Ranks):
             if not ok:
                 raise value if isinstance(value, BaseException) else RankError(rank, str(value))
             values.append(value)
-        for k in [*keys, self._key("c", seq)]:
+        done = [k for k in self._ends if int(k.rsplit("/", 1)[1]) < seq]  # every rank has read these
+        self._ends = [k for k in self._ends if k not in done]
+        for k in [*keys, self._key("c", seq), *done]:
             store.delete_key(k)
         return values
 
     def finish(self, result: Any) -> None:
         if self.leader:
-            self._post((_END, result))
+            self._ends.append(self._key("c", self._post((_END, result))))
 
     def close(self) -> None:
         if self.leader:
