@@ -26,16 +26,24 @@ DEMO_TRACES = {
     "trainer-fails-mid-transfer.jsonl": ["--fail-at", "transferring:bucket=4:call=pack"],
     # engine 1 dies while finalizing, with no retries allowed
     "kill-on-finalize-no-retry.jsonl": ["--fail-at", "post_processing:engine=1:kind=kill", "--retries", "0"],
+    # broadcast: engine 1 dies mid-broadcast; the group is rebuilt without it and engine 0 retried
+    "broadcast-kill-reconnect.jsonl": [
+        "--transport", "broadcast", "--mode", "disaggregated", "--fail-at", "transferring:engine=1:bucket=2:kind=kill",
+    ],
 }
 
 
 def main() -> None:
+    only = set(sys.argv[1:])  # regenerate just these files, if named
     for name, args in DEMO_TRACES.items():
+        if only and name not in only:
+            continue
         path = HERE / name
         cmd = [sys.executable, "-m", "refit.cli", "demo", "--refits", "1", "--steps", "5", "--trace", str(path), *args]
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
         print(f"{name}: demo exit {proc.returncode}, {len(path.read_text().splitlines())} lines")
-    write_bad_manifest(HERE / "bad-manifest-refused.jsonl")
+    if not only or "bad-manifest-refused.jsonl" in only:
+        write_bad_manifest(HERE / "bad-manifest-refused.jsonl")
 
 
 def write_bad_manifest(path: Path) -> None:
