@@ -316,13 +316,16 @@ class SharedMemoryReceiver(Receiver):
 
     def __init__(self, info: ConnectInfo, tp_rank: int = 0) -> None:
         super().__init__(info, tp_rank)
+        # buffers may only come from where this connection's files are (or the shm directory)
+        named = [*self.part.get("paths", []), *(p for p, _ in self.part.get("arenas", []))]
+        self._dirs = {Path(p).resolve().parent for p in named} | {_default_dir().resolve()}
         self._size = int(self.part.get("slot_bytes", 0))
         self._buffers: dict[str, torch.Tensor] = {p: self._map(p, self._size) for p in self.part.get("paths", [])}
         self._arenas = [self._map(path, int(size)) for path, size in self.part.get("arenas", [])]
 
-    @staticmethod
-    def _map(path: str, size: int) -> torch.Tensor:
-        if not isinstance(path, str) or not Path(path).name.startswith(PREFIX):
+    def _map(self, path: str, size: int) -> torch.Tensor:
+        p = Path(path) if isinstance(path, str) else None
+        if p is None or not p.name.startswith(PREFIX) or p.is_symlink() or p.resolve().parent not in self._dirs:
             raise ValueError(f"payload names buffer {path!r}, not a refit shared-memory buffer")
         actual = os.path.getsize(path)  # FileNotFoundError names the path if it is gone
         if actual < size:

@@ -100,10 +100,9 @@ def _end(events: Sequence[Event]) -> Event | None:
 
 
 def _engines(events: Sequence[Event]) -> list[str]:
-    start = _start(events)
-    if start.get("engines"):
-        return list(start["engines"])
-    return sorted({e["engine"] for e in _calls(events) if e.get("engine")})
+    """The engines named at run start, and any other engine the run's calls name."""
+    named = list(_start(events).get("engines") or [])
+    return named + sorted({e["engine"] for e in _calls(events) if e.get("engine")} - set(named))
 
 
 def _n_buckets(events: Sequence[Event]) -> int:
@@ -123,22 +122,22 @@ def _unreachable(events: Sequence[Event], engine: str) -> bool:
     return bool(drops) and drops[-1].get("failure") in ("dead", "timeout")
 
 
-def _after_failed_step(events: Sequence[Event], call: Event) -> bool:
-    """The call rode in one engine call (`batch`) behind a step that failed: the engine stops at
-    the first failure, so this call never ran, whatever its own recorded outcome."""
+def _after_failed_publish(events: Sequence[Event], call: Event) -> bool:
+    """The continue rode in one engine call (`batch`) behind its publish, which failed: the engine
+    stops at the first failure, so this continue never ran, whatever its own recorded outcome."""
     batch = call.get("batch")
     if batch is None:
         return False
     return any(
-        e.get("kind") == "call" and e.get("engine") == call.get("engine") and e.get("batch") == batch
-        and e["seq"] < call["seq"] and e.get("outcome") != "ok"
+        e.get("kind") == "call" and e.get("event") == "publish" and e.get("engine") == call.get("engine")
+        and e.get("batch") == batch and e["seq"] < call["seq"] and e.get("outcome") != "ok"
         for e in events
     )  # fmt: skip
 
 
 def _continues(events: Sequence[Event], engine: str) -> list[Event]:
     """continue_generation calls that may have taken effect."""
-    return [c for c in _calls(events, "continue_generation", engine=engine) if not _after_failed_step(events, c)]
+    return [c for c in _calls(events, "continue_generation", engine=engine) if not _after_failed_publish(events, c)]
 
 
 def _busy(events: Sequence[Event]) -> bool:
@@ -231,8 +230,8 @@ def check_version(events: Sequence[Event]) -> list[Violation]:
         out.append(_v("version", f"a run that failed in {fail.get('src')} (before its commit) published", fail, events))
     for name in _engines(events):
         resumes = [e for e in _calls(events, "resume_memory", engine=name) if e.get("state") == "OFFLOADING"]
-        lost = [
-            e for e in resumes if e.get("outcome") != "ok" or (e.get("result") or {}).get("weights_intact") is False
+        lost = [  # failed, or not reported intact: the contents are unknown
+            e for e in resumes if e.get("outcome") != "ok" or (e.get("result") or {}).get("weights_intact") is not True
         ]
         if not lost:  # a weight-memory resume that failed or came back empty: the weights are gone
             continue
@@ -267,9 +266,10 @@ def check_pause_continue(events: Sequence[Event]) -> list[Violation]:
     end = _end(events)
     for name in _engines(events):
         pauses = _calls(events, "pause", engine=name)
-        resumed = [
+        resumed = [  # a quarantine the engine refused still discharges the run: it is reported failed
             c for c in _calls(events, "continue_generation", engine=name) + _calls(events, "quarantine", engine=name)
-            if c.get("outcome") in ("ok", "timeout") and c.get("sent") is not False
+            if c.get("sent") is not False
+            and (c.get("outcome") in ("ok", "timeout") or (c["event"] == "quarantine" and c.get("outcome") == "error"))
         ]  # fmt: skip
         after = [c for c in resumed if pauses and c["seq"] > pauses[0]["seq"]]
         if pauses and end is not None and not after and not _unreachable(events, name):
@@ -337,10 +337,14 @@ def check_deadline(events: Sequence[Event]) -> list[Violation]:
 
 
 def check_complete(events: Sequence[Event]) -> list[Violation]:
+    out = []
     if _end(events) is None:
         last = events[-1] if events else None
-        return [_v("complete", "run has no end event: the trace was cut off mid-run", last, events)]
-    return []
+        out.append(_v("complete", "run has no end event: the trace was cut off mid-run", last, events))
+    loads = _calls(events, "load")
+    if loads and _first(events, "plan", "buckets") is None:
+        out.append(_v("complete", "the run moved buckets but its plan event is missing", loads[0], events))
+    return out
 
 
 RUN_CHECKS = (

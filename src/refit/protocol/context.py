@@ -2,7 +2,7 @@
 
 A context is created once per training job and passed to every `run`: it remembers what runs
 must share (the last published version, the open transport connection, the lock, the trace, the
-trainer ranks and a small thread pool). `close()` disconnects and ends the trace.
+trainer ranks and one ordered call lane per engine). `close()` disconnects and ends the trace.
 
 Hostings. With torch.distributed running more than one rank, every rank builds its context (with
 its own source and transport; engines only matter on rank 0) and calls `protocol.run(ctx)`: rank 0
@@ -92,7 +92,7 @@ class _Shared:
     topology: Any = None  # the open connection's Topology
     engine_versions: dict[str, int | None] = field(default_factory=dict)  # None: stale, must not serve
     incarnations: dict[str, str] = field(default_factory=dict)  # last incarnation seen per engine name
-    pool: concurrent.futures.ThreadPoolExecutor | None = None
+    lanes: dict[str, concurrent.futures.ThreadPoolExecutor] = field(default_factory=dict)  # per engine name
     closed: bool = False
 
 
@@ -240,11 +240,15 @@ class RefitContext:
             "ranks": self.ranks.world if self.ranks is not None else 1,
         }
 
-    def pool(self) -> concurrent.futures.ThreadPoolExecutor:
-        if self._shared.pool is None:
-            workers = max(4, 2 * len(self.engines) * max(self.transport.slots, 1) + 2)
-            self._shared.pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="refit-call")
-        return self._shared.pool
+    def lane(self, engine: str) -> concurrent.futures.ThreadPoolExecutor:
+        """One engine's own ordered lane: the calls a driver runs on the executor it is handed (the
+        default one call per step; incarnation reads) reach that engine in the order they were
+        made, and a driver stuck past its timeout holds up only its own engine."""
+        lane = self._shared.lanes.get(engine)
+        if lane is None:
+            lane = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"refit-call-{engine}")
+            self._shared.lanes[engine] = lane
+        return lane
 
     def close(self) -> None:
         """Disconnect the transport (engines detach, every rank frees its buffers) and end the
@@ -263,8 +267,8 @@ class RefitContext:
 
         disconnect(self, timeout=self.cleanup_grace_s or 5.0)
         self.ranks.close()
-        if self._shared.pool is not None:
-            self._shared.pool.shutdown(wait=False, cancel_futures=True)
+        for lane in self._shared.lanes.values():
+            lane.shutdown(wait=False, cancel_futures=True)
         self.recorder.close()
 
     def __enter__(self) -> RefitContext:

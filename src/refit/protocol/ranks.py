@@ -212,6 +212,9 @@ def _combine(futures: Sequence[Future[Any]]) -> Future[list[Any]]:
             if left[0]:
                 return
         for rank, f in enumerate(futures):
+            if f.cancelled():  # the lanes were shut down (the context closed) before it ran
+                out.set_exception(RankError(rank, "cancelled: the trainer ranks were closed"))
+                return
             exc = f.exception()
             if exc is not None:
                 out.set_exception(exc if isinstance(exc, RankError | TimeoutError) else RankError(rank, _text(exc)))
@@ -354,6 +357,10 @@ class SpmdRanks(Ranks):
             if not (local.done() and remote.done()):
                 return
             for f in (local, remote):
+                if f.cancelled():
+                    if not out.done():
+                        out.set_exception(RankError(0, "cancelled: the trainer ranks were closed"))
+                    return
                 exc = f.exception()
                 if exc is not None:
                     if not out.done():
@@ -375,8 +382,9 @@ class SpmdRanks(Ranks):
             missing = [r for r, k in enumerate(keys, start=1) if not store.check([k])]
             self._stale.extend([*keys, self._key("c", seq)])
             raise TimeoutError(
-                f"trainer ranks {missing} did not answer within {timeout:.3g}s (every rank must call "
-                f"protocol.run(ctx) and ctx.close()): {type(exc).__name__}"
+                f"trainer ranks {missing} did not answer within {timeout:.3g}s: they died, are stuck, or never "
+                f"called protocol.run(ctx) (every rank must call protocol.run(ctx) and ctx.close()): "
+                f"{type(exc).__name__}"
             ) from None
         values = []
         for rank, raw in enumerate(store.multi_get(keys), start=1):

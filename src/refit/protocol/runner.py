@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import itertools
+import threading
 import time
 import uuid
 from collections import deque
@@ -259,6 +260,8 @@ class _Run:
 
     def rank_start(self, step: RankStep, *, cleanup: bool = False, **extra: Any) -> _RankCall:
         budget = self._budget(cleanup, cap=False)
+        if cleanup and self.ranks_stuck:  # a rank already stopped answering: no floor, they would stack
+            budget = self.cleanup_deadline.remaining()
         t0 = self.clock()
         if budget <= 0:
             fut: Future[list[Any]] = Future()
@@ -302,7 +305,6 @@ class _Run:
     def start_wave(self, plan: dict[_Engine, list[Step]], *, cleanup: bool = False, count: bool = True) -> _Wave:
         budget = self._budget(cleanup)
         wave = _Wave(next(self.batches), budget, time.monotonic(), [])
-        pool = self.ctx.pool()
         for e, steps in plan.items():
             if not steps:
                 continue
@@ -311,7 +313,7 @@ class _Run:
                 fut.set_result([StepResult("timeout", error=NoTimeLeft(f"no time left for {steps[0].call}"))])
             else:
                 try:
-                    fut = e.driver.run_steps_async(steps, timeout=budget, executor=pool)
+                    fut = e.driver.run_steps_async(steps, timeout=budget, executor=self.ctx.lane(e.name))
                 except Exception as exc:
                     fut = Future()
                     fut.set_exception(exc)
@@ -334,6 +336,9 @@ class _Run:
     def _step_results(
         self, e: _Engine, steps: list[Step], fut: Future[list[StepResult]], wave: _Wave
     ) -> list[tuple[Step, StepResult]]:
+        """One result per step that ran. Anything a driver hands back that breaks the contract (not
+        a list of StepResults, more results than steps, a result after a failure, fewer results
+        without a failure) fails every step of the call: their effect is unknown."""
         now = time.monotonic()
         if not fut.done():
             err: BaseException = TimeoutError(
@@ -342,16 +347,9 @@ class _Run:
             return [(s, StepResult("timeout", error=err, seconds=now - wave.started)) for s in steps]
         exc = fut.exception()
         if exc is None:
-            results = fut.result()
-            if not isinstance(results, list) or len(results) > len(steps) or not results:
-                exc = RuntimeError(
-                    f"driver returned {len(results) if isinstance(results, list) else type(results).__name__} "
-                    f"results for {len(steps)} steps"
-                )
-            elif any(not r.ok for r in results[:-1]):
-                exc = RuntimeError("driver went on after a failed step")
-            else:
-                return list(zip(steps, results, strict=False))
+            exc = _malformed(fut.result(), len(steps))
+            if exc is None:
+                return [(s, _clean(r)) for s, r in zip(steps, fut.result(), strict=False)]
         return [(s, StepResult(outcome_of(exc), error=exc, seconds=now - wave.started, done_at=now)) for s in steps]
 
     def wave(self, plan: dict[_Engine, list[Step]], *, cleanup: bool = False) -> None:
@@ -410,11 +408,12 @@ class _Run:
         elif call == "resume_memory":
             tags = set(step.args[0])
             e.resumed |= tags
+            intact = isinstance(value, dict) and value.get("weights_intact") is True
+            if "weights" in tags and not intact:
+                e.weights = "lost"  # contents not reported intact: unknown, so never served unpublished
             if isinstance(value, dict) and isinstance(value.get("resumed"), list):
                 tags &= set(value["resumed"])  # only what was released before was taken by this run
             e.taken |= tags
-            if "weights" in tags and isinstance(value, dict) and value.get("weights_intact") is False:
-                e.weights = "lost"
         elif call == "release_memory":
             e.resumed -= set(step.args[0])
             e.taken -= set(step.args[0])
@@ -445,9 +444,10 @@ class _Run:
 
     def _probed(self, e: _Engine, step: Step, info: dict[str, Any]) -> None:
         version = info.get("version")
-        if isinstance(version, int):
-            e.previous_version = version if info.get("serving", True) else None
-        if isinstance(version, int) and version >= self.version:  # a driver whose engine did not refuse
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            return  # not a version (the driver does not know, or reports nonsense): the runner's record stands
+        e.previous_version = version if info.get("serving", True) else None
+        if version >= self.version:  # a driver whose engine did not refuse
             self.ahead.append(e.name)
             self.drop(e, step, EngineError("version_ahead", f"engine holds version {version}"))
 
@@ -561,9 +561,8 @@ class _Run:
             e.attempts, e.attempt = 1, 0
 
     def bounded_each(self, fns: Sequence[Callable[[], Any]], what: str) -> list[Any]:
-        """Call each function on the pool, waiting once for all, within the deadline."""
-        pool = self.ctx.pool()
-        futures = [pool.submit(fn) for fn in fns]
+        """Call each engine's function on its lane, waiting once for all, within the deadline."""
+        futures = [self.ctx.lane(e.name).submit(fn) for e, fn in zip(self.engines, fns, strict=True)]
         budget = min(self.deadline.remaining(), LOCK_TIMEOUT_S)
         concurrent.futures.wait(futures, timeout=budget)
         out = []
@@ -612,13 +611,14 @@ class _Run:
             per_engine = self.transport.attach_infos(infos, topo)
             w = self.start_wave({e: [Step("attach", state, (per_engine[e.name],))] for e in members})
             join = self.rank_start(RankStep("join", state)) if self.transport.collective else None
-            self.absorb(self.wait_wave(w), w.batch, alongside=join)
+            results = self.wait_wave(w)
+            self.absorb(results, w.batch, alongside=join)
             formed = join is None or (join.future.done() and join.future.exception() is None)
             attached = [e for e in members if e.active]
             if not self.transport.collective or (formed and len(attached) == len(members)):
                 members = attached
                 break
-            blamed = [e for e in members if not e.active and not _rendezvous_only(e)]
+            blamed = [e for e in members if not _rendezvous_only(e, results.get(e, []))]
             if not blamed or len(blamed) == len(members) or self.deadline.remaining() <= 0:
                 self.teardown(cleanup=False)
                 raise self.first_error or DriverCallError("the transport group did not form", state=state)
@@ -775,13 +775,32 @@ class _Run:
             self.teardown(cleanup=False)
         # failure path of the commit: engines that did not publish or continue are settled now
         state = str(self.machine.state)
-        rest = {e: self.settle_steps(e, state, state, kv_state=state) for e in self.engines}
-        if any(rest.values()):
-            self.wave(rest)
+        self.settle(state, state, cleanup=False)
         if ctx.colocated:
             lacking = [e for e in self.engines if e.state == E.SERVING and "kv_cache" not in e.resumed and e.reachable]
             if lacking:
                 self.wave({e: [Step("resume_memory", state, (["kv_cache"],))] for e in lacking})
+
+    def settle(self, continue_state: str, quarantine_state: str, *, cleanup: bool) -> None:
+        """Continue the clean engines, quarantine the poisoned; an engine that refused its continue
+        is quarantined in a second wave (one that refuses that too is left reported failed)."""
+        plan = {
+            e: self.settle_steps(e, continue_state, quarantine_state, kv_state=continue_state) for e in self.engines
+        }
+        if not any(plan.values()):
+            return
+        self.wave(plan, cleanup=cleanup)
+        reason = f"refit to version {self.version} (run {self.run_id}): it refused to continue"
+        refused = [
+            e for e, steps in plan.items()
+            if steps and e.reachable and e.state in (E.PAUSED, E.FINALIZED, E.PUBLISHED)
+            and any(s.call == "continue_generation" for s in steps)
+        ]  # fmt: skip
+        if refused:
+            if cleanup and self.machine.can(T.QUARANTINE):
+                self.enter(T.QUARANTINE)
+            state = str(self.machine.state)
+            self.wave({e: [Step("quarantine", state, (reason,))] for e in refused}, cleanup=cleanup)
 
     def settle_steps(self, e: _Engine, continue_state: str, quarantine_state: str, *, kv_state: str) -> list[Step]:
         """What an engine that did not (or could not) take the version is owed: a continue if it
@@ -828,9 +847,7 @@ class _Run:
         unpublished = any(e.weights == "changed" and not e.published for e in self.engines)
         if self.connection_dirty or self.broken or unpublished:
             self.teardown(cleanup=True)
-        plan = {e: self.settle_steps(e, "ABORTING", "QUARANTINING", kv_state="ABORTING") for e in self.engines}
-        if any(plan.values()):
-            self.wave(plan, cleanup=True)
+        self.settle("ABORTING", "QUARANTINING", cleanup=True)
         self.enter(T.LATCH)
 
     def end_ranks(self) -> list[Any]:
@@ -874,10 +891,35 @@ class _Run:
         return EngineOutcome(e.name, status, version, len(e.acked), e.attempts, e.error, serving)  # type: ignore[arg-type]
 
 
-def _rendezvous_only(e: _Engine) -> bool:
-    """The engine's attach failed only because the collective group did not form."""
-    cause = getattr(e.exc, "cause", None)
-    return e.reachable and isinstance(cause, EngineError) and cause.kind == "rendezvous"
+def _malformed(results: Any, n: int) -> BaseException | None:
+    """Why a driver's answer for `n` steps breaks the contract, or None."""
+    if not isinstance(results, list) or not results or len(results) > n:
+        got = len(results) if isinstance(results, list) else type(results).__name__
+        return RuntimeError(f"driver returned {got} results for {n} steps")
+    if not all(isinstance(r, StepResult) and r.outcome in ("ok", "error", "timeout") for r in results):
+        return RuntimeError(f"driver returned something other than StepResults: {results!r:.200}")
+    if any(not r.ok for r in results[:-1]):
+        return RuntimeError("driver went on after a failed step")
+    if len(results) < n and results[-1].ok:
+        return RuntimeError(f"driver returned {len(results)} results for {n} steps, none of them failed")
+    return None
+
+
+def _clean(r: StepResult) -> StepResult:
+    """The result with its timing fields made numbers (a driver may leave them out)."""
+    seconds = r.seconds if isinstance(r.seconds, int | float) else 0.0
+    done_at = r.done_at if isinstance(r.done_at, int | float) else None
+    if seconds is r.seconds and done_at is r.done_at:
+        return r
+    return StepResult(r.outcome, r.value, r.error, float(seconds), done_at)
+
+
+def _rendezvous_only(e: _Engine, attach: list[tuple[Step, StepResult]]) -> bool:
+    """This attach went through, or failed only because the collective group did not form."""
+    if not e.reachable or not attach:
+        return False
+    _, res = attach[-1]
+    return res.ok or (isinstance(res.error, EngineError) and res.error.kind == "rendezvous")
 
 
 def disconnect(ctx: RefitContext, *, timeout: float, run: _Run | None = None) -> None:
@@ -885,14 +927,14 @@ def disconnect(ctx: RefitContext, *, timeout: float, run: _Run | None = None) ->
     shared = ctx._shared
     if not ctx.transport.connected and shared.connection_key is None:
         return
-    attached = [d for d in ctx.engines if d.incarnation in shared.attached] if shared.attached else list(ctx.engines)
+    attached = list(ctx.engines)  # every engine: detaching one that is not attached changes nothing
     shared.connection_key, shared.attached = None, set()
     emit = run.emit if run is not None else ctx.recorder.emit
     clock = ctx.clock
     budget = max(timeout, 0.05)
-    pool = ctx.pool()
     futures = [
-        (d, d.run_steps_async([Step("detach", "IDLE")], timeout=budget, executor=pool), clock()) for d in attached
+        (d, d.run_steps_async([Step("detach", "IDLE")], timeout=budget, executor=ctx.lane(d.name)), clock())
+        for d in attached
     ]
     concurrent.futures.wait([f for _, f, _ in futures], timeout=budget + SLACK_S)
     for d, fut, t0 in futures:
@@ -921,12 +963,24 @@ def _first_result(fut: Future[list[StepResult]], budget: float) -> StepResult:
     return results[0] if results else StepResult("error", error=RuntimeError("no result"))
 
 
-def _bounded(fn: Callable[[], Any], pool: concurrent.futures.Executor, budget: float, what: str) -> Any:
-    fut = pool.submit(fn)
+def _bounded(fn: Callable[[], Any], budget: float, what: str) -> Future[Any]:
+    """Run `fn` on a thread of its own (a stuck lock service cannot starve anything else) and wait
+    at most `budget`; raises DeadlineExceeded naming `what`, the future still running."""
+    fut: Future[Any] = Future()
+
+    def call() -> None:
+        try:
+            fut.set_result(fn())
+        except BaseException as exc:
+            fut.set_exception(exc)
+
+    threading.Thread(target=call, name="refit-lock", daemon=True).start()
     try:
-        return fut.result(timeout=max(budget, 0.0))
+        fut.result(timeout=max(budget, 0.0))
     except concurrent.futures.TimeoutError:
-        raise DeadlineExceeded(f"{what} did not return within {budget:.3g}s") from None
+        if not fut.done():
+            raise DeadlineExceeded(f"{what} did not return within {budget:.3g}s", cause=None) from None
+    return fut
 
 
 def run(ctx: RefitContext) -> RefitResult:
@@ -969,12 +1023,17 @@ def _lead(ctx: RefitContext) -> RefitResult:
     lock = ctx.lock
     if lock is None:
         raise RuntimeError("RefitContext has no lock")
-    pool = ctx.pool()
-    lock_budget = min(r.deadline.remaining(), LOCK_TIMEOUT_S)
-    try:
-        holder = _bounded(lambda: lock.holder, pool, lock_budget, "reading the lock holder")
-        acquired = _bounded(lambda: lock.acquire(r.owner), pool, lock_budget, "acquiring the engines' lock")
+    lock_deadline = Deadline(max(min(r.deadline.remaining(), LOCK_TIMEOUT_S), 1e-3), clock=time.monotonic)
+    acquire: Future[Any] | None = None
+    try:  # the two lock calls share one budget
+        holder = _bounded(lambda: lock.holder, lock_deadline.remaining(), "reading the lock holder").result()
+        acquire = _bounded(lambda: lock.acquire(r.owner), lock_deadline.remaining(), "acquiring the engines' lock")
+        acquired = acquire.result()
     except Exception as exc:
+        if acquire is None or not acquire.done():  # a late acquire may still take the lock: give it back
+            late = acquire
+            if late is not None:
+                late.add_done_callback(lambda f: f.exception() is None and f.result() and lock.release(r.owner))
         r.emit("lock", "acquire", owner=r.owner, outcome=outcome_of(exc), error=str(exc))
         r.emit("run", "end", result="lock_error")
         raise r._wrap(exc, "lock.acquire", "IDLE", None, None) from exc
@@ -996,9 +1055,8 @@ def _lead(ctx: RefitContext) -> RefitResult:
         stats = r.end_ranks()
     finally:
         try:
-            released = _bounded(
-                lambda: lock.release(r.owner), pool, max(r.cleanup_deadline.remaining(), LOCK_TIMEOUT_S), "lock release"
-            )
+            budget = min(max(r.cleanup_deadline.remaining(), CLEANUP_FLOOR_S), LOCK_TIMEOUT_S)
+            released = _bounded(lambda: lock.release(r.owner), budget, "lock release").result()
             r.emit("lock", "release", owner=r.owner, outcome="ok" if released else "not_owner", holder=r.owner)
         except Exception as exc:  # recorded; the run's end is still written and the context stays usable
             r.emit("lock", "release", owner=r.owner, outcome=outcome_of(exc), error=f"{type(exc).__name__}: {exc}")

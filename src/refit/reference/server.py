@@ -280,9 +280,17 @@ class EngineServer:
         return self.handle(method, args, kwargs)
 
     def forward(self, method: str, body: bytes) -> None:
+        """Send a request to every TP follower first. A follower that is gone (its socket reads
+        end-of-file: followers never write after start-up) breaks the engine: the head exits, so
+        the driver sees the engine die rather than a stream of errors from a half engine."""
         if self.followers and method not in HEAD_ONLY:
-            for ch in self.followers:
-                ch.send((method, body))
+            for rank, ch in enumerate(self.followers, start=1):
+                try:
+                    if ch.poll(0):
+                        raise EOFError(f"TP rank {rank} closed its channel")
+                    ch.send((method, body))
+                except (EOFError, OSError) as exc:
+                    raise _Killed(f"TP rank {rank} is gone: {exc}") from exc
 
     def _fire(self, fault: tuple[str, float], method: str) -> str:
         kind, seconds = fault
