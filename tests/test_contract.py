@@ -329,8 +329,6 @@ def test_batched_steps_take_two_control_round_trips(trainer, thread_engines, mak
 class Unbatched(ReferenceEngine):
     """A driver whose engine cannot batch: the default runs one engine call per step."""
 
-    batches = False
-
     def run_steps_async(self, steps: Sequence[Step], *, timeout: float, executor: Any) -> Any:
         self.calls = getattr(self, "calls", 0) + len(steps)
         return super(ReferenceEngine, self).run_steps_async(steps, timeout=timeout, executor=executor)

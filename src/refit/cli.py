@@ -43,7 +43,10 @@ def _replay(args: argparse.Namespace) -> int:
     except (OSError, ValueError, KeyError) as exc:
         print(f"refit replay: cannot replay {args.trace}: {exc}", file=sys.stderr)
         return 2
-    print(f"replayed {report.runs} run(s), {report.events} events in {report.seconds:.3f}s: {report.path}")
+    print(
+        f"replayed {report.runs} run(s), {report.events} events in {report.seconds:.3f}s (injected faults are not "
+        f"replayed: their effects are, as recorded outcomes): {report.path}"
+    )
     for i, (rec, rep) in enumerate(zip(report.recorded, report.replayed, strict=False)):
         same = "same" if rec == rep else "DIFFERENT"
         print(f"  run {i + 1}: recorded {rec.state}, replayed {rep.state} ({same})")
@@ -140,7 +143,14 @@ def _diagram(args: argparse.Namespace) -> int:
 
 def _demo(args: argparse.Namespace) -> int:
     from refit.demo import run_demo
+    from refit.protocol.faults import FaultPlan
 
+    if args.fail_at:  # refused now, not after the engines started and the trainer trained
+        try:
+            FaultPlan.parse(args.fail_at, engines=args.engines)
+        except ValueError as exc:
+            print(f"refit demo: --fail-at: {exc}", file=sys.stderr)
+            return 2
     return run_demo(args)
 
 
@@ -170,7 +180,7 @@ def _seconds(text: str) -> float:
 def _demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engines", type=_count(1), default=2, help="reference engines to refit (default 2)")
     p.add_argument("--refits", type=_count(1), default=3, help="refits to run (default 3)")
-    p.add_argument("--steps", type=_count(0), default=20, help="optimizer steps between refits (default 20)")
+    p.add_argument("--steps", type=_count(1), default=20, help="optimizer steps between refits (default 20)")
     p.add_argument("--mode", choices=("colocated", "disaggregated"), default="colocated")
     p.add_argument("--pause-mode", choices=("abort", "retract", "in_place"), default="retract")
     p.add_argument("--bucket-bytes", type=_count(1), default=64 << 10, help="bucket size in bytes (default 64 KiB)")

@@ -95,10 +95,18 @@ def combine(checks: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+LEGEND = (
+    "columns: version published; trainer loss; seconds per phase; rt = control round trips (the first refit also "
+    "connects); buckets; KiB moved; peak KiB = extra trainer memory refit held; tokens = greedy tokens vs the "
+    "trainer's; max|dlogit| = largest logit difference from the trainer; prev = how far the logits moved from the "
+    "previous weights (must be > 1e-3, or the check could not fail); weights = read back bit for bit"
+)
+
+
 def header() -> str:
     h = f"{'refit':>5} {'ver':>3} {'loss':>6} " + " ".join(f"{s:>8}" for s in SHORT)
     h += f" {'total s':>8} {'rt':>2} {'bkts':>4} {'KiB':>6} {'peak KiB':>8}"
-    return h + f" {'tokens':>6} {'max|dlogit|':>11} {'vs prev':>8} {'weights':>7}"
+    return h + f" {'tokens':>6} {'max|dlogit|':>11} {'prev':>8} {'weights':>7}"
 
 
 def row(r: int, result: protocol.RefitResult, loss: float, check: dict[str, Any]) -> str:
@@ -134,6 +142,7 @@ def refit_loop(
     """Train, refit, check, `refits` times; every trainer rank runs it (only the leader checks and
     prints). Returns one summary per refit."""
     say = print if (echo and leader) else (lambda *a, **k: None)
+    say(LEGEND)
     say(header())
     out: list[dict[str, Any]] = []
     for r in range(1, refits + 1):
@@ -149,8 +158,11 @@ def refit_loop(
         spec = (faults or {}).get(r)
         ctx.faults = protocol.FaultPlan.parse(spec) if (spec and leader) else None
         result = protocol.run(ctx)
+        if ctx.faults is not None and ctx.faults.unfired():
+            say(f"      note: the planned fault {spec!r} never fired (no step of this refit matched it)")
         ref = trainer.reference()  # every rank: under FSDP this gathers
         entry: dict[str, Any] = {"refit": r, "loss": loss, **summary(result)}
+        entry["fault_unfired"] = bool(ctx.faults is not None and ctx.faults.unfired())
         if leader:
             updated = [e for e in engines if result.engines[e.name].status == "updated"]
             if updated:
@@ -206,7 +218,10 @@ def summary(result: protocol.RefitResult) -> dict[str, Any]:
     }
 
 
-def verdict(entries: list[dict[str, Any]], refits: int, trace: str | None) -> int:
+def verdict(entries: list[dict[str, Any]], refits: int, trace: str | None, *, unfired: bool = False) -> int:
+    if unfired:
+        print("the planned fault never fired: no step matched it (check its state, engine, bucket and call)")
+        return 1
     if trace:
         print(f"trace: {trace}  (check it: refit check {trace})")
     if len(entries) < refits or not all(e["ok"] for e in entries):
@@ -273,7 +288,7 @@ def run_demo(args: argparse.Namespace) -> int:
         ctx.close()
         for e in engines:
             e.close()
-    return verdict(entries, args.refits, args.trace)
+    return verdict(entries, args.refits, args.trace, unfired=any(e.get("fault_unfired") for e in entries))
 
 
 def _run_ranks(args: argparse.Namespace) -> int:
@@ -300,7 +315,8 @@ def _run_ranks(args: argparse.Namespace) -> int:
         print(f"rank {r['rank']} failed (exit {r.get('exit')}):\n{r.get('stderr', '')}", file=sys.stderr)
     if missing:
         return 1
-    return verdict(reports[0]["refits"], args.refits, args.trace)
+    entries = reports[0]["refits"]
+    return verdict(entries, args.refits, args.trace, unfired=any(e.get("fault_unfired") for e in entries))
 
 
 if __name__ == "__main__":

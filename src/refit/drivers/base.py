@@ -13,8 +13,8 @@ Capabilities are class attributes the runner reads before it starts.
 Engine calls are `Step`s: small records (call, run state, arguments, bucket). A driver runs a list
 of consecutive steps in one call (`run_steps`) and reports one `StepResult` per step, stopping at
 the first failure; the runner records each as its own event in its own state. The default runs
-one engine call per step; a driver whose engine can run them in one round trip overrides
-`run_steps` (and `run_steps_async`, to hand back its own future instead of holding a thread).
+one engine call per step on that engine's ordered lane; a driver whose engine can run them in one
+round trip overrides `run_steps_async` (sending them at once and handing back its own future).
 """
 
 from __future__ import annotations
@@ -328,14 +328,13 @@ class EngineDriver(ABC):
 
     Capabilities (class attributes): `pause_modes` the engine supports; `supports_in_place_pause`
     (it can make in-place-paused requests KV-safe; otherwise the runner refuses `in_place`);
-    `transports` (kinds it can receive); `memory_tags`; `batches` (run_steps is one round trip).
+    `transports` (kinds it can receive); `memory_tags`.
     """
 
     supports_in_place_pause: ClassVar[bool] = False
     pause_modes: ClassVar[frozenset[str]] = frozenset({"abort", "retract"})
     transports: ClassVar[frozenset[str]] = frozenset()
     memory_tags: ClassVar[frozenset[str]] = frozenset({"weights", "kv_cache"})
-    batches: ClassVar[bool] = False
 
     name: str
 

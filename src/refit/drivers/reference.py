@@ -1,6 +1,6 @@
 """Engine driver for the reference engine (`refit.reference`), in processes or on a thread.
 
-The engine runs a wave's consecutive steps in one request (`batches = True`): a refit's control
+The engine runs a wave's consecutive steps in one request (`run_steps_async`): a refit's control
 calls take two round trips. Replies are matched by id on the client's reader thread, so a pending
 call holds no thread here (`run_steps_async` hands back that future). An engine with `tp > 1` is
 one head process plus TP followers; every TP rank receives full tensors from its own part of the
@@ -52,7 +52,6 @@ class ReferenceEngine(EngineDriver):
     supports_in_place_pause = False
     pause_modes = frozenset({"abort", "retract", "in_place"})
     transports = frozenset({"shm", "broadcast"})
-    batches = True
 
     def __init__(self, client: EngineClient) -> None:
         self.client = client

@@ -96,16 +96,33 @@ class FaultPlan:
         return None
 
     @classmethod
-    def parse(cls, spec: str) -> FaultPlan:
-        """'transferring:engine=1:bucket=2[:call=load][:kind=kill]' -> a plan with that one fault."""
+    def parse(cls, spec: str, *, engines: int | None = None) -> FaultPlan:
+        """'transferring:engine=1:bucket=2[:call=load][:kind=kill]' -> a plan with that one fault.
+        Refuses (ValueError) a state that is not an active state of the table, an unknown key or
+        kind, a non-integer or negative engine/bucket, an engine index past `engines`."""
+        from refit.states import ACTIVE_STATES
+
         state, *parts = spec.split(":")
+        if state.upper() not in {str(s) for s in ACTIVE_STATES}:
+            known = ", ".join(str(s).lower() for s in ACTIVE_STATES)
+            raise ValueError(f"fault spec {spec!r}: {state!r} is not a state a fault can fire in ({known})")
         kwargs: dict[str, object] = {}
         for part in parts:
             key, sep, value = part.partition("=")
             if not sep or key not in ("engine", "bucket", "call", "kind"):
                 raise ValueError(f"bad fault spec part {part!r} in {spec!r} (use engine=, bucket=, call=, kind=)")
-            kwargs[key] = int(value) if key in ("engine", "bucket") else value
+            if key in ("engine", "bucket"):
+                if not value.isdigit():
+                    raise ValueError(f"fault spec {spec!r}: {key} must be a non-negative integer, got {value!r}")
+                kwargs[key] = int(value)
+            else:
+                kwargs[key] = value
+        if engines is not None and isinstance(kwargs.get("engine"), int) and kwargs["engine"] >= engines:  # type: ignore[operator]
+            raise ValueError(f"fault spec {spec!r}: engine={kwargs['engine']} but there are {engines} engines")
         return cls().fail_at(state, **kwargs)  # type: ignore[arg-type]
+
+    def unfired(self) -> list[Fault]:
+        return [f for f in self.faults if not f.fired]
 
 
 OnFire = Callable[[Fault, str], None]

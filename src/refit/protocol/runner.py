@@ -5,7 +5,7 @@ How a run proceeds (on the leader; other trainer ranks follow, see `refit.protoc
      done). Read each engine's incarnation (bounded). Every rank reports its tensor metadata; the
      ranks must agree; the transport plans the buckets.
   2. Engine calls go out in *waves*: one call per engine carrying consecutive steps (a driver that
-     can batches them into one round trip) and an optional trainer-side step run at the same time
+     can batch them into one round trip) and an optional trainer-side step run at the same time
      on every rank (a collective transport's join or send). One deadline bounds the whole wave,
      however many engines ignore their timeouts. Steady state takes two control waves:
        [probe, (resume weights), pause, flush, begin]   then the bucket loop   then
