@@ -255,7 +255,8 @@ def test_a_colocated_run_failing_before_pause_gives_back_the_memory_it_took(trai
         assert info["weights_released"] and not info["paused"]  # as it was before the run
         assert result.engines[e.name].status == "unchanged" and not result.engines[e.name].serving
     run = [e for e in ctx.recorder.events if e.get("run") == result.run_id and e["kind"] == "call"]
-    assert [c["event"] for c in run if c.get("engine") == "t0"] == ["probe", "resume_memory", "release_memory"]
+    calls = [c["event"] for c in run if c.get("engine") == "t0" and c["event"] != "detach"]  # the half-made
+    assert calls == ["probe", "resume_memory", "release_memory"]  # connection is torn down too (detach)
     ctx.faults = None
     assert protocol.run(ctx).ok and all(matches(e, trainer) for e in engines)
 

@@ -633,7 +633,7 @@ class _Run:
     def teardown(self, *, cleanup: bool) -> None:
         """Engines detach, every rank disconnects; recorded, bounded, never raises."""
         shared = self.ctx._shared
-        attached = [e for e in self.engines if e.incarnation in shared.attached and e.reachable]
+        attached = [e for e in self.engines if e.reachable]  # detaching one never attached changes nothing
         shared.connection_key, shared.attached = None, set()
         if attached:
             w = self.start_wave({e: [Step("detach", str(self.machine.state))] for e in attached}, cleanup=True)
@@ -963,9 +963,8 @@ def _first_result(fut: Future[list[StepResult]], budget: float) -> StepResult:
     return results[0] if results else StepResult("error", error=RuntimeError("no result"))
 
 
-def _bounded(fn: Callable[[], Any], budget: float, what: str) -> Future[Any]:
-    """Run `fn` on a thread of its own (a stuck lock service cannot starve anything else) and wait
-    at most `budget`; raises DeadlineExceeded naming `what`, the future still running."""
+def _on_thread(fn: Callable[[], Any]) -> Future[Any]:
+    """Run `fn` on a thread of its own (a stuck lock service cannot starve anything else)."""
     fut: Future[Any] = Future()
 
     def call() -> None:
@@ -975,12 +974,17 @@ def _bounded(fn: Callable[[], Any], budget: float, what: str) -> Future[Any]:
             fut.set_exception(exc)
 
     threading.Thread(target=call, name="refit-lock", daemon=True).start()
-    try:
-        fut.result(timeout=max(budget, 0.0))
-    except concurrent.futures.TimeoutError:
-        if not fut.done():
-            raise DeadlineExceeded(f"{what} did not return within {budget:.3g}s", cause=None) from None
     return fut
+
+
+def _within(fut: Future[Any], budget: float, what: str) -> Any:
+    """`fut`'s value, waiting at most `budget`; DeadlineExceeded naming `what` otherwise."""
+    try:
+        return fut.result(timeout=max(budget, 0.0))
+    except concurrent.futures.TimeoutError:
+        if fut.done():
+            raise
+        raise DeadlineExceeded(f"{what} did not return within {budget:.3g}s") from None
 
 
 def run(ctx: RefitContext) -> RefitResult:
@@ -1026,14 +1030,12 @@ def _lead(ctx: RefitContext) -> RefitResult:
     lock_deadline = Deadline(max(min(r.deadline.remaining(), LOCK_TIMEOUT_S), 1e-3), clock=time.monotonic)
     acquire: Future[Any] | None = None
     try:  # the two lock calls share one budget
-        holder = _bounded(lambda: lock.holder, lock_deadline.remaining(), "reading the lock holder").result()
-        acquire = _bounded(lambda: lock.acquire(r.owner), lock_deadline.remaining(), "acquiring the engines' lock")
-        acquired = acquire.result()
+        holder = _within(_on_thread(lambda: lock.holder), lock_deadline.remaining(), "reading the lock holder")
+        acquire = _on_thread(lambda: lock.acquire(r.owner))
+        acquired = _within(acquire, lock_deadline.remaining(), "acquiring the engines' lock")
     except Exception as exc:
-        if acquire is None or not acquire.done():  # a late acquire may still take the lock: give it back
-            late = acquire
-            if late is not None:
-                late.add_done_callback(lambda f: f.exception() is None and f.result() and lock.release(r.owner))
+        if acquire is not None and not acquire.done():  # it may still take the lock: give it back then
+            acquire.add_done_callback(lambda f: f.exception() is None and f.result() and lock.release(r.owner))
         r.emit("lock", "acquire", owner=r.owner, outcome=outcome_of(exc), error=str(exc))
         r.emit("run", "end", result="lock_error")
         raise r._wrap(exc, "lock.acquire", "IDLE", None, None) from exc
@@ -1056,7 +1058,7 @@ def _lead(ctx: RefitContext) -> RefitResult:
     finally:
         try:
             budget = min(max(r.cleanup_deadline.remaining(), CLEANUP_FLOOR_S), LOCK_TIMEOUT_S)
-            released = _bounded(lambda: lock.release(r.owner), budget, "lock release").result()
+            released = _within(_on_thread(lambda: lock.release(r.owner)), budget, "lock release")
             r.emit("lock", "release", owner=r.owner, outcome="ok" if released else "not_owner", holder=r.owner)
         except Exception as exc:  # recorded; the run's end is still written and the context stays usable
             r.emit("lock", "release", owner=r.owner, outcome=outcome_of(exc), error=f"{type(exc).__name__}: {exc}")
