@@ -355,3 +355,133 @@ def test_publish_is_refused_engine_side_without_a_complete_finalized_session(thr
     assert [r.outcome for r in results] == ["ok", "error"]  # the batch stopped at the refused publish
     assert isinstance(results[1].error, EngineError) and results[1].error.kind == "not_ready"
     assert engine.info()["version"] == 0
+
+
+# ---- found by an adversarial review: each was a real failure before its fix -------------------------
+
+
+class LateAcquireLock(LocalLock):
+    """Answers after the run gave up, but does take the lock (a lock actor under load)."""
+
+    slow = True
+
+    def acquire(self, owner: str) -> bool:
+        if self.slow:
+            time.sleep(2.5)
+        return super().acquire(owner)
+
+
+def test_a_lock_taken_after_the_run_gave_up_is_given_back(trainer, thread_engines, make_ctx) -> None:
+    lock = LateAcquireLock()
+    ctx = make_ctx(trainer, thread_engines(2), lock=lock, deadline_s=2.0, cleanup_grace_s=0.5)
+    with pytest.raises(DeadlineExceeded, match="acquiring the engines' lock"):
+        protocol.run(ctx)
+    time.sleep(1.0)  # the late acquire lands, then is released
+    assert lock.holder is None
+    lock.slow = False
+    ctx.deadline_s = 10.0
+    assert protocol.run(ctx).ok
+
+
+class ShortAnswers(ReferenceEngine):
+    """Runs every step but hands back fewer results than steps, none failed (a contract breach)."""
+
+    def run_steps_async(self, steps: Sequence[Step], *, timeout: float, executor: Any) -> Any:
+        fut = super().run_steps_async(steps, timeout=timeout, executor=executor)
+        out: Any = type(fut)()
+        fut.add_done_callback(lambda f: out.set_result(f.result()[:1]) if f.exception() is None else None)
+        return out
+
+
+class NoneAnswers(ReferenceEngine):
+    def run_steps_async(self, steps: Sequence[Step], *, timeout: float, executor: Any) -> Any:
+        fut = super().run_steps_async(steps, timeout=timeout, executor=executor)
+        out: Any = type(fut)()
+        fut.add_done_callback(lambda f: out.set_result([None, *f.result()[1:]]) if f.exception() is None else None)
+        return out
+
+
+@pytest.mark.parametrize("broken", [ShortAnswers, NoneAnswers])
+def test_a_driver_answer_that_breaks_the_contract_never_leaves_an_engine_paused(trainer, broken) -> None:
+    good = ReferenceEngine.in_thread("good", CONFIG, seed=0)
+    bad = broken.in_thread("bad", CONFIG, seed=0)
+    ctx = protocol.RefitContext(TorchSource(trainer), SharedMemoryTransport(), [good, bad], bucket_bytes=64 << 10)
+    try:
+        result = protocol.run(ctx)  # raises InvariantViolation if anything is left unaccounted for
+        assert result.engines["good"].status == "updated" and matches(good, trainer)
+        assert result.engines["bad"].status != "updated"
+        assert not bad.info()["paused"]  # its steps ran: the runner continued it, it serves
+        assert bad.generate(PROMPT, 2)["weight_versions"] == [0, 0]
+    finally:
+        ctx.close()
+        good.close()
+        bad.close()
+
+
+class Jittery(ReferenceEngine):
+    """One call per step, each delayed a little: two buckets' loads in flight could overtake."""
+
+    def run_steps_async(self, steps: Sequence[Step], *, timeout: float, executor: Any) -> Any:
+        return super(ReferenceEngine, self).run_steps_async(steps, timeout=timeout, executor=executor)
+
+    def load(self, payload: Any, *, timeout: float) -> None:
+        time.sleep(0.002 * (payload.manifest.index % 3))
+        super().load(payload, timeout=timeout)
+
+
+def test_calls_to_one_engine_arrive_in_the_order_they_were_made(trainer) -> None:
+    engines = [Jittery.in_thread(f"j{i}", CONFIG, seed=0) for i in range(2)]
+    ctx = protocol.RefitContext(TorchSource(trainer), SharedMemoryTransport(), engines, bucket_bytes=32 << 10)
+    try:
+        for step in range(3):
+            perturbed(trainer, seed=40 + step)
+            assert protocol.run(ctx).ok
+        assert all(matches(e, trainer) for e in engines)
+    finally:
+        ctx.close()
+        for e in engines:
+            e.close()
+
+
+class RefusesContinue(ReferenceEngine):
+    def continue_generation(self, *, timeout: float) -> None:
+        raise EngineError("scheduler_busy", "could not restart the scheduler")
+
+
+def test_an_engine_that_refuses_to_continue_is_quarantined_and_reported(trainer) -> None:
+    good = ReferenceEngine.in_thread("good", CONFIG, seed=0)
+    bad = RefusesContinue.in_thread("bad", CONFIG, seed=0)
+    ctx = protocol.RefitContext(TorchSource(trainer), SharedMemoryTransport(), [good, bad], bucket_bytes=64 << 10)
+    try:
+        result = protocol.run(ctx)  # errors are data: no InvariantViolation
+        assert result.engines["good"].status == "updated"
+        assert result.engines["bad"].status == "quarantined" and bad.info()["quarantined"]
+    finally:
+        ctx.close()
+        good.close()
+        bad.close()
+
+
+class QuietResume(ReferenceEngine):
+    """Reports nothing from resume_memory (as an HTTP call with an empty body would)."""
+
+    def resume_memory(self, tags: Sequence[str], *, timeout: float) -> dict[str, Any]:
+        super().resume_memory(tags, timeout=timeout)
+        return {}
+
+
+def test_weight_memory_not_reported_intact_is_never_served_unpublished(trainer) -> None:
+    engine = QuietResume.in_thread("quiet", CONFIG, seed=0)
+    engine.release_memory(["weights", "kv_cache"])  # no CPU copy: the weights come back as zeros
+    ctx = protocol.RefitContext(
+        TorchSource(trainer), SharedMemoryTransport(), [engine], mode="colocated", bucket_bytes=64 << 10,
+        faults=protocol.FaultPlan().fail_at("transferring", bucket=0, call="pack"),
+    )  # fmt: skip
+    try:
+        result = protocol.run(ctx)
+        assert result.engines["quiet"].status == "quarantined"
+        with pytest.raises(EngineError, match="quarantined"):
+            engine.generate(PROMPT, 2)
+    finally:
+        ctx.close()
+        engine.close()

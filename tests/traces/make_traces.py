@@ -28,7 +28,12 @@ DEMO_TRACES = {
     "kill-on-finalize-no-retry.jsonl": ["--fail-at", "post_processing:engine=1:kind=kill", "--retries", "0"],
     # broadcast: engine 1 dies mid-broadcast; the group is rebuilt without it and engine 0 retried
     "broadcast-kill-reconnect.jsonl": [
-        "--transport", "broadcast", "--mode", "disaggregated", "--fail-at", "transferring:engine=1:bucket=2:kind=kill",
+        "--transport",
+        "broadcast",
+        "--mode",
+        "disaggregated",
+        "--fail-at",
+        "transferring:engine=1:bucket=2:kind=kill",
     ],
 }
 

@@ -956,11 +956,10 @@ def disconnect(ctx: RefitContext, *, timeout: float, run: _Run | None = None) ->
 def _first_result(fut: Future[list[StepResult]], budget: float) -> StepResult:
     if not fut.done():
         return StepResult("timeout", error=TimeoutError(f"no answer within {budget:.3g}s"))
-    exc = fut.exception()
+    exc = fut.exception() or _malformed(fut.result(), 1)
     if exc is not None:
         return StepResult(outcome_of(exc), error=exc)
-    results = fut.result()
-    return results[0] if results else StepResult("error", error=RuntimeError("no result"))
+    return _clean(fut.result()[0])
 
 
 def _on_thread(fn: Callable[[], Any]) -> Future[Any]:
