@@ -19,6 +19,13 @@ def test_the_reference_driver_conforms() -> None:
     check_engine_driver(ReferenceEngine.in_thread, max_examples=30)
 
 
+def test_the_reference_driver_conforms_over_the_broadcast_transport() -> None:
+    """The same kit with the collective transport: a group per connection, rebuilt when a member fails."""
+    from refit.drivers.broadcast import BroadcastTransport
+
+    check_engine_driver(ReferenceEngine.in_thread, max_examples=15, transport=BroadcastTransport)
+
+
 class ForgetsToFlush(ReferenceEngine):
     """Reports the KV flush done without doing it (NeMo RL#4018, miles#2782: stale prefix KV)."""
 
