@@ -83,3 +83,18 @@ def test_unpack_refuses_a_truncated_buffer_and_unknown_dtypes() -> None:
     bad = BucketManifest(0, (TensorEntry(TensorMeta("w", "complex64", (1,)), 0),), 64)
     with pytest.raises(ValueError, match="dtype 'complex64' is not one refit moves"):
         unpack(torch.empty(64, dtype=torch.uint8), bad)
+
+
+def test_copy_digests_over_many_pairs_matches_hashing_each_source() -> None:
+    """One pass over a whole bucket (copy each piece, hash it while in cache) gives each source's
+    own digests in order, bit-exact copies, and refuses a destination of another size."""
+    from refit.drivers.buckets import CHUNK, chunk_digests, copy_digests
+
+    gen = torch.Generator().manual_seed(0)
+    sources = [torch.randn(n, generator=gen) for n in (1, CHUNK // 4 + 3, 3 * CHUNK // 4, 17)]
+    targets = [torch.empty_like(s) for s in sources]
+    got = copy_digests(list(zip(targets, sources, strict=True)))
+    assert got == [d for s in sources for d in chunk_digests(s)]
+    assert all(torch.equal(a, b) for a, b in zip(targets, sources, strict=True))
+    with pytest.raises(ValueError, match="bytes into"):
+        copy_digests([(torch.empty(3), torch.empty(4))])

@@ -186,3 +186,38 @@ def test_tensors_in_a_shared_arena_travel_by_reference(tmp_path: Path) -> None:
     assert torch.equal(got["1.weight"], torch.zeros(8, 16)) and torch.equal(got["0.weight"], model[0].weight)
     t.release(0)
     t.disconnect()
+
+
+def test_digests_taken_before_the_pause_are_dropped_once_the_tensor_changes(tmp_path: Path) -> None:
+    """`prepare` hashes arena tensors before any engine is paused; pack reuses a digest only while
+    the tensor is unwritten (torch's version counter): a weight trained in place after prepare is
+    hashed again, so the checksum always names the bytes the engine reads, never stale ones."""
+    from torch import nn
+
+    from refit.drivers.buckets import checksum
+    from refit.drivers.shm import share_memory
+    from refit.drivers.torch_source import TorchSource
+
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 8))
+    share_memory(model, directory=tmp_path)
+    source = TorchSource(model)
+    assert source.resident
+    t = SharedMemoryTransport(directory=tmp_path)
+    assert t.wants_prepare and not SharedMemoryTransport(directory=tmp_path, checksums=False).wants_prepare
+    plan = t.plan(source.metas(), 1 << 20)
+    rx = SharedMemoryReceiver(_connect(t, plan))
+    for change in (False, True):
+        ((manifest, tensors),) = zip(plan, source.iter_buckets(plan), strict=True)
+        t.prepare(manifest, tensors)
+        assert set(t._digests) == set(manifest.names)  # every arena tensor hashed ahead
+        if change:
+            with torch.no_grad():
+                model[0].weight.mul_(-3.0)  # written after prepare: its early digest is stale
+        ((manifest, tensors),) = zip(plan, source.iter_buckets(plan), strict=True)
+        part = t.pack(manifest, tensors)
+        assert part["xxh3"] == checksum(model.state_dict().items())  # the bytes as they are now
+        payload = t.payloads(manifest, [part], ONE)["e0"]
+        rx.verify(payload, rx.read(payload))  # the receiver's own hash agrees
+        t.release(0)
+        assert not t._digests  # a digest is used once
+    t.disconnect()

@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     bench_p = sub.add_parser("bench", help="measured figures against a floor: control plane, transport")
     bench_p.add_argument("what", choices=("control", "transport"))
     bench_p.add_argument("--engines", type=_count(1), default=8, help="control: engine processes (default 8)")
-    bench_p.add_argument("--refits", type=_count(1), default=None, help="refits to measure (control 100, transport 3)")
+    bench_p.add_argument("--refits", type=_count(1), default=None, help="refits to measure (control 100, transport 6)")
     bench_p.add_argument("--mode", choices=("colocated", "disaggregated"), default="disaggregated")
     bench_p.add_argument("--bucket-mb", type=_count(1), default=64, help="transport: bucket size in MiB (default 64)")
     bench_p.add_argument("--no-checksums", action="store_true", help="transport: turn corruption detection off")
@@ -252,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
     if getattr(args, "func", None) is _bench and args.refits is None:
-        args.refits = 100 if args.what == "control" else 3
+        args.refits = 100 if args.what == "control" else 6
     return int(args.func(args))
 
 

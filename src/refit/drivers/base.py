@@ -170,6 +170,12 @@ class Source(ABC):
 
     kind: ClassVar[str] = "source"
 
+    @property
+    def resident(self) -> bool:
+        """True when iterating the buckets only hands out tensors the trainer already holds (no
+        gather, no conversion): a transport may then look at them before any engine is paused."""
+        return False
+
     def offload(self) -> None:  # noqa: B027 - optional hook, default: nothing to free
         """Free what the colocated engine needs."""
 
@@ -191,7 +197,9 @@ class Transport(ABC):
 
     Lifecycle, per state:
       run start      `plan(metas, bucket_bytes)` (leader): bucket manifests with this wire format's
-                     offsets and alignment; a tensor larger than a bucket travels alone.
+                     offsets and alignment; a tensor larger than a bucket travels alone. With a
+                     resident source, `prepare(manifest, tensors)` on every rank, per bucket,
+                     before any engine is paused (work that needs no engine: digests).
       CONNECTING     `connect(plan, topology, rank)` on every rank: allocate buffers (or open a
                      rendezvous) for this engine set; returns what this rank contributes.
                      `attach_infos(rank_infos, topology)` (leader, pure): one ConnectInfo per
@@ -235,6 +243,15 @@ class Transport(ABC):
 
     def join(self) -> None:  # noqa: B027 - only collective transports rendezvous
         """Enter the group while the engines attach (collective transports)."""
+
+    @property
+    def wants_prepare(self) -> bool:
+        """True when `prepare` has work to do before the engines are paused."""
+        return False
+
+    def prepare(self, manifest: BucketManifest, tensors: LazyTensors) -> None:  # noqa: B027 - optional
+        """At run start, before any engine is paused, with a resident source: precompute what needs
+        no engine (digests of tensors that will travel by reference), to take it out of the stall."""
 
     @abstractmethod
     def pack(self, manifest: BucketManifest, tensors: LazyTensors) -> dict[str, Any] | None: ...

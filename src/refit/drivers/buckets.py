@@ -259,14 +259,31 @@ def _raw(tensor: torch.Tensor) -> Any:
     return t.reshape(-1).view(torch.uint8).numpy()
 
 
-def _spread(n: int, work: Callable[[int, int], list[int]]) -> list[int]:
-    """Run `work(first_chunk, end_chunk)` over `n` chunks split in contiguous runs, one per core
-    (xxhash and numpy's copy release the GIL), and concatenate the digests in order."""
-    chunks = -(-n // CHUNK)
-    if chunks <= 1:
-        return work(0, chunks)
-    parts = min(_workers(), chunks)
-    bounds = [chunks * i // parts for i in range(parts + 1)]
+def _spread(pairs: Sequence[tuple[Any, Any]]) -> list[int]:
+    """xxHash3-64 of every CHUNK-byte piece of each `(dst, src)` pair's `src` bytes, in order; with
+    a `dst`, each piece is first copied there and hashed right after, while it is in cache. All
+    pieces of all pairs are split in contiguous runs, one per core (xxhash and numpy's copy release
+    the GIL), so many small tensors keep every core busy as one large one does."""
+    import numpy as np
+    import xxhash
+
+    pieces = [(i, c) for i, (_, src) in enumerate(pairs) for c in range(0, src.size, CHUNK)]
+
+    def work(a: int, b: int) -> list[int]:
+        out = []
+        for i, c in pieces[a:b]:
+            dst, src = pairs[i]
+            piece = src[c : c + CHUNK]
+            if dst is not None:
+                np.copyto(dst[c : c + CHUNK], piece)
+                piece = dst[c : c + CHUNK]
+            out.append(xxhash.xxh3_64_intdigest(piece))
+        return out
+
+    parts = min(_workers(), len(pieces))
+    if parts <= 1:
+        return work(0, len(pieces))
+    bounds = [len(pieces) * i // parts for i in range(parts + 1)]
     out: list[int] = []
     for digests in _pool().map(work, bounds[:-1], bounds[1:]):
         out.extend(digests)
@@ -275,33 +292,20 @@ def _spread(n: int, work: Callable[[int, int], list[int]]) -> list[int]:
 
 def chunk_digests(tensor: torch.Tensor) -> list[int]:
     """xxHash3-64 of each CHUNK-byte piece of the tensor's raw bytes."""
-    import xxhash
-
-    raw = _raw(tensor)
-    return _spread(
-        raw.size, lambda a, b: [xxhash.xxh3_64_intdigest(raw[c * CHUNK : (c + 1) * CHUNK]) for c in range(a, b)]
-    )
+    return _spread([(None, _raw(tensor))])
 
 
-def copy_digests(dst: torch.Tensor, src: torch.Tensor) -> list[int]:
-    """Copy `src` into the contiguous `dst` piece by piece and hash each piece right after copying
-    it, while it is in cache: the same digests as `chunk_digests(src)` at almost no extra cost."""
-    import numpy as np
-    import xxhash
-
-    d, s = _raw_out(dst), _raw(src)
-    if d.size != s.size:
-        raise ValueError(f"copy of {s.size} bytes into {d.size}")
-
-    def work(a: int, b: int) -> list[int]:
-        out = []
-        for c in range(a, b):
-            piece = d[c * CHUNK : (c + 1) * CHUNK]
-            np.copyto(piece, s[c * CHUNK : (c + 1) * CHUNK])
-            out.append(xxhash.xxh3_64_intdigest(piece))
-        return out
-
-    return _spread(s.size, work)
+def copy_digests(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[int]:
+    """Copy each `src` into its contiguous `dst` piece by piece and hash each piece right after
+    copying it, while it is in cache: the same digests as `chunk_digests(src)` for each pair in
+    turn, at almost no extra cost (one pass over memory for the whole bucket)."""
+    raws = []
+    for dst, src in pairs:
+        d, s = _raw_out(dst), _raw(src)
+        if d.size != s.size:
+            raise ValueError(f"copy of {s.size} bytes into {d.size}")
+        raws.append((d, s))
+    return _spread(raws)
 
 
 def _raw_out(tensor: torch.Tensor) -> Any:
@@ -341,11 +345,13 @@ def pack_into(
     *,
     hash_bytes: bool = False,
     refer: Callable[[TensorMeta, Any], Any] | None = None,
+    known: Callable[[str, Any], list[int] | None] | None = None,
 ) -> Packed:
     """Copy (or gather) the bucket's tensors, taken one at a time, into the uint8 `buffer` at the
     manifest's offsets; `buffer=None` drains (same collectives, nothing kept). `buffer` may be a
     function that hands the buffer out on first need. `refer(meta, tensor)` may name where a tensor
-    already lies in memory the engine can read (zero-copy): it is then not copied. Refuses a
+    already lies in memory the engine can read (zero-copy): it is then not copied (and `known(name,
+    tensor)` may already have its digests). Refuses a
     tensor whose name or shape does not match its manifest entry, naming it."""
     digests: list[int] | None = [] if hash_bytes and buffer is not None else None
     entries = iter(manifest.entries)
@@ -368,7 +374,7 @@ def pack_into(
         refs.append(ref)
         if ref is not None:
             if digests is not None:
-                digests.extend(chunk_digests(tensor))
+                digests.extend((known(name, tensor) if known is not None else None) or chunk_digests(tensor))
             continue
         dtype = torch_dtype(meta.dtype)
         view = None
@@ -378,6 +384,13 @@ def pack_into(
                 if buf.numel() < manifest.nbytes:
                     raise ValueError(f"bucket {manifest.index} needs {manifest.nbytes} bytes, buffer has {buf.numel()}")
             view = buf[entry.offset : entry.offset + meta.nbytes].view(dtype).view(meta.shape)
+        plain = (
+            not hasattr(tensor, "placements") and tensor.device.type == "cpu" and tensor.dtype == dtype
+            and tensor.is_contiguous()
+        )  # fmt: skip
+        if digests is not None and view is not None and plain:
+            digests.extend(copy_digests([(view, tensor)]))  # one pass: each piece hashed while in cache
+            continue
         peak = max(peak, gather_into(view, tensor, dtype))
         if digests is not None and view is not None:
             digests.extend(chunk_digests(view))

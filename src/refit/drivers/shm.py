@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from refit.drivers.base import ConnectInfo, LazyTensors, Payload, Receiver, Topology, Transport
-from refit.drivers.buckets import BucketManifest, itemsize, pack_into, slot_bytes, torch_dtype, unpack
+from refit.drivers.buckets import BucketManifest, chunk_digests, itemsize, pack_into, slot_bytes, torch_dtype, unpack
 
 if TYPE_CHECKING:
     import torch
@@ -57,6 +57,11 @@ def leaked_segments(directory: Path | None = None, pid: int | None = None) -> li
     d = directory or _default_dir()
     stem = f"{PREFIX}{pid}-" if pid is not None else PREFIX
     return sorted(p for p in d.glob(f"{stem}*") if p.is_file())
+
+
+def _identity(tensor: Any) -> tuple[int, int]:
+    """Where a tensor lies and how many times it was written in place (torch's version counter)."""
+    return int(tensor.data_ptr()), int(tensor._version)
 
 
 def _unlink_all(paths: Sequence[str]) -> None:
@@ -158,6 +163,7 @@ class SharedMemoryTransport(Transport):
         self.checksums = checksums
         self.zero_copy = zero_copy
         self._arenas: list[_Arena] = []  # the arenas the engines map (known at connect)
+        self._digests: dict[str, tuple[tuple[int, int], list[int]]] = {}  # name -> (identity, digests) from prepare
         self.directory = Path(directory) if directory else _default_dir()
         self.temp_bytes = 0
         self._feeds = False
@@ -241,8 +247,9 @@ class SharedMemoryTransport(Transport):
 
         try:
             packed = pack_into(
-                take_buffer, manifest, tensors, hash_bytes=self.checksums, refer=self._refer if self._arenas else None
-            )
+                take_buffer, manifest, tensors, hash_bytes=self.checksums,
+                refer=self._refer if self._arenas else None, known=self._known,
+            )  # fmt: skip
         except BaseException:
             if manifest.index in self._busy or manifest.index in self._own:  # give back what it took
                 self.release(manifest.index)
@@ -254,9 +261,29 @@ class SharedMemoryTransport(Transport):
             part["xxh3"] = packed.checksum
         return part
 
+    @property
+    def wants_prepare(self) -> bool:
+        return self.zero_copy and self.checksums and bool(_live_arenas())
+
+    def prepare(self, manifest: BucketManifest, tensors: LazyTensors) -> None:
+        """Hash, before the engines are paused, the tensors that lie in an arena (they will travel
+        by reference): a digest is reused while the tensor is not written again (its version)."""
+        arenas = _live_arenas()
+        for (name, tensor), entry in zip(tensors, manifest.entries, strict=False):
+            if self._eligible(entry.meta, tensor) and any(a.offset_of(tensor) is not None for a in arenas):
+                self._digests[name] = (_identity(tensor), chunk_digests(tensor))
+
+    def _known(self, name: str, tensor: Any) -> list[int] | None:
+        hit = self._digests.pop(name, None)
+        return hit[1] if hit is not None and hit[0] == _identity(tensor) else None
+
+    @staticmethod
+    def _eligible(meta: Any, tensor: Any) -> bool:
+        return not hasattr(tensor, "placements") and tensor.is_contiguous() and tensor.dtype == torch_dtype(meta.dtype)
+
     def _refer(self, meta: Any, tensor: Any) -> list[int] | None:
         """[arena index, byte offset] of a tensor that lies, unchanged in form, in a mapped arena."""
-        if hasattr(tensor, "placements") or not tensor.is_contiguous() or tensor.dtype != torch_dtype(meta.dtype):
+        if not self._eligible(meta, tensor):
             return None
         for i, arena in enumerate(self._arenas):
             offset = arena.offset_of(tensor)

@@ -66,6 +66,11 @@ class TorchSource(Source):
     def _out_dtype(self, tensor: torch.Tensor) -> torch.dtype:
         return self._dtype if self._dtype is not None and tensor.is_floating_point() else tensor.dtype
 
+    @property
+    def resident(self) -> bool:
+        """Plain tensors are the trainer's own (nothing to gather); a DTensor is not."""
+        return not any(hasattr(t, "placements") for _, t in self._named())
+
     def metas(self) -> list[TensorMeta]:
         return [
             TensorMeta(name, dtype_name(self._out_dtype(t)), tuple(int(d) for d in t.shape))

@@ -109,6 +109,19 @@ class Participant:
     def metas(self) -> list[TensorMeta]:
         return self.source.metas()
 
+    def prepare(self, plan: Sequence[BucketManifest]) -> None:
+        """Before any engine is paused: let the transport look at a resident source's tensors."""
+        if not (self.source.resident and self.transport.wants_prepare):
+            return
+        stream = iter(self.source.iter_buckets(plan))
+        try:
+            for manifest, tensors in zip(plan, stream, strict=False):
+                self.transport.prepare(manifest, tensors)
+        finally:
+            close = getattr(stream, "close", None)
+            if close is not None:
+                close()
+
     def offload(self) -> None:
         self.source.offload()
 

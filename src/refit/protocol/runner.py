@@ -548,6 +548,8 @@ class _Run:
             "plan", "buckets", buckets=len(self.plan), nbytes=sum(m.nbytes for m in self.plan), tensors=len(metas),
             manifests=[m.summary() for m in self.plan],
         )  # fmt: skip
+        if self.transport.wants_prepare:  # work that needs no engine, done before any is paused
+            self.rank_call(RankStep("prepare", "IDLE", (self.plan,)))
 
     def read_incarnations(self) -> None:
         """Each engine's incarnation (a restarted engine is reconnected and fully refit), bounded."""

@@ -385,11 +385,11 @@ class EngineCore:
             raise
         digests: list[int] = []
         with torch.no_grad():
-            for name, tensor in tensors:
-                if expected is None:
+            if expected is None:
+                for name, tensor in tensors:
                     self._write(name, tensor)
-                else:
-                    digests.extend(copy_digests(self._target(name), tensor))
+            else:
+                digests = copy_digests([(self._target(name), tensor) for name, tensor in tensors])
         assert self.session is not None
         self.weights_epoch += 1
         self.dirty = True
