@@ -268,6 +268,8 @@ class SharedMemoryTransport(Transport):
     def prepare(self, manifest: BucketManifest, tensors: LazyTensors) -> None:
         """Hash, before the engines are paused, the tensors that lie in an arena (they will travel
         by reference): a digest is reused while the tensor is not written again (its version)."""
+        if manifest.index == 0:  # a new run: nothing kept from one that stopped before packing
+            self._digests.clear()
         arenas = _live_arenas()
         for (name, tensor), entry in zip(tensors, manifest.entries, strict=False):
             if self._eligible(entry.meta, tensor) and any(a.offset_of(tensor) is not None for a in arenas):
@@ -336,6 +338,7 @@ class SharedMemoryTransport(Transport):
             self._finalizer = None
         self._buffers, self._paths, self._busy, self._own, self._all_paths = [], [], [], {}, []
         self._arenas = []
+        self._digests.clear()
 
 
 class SharedMemoryReceiver(Receiver):
