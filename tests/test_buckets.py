@@ -98,3 +98,7 @@ def test_copy_digests_over_many_pairs_matches_hashing_each_source() -> None:
     assert all(torch.equal(a, b) for a, b in zip(targets, sources, strict=True))
     with pytest.raises(ValueError, match="bytes into"):
         copy_digests([(torch.empty(3), torch.empty(4))])
+    tied = torch.empty(2 * CHUNK // 4)  # one target named twice (tied weights) would end a mix of both
+    with pytest.raises(ValueError, match="overlap"):
+        copy_digests([(tied, sources[2][: tied.numel()]), (tied[1:], sources[2][1 : tied.numel()])])
+    assert copy_digests([(torch.empty(0), torch.empty(0)), (torch.empty(0), torch.empty(0))]) == []

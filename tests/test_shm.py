@@ -221,3 +221,105 @@ def test_digests_taken_before_the_pause_are_dropped_once_the_tensor_changes(tmp_
         t.release(0)
         assert not t._digests  # a digest is used once
     t.disconnect()
+
+
+def test_a_write_the_version_counter_misses_fails_loudly_and_the_retry_hashes_anew(tmp_path: Path) -> None:
+    """Writes through `.data` (or numpy views, or CPU fused Adam) do not bump torch's version
+    counter, so a digest taken by prepare goes stale unseen. The real engine's verify catches it
+    (`corrupted`, naming a write during the refit as a cause), and the in-run retry hashes every
+    bucket anew rather than reusing the other stale digests: the run ends with the trainer's
+    current bytes, bit-exact, nothing published over mixed weights."""
+    from refit import protocol
+    from refit.drivers.reference import ReferenceEngine
+    from refit.drivers.shm import share_memory
+    from refit.drivers.torch_source import TorchSource
+    from refit.reference.model import TinyLlama
+    from refit.trace import load_trace
+
+    from .conftest import CONFIG, SMALL_BUCKET, perturbed
+
+    trace = tmp_path / "trace.jsonl"
+
+    def load_errors(result: protocol.RefitResult) -> list[str]:
+        _, events, _ = load_trace(trace)
+        return [
+            e["error"] for e in events
+            if e.get("run") == result.run_id and e.get("event") == "load" and e.get("outcome") == "error"
+        ]  # fmt: skip
+
+    model = TinyLlama(CONFIG, seed=0)
+    share_memory(model, directory=tmp_path)
+    transport = SharedMemoryTransport(directory=tmp_path)
+    pack = transport.pack
+    writes: list[int] = []
+
+    def write_behind_the_counter_then_pack(manifest, tensors):  # the trainer writes during the run
+        if not writes:  # after prepare hashed every bucket, before the first pack
+            for p in model.parameters():
+                p.data.mul_(-1.0)  # .data: torch's version counter does not move
+            writes.append(manifest.index)
+        return pack(manifest, tensors)
+
+    transport.pack = write_behind_the_counter_then_pack  # type: ignore[method-assign]
+    engine = ReferenceEngine.spawn("stale", CONFIG, seed=1)
+    ctx = protocol.RefitContext(
+        TorchSource(model), transport, [engine], mode="disaggregated", bucket_bytes=SMALL_BUCKET, retries=1,
+        trace=str(trace),
+    )  # fmt: skip
+    try:
+        perturbed(model, 1)
+        first = protocol.run(ctx)
+        assert first.ok and writes == [0], first.error
+        errors = load_errors(first)
+        assert errors and "corrupted" in errors[0] and "written during the refit" in errors[0]  # caught, not loaded
+        state = engine.state_dict(timeout=30)
+        assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())  # current bytes, every bucket
+        writes.clear()
+        writes.append(-1)  # no more writes: the next run reuses prepared digests and loads clean
+        perturbed(model, 2)
+        second = protocol.run(ctx).raise_for_error()
+        assert not load_errors(second)
+        state = engine.state_dict(timeout=30)
+        assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+    finally:
+        ctx.close()
+        engine.close()
+
+
+def test_connect_keeps_the_digests_prepare_took(tmp_path: Path) -> None:
+    """prepare runs before connect; connect's own cleanup must not throw its work away."""
+    from torch import nn
+
+    from refit.drivers.shm import share_memory
+    from refit.drivers.torch_source import TorchSource
+
+    model = nn.Linear(32, 32)
+    share_memory(model, directory=tmp_path)
+    source = TorchSource(model)
+    t = SharedMemoryTransport(directory=tmp_path)
+    plan = t.plan(source.metas(), 1 << 20)
+    ((manifest, tensors),) = zip(plan, source.iter_buckets(plan), strict=True)
+    t.prepare(manifest, tensors)
+    _connect(t, plan)
+    assert set(t._digests) == {"weight", "bias"}
+    t.disconnect()
+    assert not t._digests
+
+
+def test_only_a_plain_module_or_state_dict_is_resident() -> None:
+    """prepare looks at a source before the pause only when that costs no gather: a callable source
+    (it may gather, and is documented as called once per refit) and a cast are not resident."""
+    from torch import nn
+
+    from refit.drivers.torch_source import TorchSource
+
+    model = nn.Linear(4, 4)
+    calls: list[int] = []
+
+    def gathered() -> dict[str, torch.Tensor]:
+        calls.append(1)
+        return model.state_dict()
+
+    assert TorchSource(model).resident and TorchSource(model.state_dict()).resident
+    assert not TorchSource(gathered).resident and not calls
+    assert not TorchSource(model, dtype=torch.bfloat16).resident

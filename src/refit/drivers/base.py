@@ -173,7 +173,8 @@ class Source(ABC):
     @property
     def resident(self) -> bool:
         """True when iterating the buckets only hands out tensors the trainer already holds (no
-        gather, no conversion): a transport may then look at them before any engine is paused."""
+        gather, no conversion): a transport may then look at them before any engine is paused.
+        Must be cheap and make no collective (ranks may answer it a different number of times)."""
         return False
 
     def offload(self) -> None:  # noqa: B027 - optional hook, default: nothing to free
@@ -309,7 +310,10 @@ class Receiver(ABC):
 
         want = self.expected(payload)
         if want is not None and checksum(tensors) != want:
-            raise ValueError(f"bucket {payload.manifest.index}: checksum mismatch, the bytes changed in transit")
+            raise ValueError(
+                f"bucket {payload.manifest.index}: checksum mismatch, the bytes changed after the sender hashed them "
+                "(in transit, or written during the refit)"
+            )
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Detach from the transport's buffers."""

@@ -12,6 +12,7 @@ each tensor in 4 MiB pieces on several cores at once. Torch is imported lazily.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -298,13 +299,18 @@ def chunk_digests(tensor: torch.Tensor) -> list[int]:
 def copy_digests(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[int]:
     """Copy each `src` into its contiguous `dst` piece by piece and hash each piece right after
     copying it, while it is in cache: the same digests as `chunk_digests(src)` for each pair in
-    turn, at almost no extra cost (one pass over memory for the whole bucket)."""
+    turn, at almost no extra cost (one pass over memory for the whole bucket). Destinations must not
+    overlap (tied weights): the pieces are copied in parallel, so a shared target would end mixed."""
     raws = []
     for dst, src in pairs:
         d, s = _raw_out(dst), _raw(src)
         if d.size != s.size:
             raise ValueError(f"copy of {s.size} bytes into {d.size}")
         raws.append((d, s))
+    starts = [int(dst.data_ptr()) for dst, _ in pairs]
+    spans = sorted((p, p + d.size) for p, (d, _) in zip(starts, raws, strict=True) if d.size)
+    if any(b[0] < a[1] for a, b in itertools.pairwise(spans)):
+        raise ValueError("copy_digests: two destinations overlap (the pieces are copied in parallel)")
     return _spread(raws)
 
 

@@ -164,6 +164,7 @@ class SharedMemoryTransport(Transport):
         self.zero_copy = zero_copy
         self._arenas: list[_Arena] = []  # the arenas the engines map (known at connect)
         self._digests: dict[str, tuple[tuple[int, int], list[int]]] = {}  # name -> (identity, digests) from prepare
+        self._packed: set[int] = set()  # buckets packed since the last prepare: a repack is a retry
         self.directory = Path(directory) if directory else _default_dir()
         self.temp_bytes = 0
         self._feeds = False
@@ -185,7 +186,9 @@ class SharedMemoryTransport(Transport):
         return len(self._buffers) * self._slot_bytes + sum(int(t.numel()) for _, t in self._own.values())
 
     def connect(self, plan: Sequence[BucketManifest], topology: Topology, rank: int) -> dict[str, Any]:
+        kept = self._digests  # prepare ran before this connect: its digests still hold
         self.disconnect()
+        self._digests = kept
         self._token = secrets.token_hex(4)
         self._finalizer = weakref.finalize(self, _unlink_all, self._all_paths)
         self._feeds = self.feeds(topology, rank)
@@ -226,6 +229,9 @@ class SharedMemoryTransport(Transport):
         if not self._feeds:  # this rank feeds no engine: it makes the same gathers and keeps nothing
             self.temp_bytes = pack_into(None, manifest, tensors).temp_bytes
             return None
+        if manifest.index in self._packed:  # a retry: the source may have been written since, hash anew
+            self._digests = {}
+        self._packed.add(manifest.index)
         part: dict[str, Any] = {}
 
         def take_buffer() -> torch.Tensor:  # only once a tensor of the bucket has to be copied
@@ -267,9 +273,13 @@ class SharedMemoryTransport(Transport):
 
     def prepare(self, manifest: BucketManifest, tensors: LazyTensors) -> None:
         """Hash, before the engines are paused, the tensors that lie in an arena (they will travel
-        by reference): a digest is reused while the tensor is not written again (its version)."""
+        by reference). Pack reuses a digest once, on the first attempt only, and only while the
+        tensor's storage and torch version counter are unchanged. A write that bypasses the counter
+        (`p.data.copy_`, numpy views, CPU fused Adam) during a refit leaves a stale digest: the
+        engine's verify then fails that bucket as corrupted and the retry hashes anew; wrong bytes
+        are never loaded silently."""
         if manifest.index == 0:  # a new run: nothing kept from one that stopped before packing
-            self._digests.clear()
+            self._digests, self._packed = {}, set()
         arenas = _live_arenas()
         for (name, tensor), entry in zip(tensors, manifest.entries, strict=False):
             if self._eligible(entry.meta, tensor) and any(a.offset_of(tensor) is not None for a in arenas):
@@ -338,7 +348,7 @@ class SharedMemoryTransport(Transport):
             self._finalizer = None
         self._buffers, self._paths, self._busy, self._own, self._all_paths = [], [], [], {}, []
         self._arenas = []
-        self._digests.clear()
+        self._digests = {}
 
 
 class SharedMemoryReceiver(Receiver):

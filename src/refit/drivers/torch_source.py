@@ -68,7 +68,12 @@ class TorchSource(Source):
 
     @property
     def resident(self) -> bool:
-        """Plain tensors are the trainer's own (nothing to gather); a DTensor is not."""
+        """Plain tensors of a module or state dict, handed out as they are, are the trainer's own. A
+        callable (it may gather, and is called once per refit), a cast or a DTensor is not."""
+        from torch import nn
+
+        if self._dtype is not None or (callable(self._model) and not isinstance(self._model, nn.Module)):
+            return False
         return not any(hasattr(t, "placements") for _, t in self._named())
 
     def metas(self) -> list[TensorMeta]:

@@ -111,7 +111,7 @@ class Participant:
 
     def prepare(self, plan: Sequence[BucketManifest]) -> None:
         """Before any engine is paused: let the transport look at a resident source's tensors."""
-        if not (self.source.resident and self.transport.wants_prepare):
+        if not (self.transport.wants_prepare and self.source.resident):
             return
         stream = iter(self.source.iter_buckets(plan))
         try:

@@ -395,7 +395,11 @@ class EngineCore:
         self.dirty = True
         if expected is not None and combine(digests) != expected:
             self.break_session(f"bucket {manifest.index} failed its checksum")
-            raise EngineError("corrupted", f"bucket {manifest.index}: checksum mismatch, the bytes changed in transit")
+            raise EngineError(
+                "corrupted",
+                f"bucket {manifest.index}: checksum mismatch, the bytes changed after the sender hashed them "
+                "(in transit, or written during the refit)",
+            )
         self.session.loaded.add(manifest.index)
 
     def _target(self, hf_name: str) -> torch.Tensor:
