@@ -156,8 +156,11 @@ def test_a_partial_transfer_is_quarantined_not_served(procs: list[ReferenceEngin
 def test_in_flight_requests_across_a_refit(procs: list[ReferenceEngine], make_ctx, pause_mode: str) -> None:
     model = perturbed(TinyLlama(CONFIG, seed=0), seed=14)
     ctx = make_ctx(model, procs, mode="disaggregated", pause_mode=pause_mode)
+    assert protocol.run(ctx).ok  # connected first, so the refit under test reaches its pause promptly
+    model = perturbed(model, seed=140)
     old_version = ctx.published_version
-    futures = [e.submit(PROMPT, 150) for e in procs]
+    n = CONFIG.max_seq_len - len(PROMPT)  # as long as the engine allows: still running at the pause
+    futures = [e.submit(PROMPT, n) for e in procs]
     time.sleep(0.05)  # let them start generating
     result = protocol.run(ctx)
     assert result.ok
@@ -170,7 +173,7 @@ def test_in_flight_requests_across_a_refit(procs: list[ReferenceEngine], make_ct
             switch = out["weight_versions"].index(result.version)
             assert set(out["weight_versions"][:switch]) == {old_version}
             assert out["stale_kv_tokens"] == 0
-            assert out["output"][switch:] == greedy(model, PROMPT + out["output"][:switch], 150 - switch)
+            assert out["output"][switch:] == greedy(model, PROMPT + out["output"][:switch], n - switch)
 
 
 def test_a_dead_engine_fails_the_run_fast_and_cleanly(make_ctx) -> None:
