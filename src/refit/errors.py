@@ -91,6 +91,15 @@ class DeadlineExceeded(DriverCallError):
     """A driver call (or lock wait) did not finish inside the run's deadline. Its effect is unknown."""
 
 
+class LateAnswer(DriverCallError):
+    """A driver answered after the budget it was given: it ignores its `timeout`, a driver bug.
+    Its answer is not trusted (the effect of the call is unknown) and the trace marks it `late`."""
+
+    @property
+    def no_effect(self) -> bool:
+        return False
+
+
 class InvariantViolation(RefitError):
     """A refit invariant failed on the run's own events: the protocol or a driver is broken."""
 

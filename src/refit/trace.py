@@ -125,27 +125,104 @@ class TraceRecorder:
             self._file.close()
 
 
+class NotATrace(ValueError):
+    """The file is not a refit trace (empty, header only, binary, not JSON lines, or lines of the
+    wrong shape); the message names the reason and, where there is one, the line number."""
+
+
+_NUMBER = (int, float)
+_FIELD_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
+    "seq": ((int,), "an integer"),
+    "t": (_NUMBER, "a number"),
+    "kind": ((str,), "a string"),
+    "event": ((str,), "a string"),
+    "run": ((str,), "a string"),
+    "state": ((str,), "a string"),
+    "engine": ((str,), "a string"),
+    "side": ((str,), "a string"),
+    "outcome": ((str,), "a string"),
+    "owner": ((str,), "a string"),
+    "bucket": ((int,), "an integer"),
+    "version": ((int,), "an integer"),
+    "previous_version": ((int,), "an integer"),
+    "published": ((int,), "an integer"),
+    "attempt": ((int,), "an integer"),
+    "batch": ((int,), "an integer"),
+    "buckets": ((int,), "an integer"),
+    "duration_s": (_NUMBER, "a number"),
+    "budget_s": (_NUMBER, "a number"),
+    "deadline_s": (_NUMBER, "a number"),
+    "cleanup_grace_s": (_NUMBER, "a number"),
+    "engines": ((list,), "a list"),
+    "engine_outcomes": ((dict,), "an object"),
+    "result": ((dict, str), "an object"),
+}
+_REQUIRED = ("seq", "t", "kind", "event")
+_JSON_TYPE = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean"}
+
+
+def _check_line(record: Any, n: int) -> dict[str, Any]:
+    """The line's record, or NotATrace naming line `n` and the field that is wrong."""
+    if not isinstance(record, dict):
+        what = "null" if record is None else _JSON_TYPE.get(type(record), type(record).__name__)
+        raise NotATrace(f"line {n} is {what}, not a JSON object (an event)")
+    for key in _REQUIRED:
+        if key not in record:
+            raise NotATrace(f"line {n} has no {key!r} field: not a trace event")
+    for key, value in record.items():
+        spec = _FIELD_TYPES.get(key)
+        if spec is None or value is None:
+            continue
+        types, name = spec
+        if isinstance(value, bool) or not isinstance(value, types):
+            raise NotATrace(f"line {n}: field {key!r} is {json.dumps(value)[:40]}, expected {name}")
+    return record
+
+
 def load_trace(path: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]], bool]:
-    """(header, events, torn) from a JSONL trace; `torn` is True when the last line was cut mid-way."""
+    """(header, events, torn) from a JSONL trace; `torn` is True when the last line was cut mid-way.
+
+    Raises NotATrace when the file cannot be a refit trace: empty, not UTF-8 text, a first line
+    that is not a trace header, a header and nothing else, a line (other than a torn last one)
+    that is not JSON, not a JSON object, or has a field of the wrong type. A second header inside
+    the file is kept as an event: `refit check` reports it as tampering."""
+    raw = Path(path).read_bytes()
+    if not raw.strip():
+        raise NotATrace("the file is empty")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise NotATrace(f"the file is not UTF-8 text (binary?): byte {exc.start} is {raw[exc.start]:#04x}") from None
+    if "\x00" in text:
+        raise NotATrace("the file contains NUL bytes (binary?)")
+    lines = text.split("\n")
+    last = max(i for i, line in enumerate(lines) if line.strip())
     header: dict[str, Any] = {}
     events: list[dict[str, Any]] = []
     torn = False
-    with Path(path).open(encoding="utf-8") as fh:
-        lines = fh.read().split("\n")
     for i, line in enumerate(lines):
         if not line.strip():
             continue
         try:
             record = json.loads(line)
         except json.JSONDecodeError:
-            if i >= len(lines) - 2:  # only the last line may be torn
+            if i == last and header:  # only the last line may be torn (the job died writing it)
                 torn = True
                 break
-            raise ValueError(f"{path}: line {i + 1} is not JSON") from None
-        if record.get("kind") == "header" and not header and not events:
+            raise NotATrace(f"line {i + 1} is not JSON: {line[:60]!r}") from None
+        if not header:
+            if not (isinstance(record, dict) and record.get("kind") == "header" and record.get("event") == "trace"):
+                raise NotATrace(f"line {i + 1} is not a refit trace header (kind 'header', event 'trace')")
+            if record.get("schema") != SCHEMA:
+                raise NotATrace(f"line {i + 1}: trace schema {record.get('schema')!r}, this refit reads {SCHEMA}")
             header = record
-        else:
-            events.append(record)
+            continue
+        if isinstance(record, dict) and record.get("kind") == "header":
+            events.append(record)  # a second header: tampering, for `refit check` to report
+            continue
+        events.append(_check_line(record, i + 1))
+    if not events:
+        raise NotATrace("it has a header but no events" + (" (its only event line is cut off)" if torn else ""))
     return header, events, torn
 
 
@@ -165,4 +242,4 @@ def write_events(path: str | Path, header: dict[str, Any], events: Iterable[dict
             fh.write(json.dumps(record, default=str) + "\n")
 
 
-__all__ = ["SCHEMA", "TraceRecorder", "load_trace", "runs", "write_events"]
+__all__ = ["SCHEMA", "NotATrace", "TraceRecorder", "load_trace", "runs", "write_events"]

@@ -38,28 +38,20 @@ loads and finalizes again.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
-Event = dict[str, Any]
+from refit.invariants._core import Event, Violation
+from refit.invariants.integrity import (
+    check_budgets,
+    check_outcomes,
+    check_run_membership,
+    check_sequence,
+    check_states,
+    check_versions_across_runs,
+)
 
 DEADLINE_SLACK_S = 1.0  # scheduling noise allowed past deadline + grace
 POST_COMMIT_STATES = ("CONTINUING", "RESTORING")
-
-
-@dataclass(frozen=True)
-class Violation:
-    invariant: str
-    message: str
-    seq: int | None = None
-    run: str | None = None
-
-    def __str__(self) -> str:
-        if self.seq is not None:
-            where = f" (run {self.run}, event seq {self.seq})"
-        else:
-            where = f" (run {self.run})" if self.run else ""
-        return f"{self.invariant}: {self.message}{where}"
 
 
 def _calls(
@@ -348,8 +340,8 @@ def check_complete(events: Sequence[Event]) -> list[Violation]:
 
 
 RUN_CHECKS = (
-    check_complete, check_lock, check_version, check_finalize_once, check_pause_continue, check_kv_fresh,
-    check_paired, check_deadline,
+    check_complete, check_states, check_lock, check_version, check_finalize_once, check_pause_continue,
+    check_kv_fresh, check_paired, check_deadline, check_budgets, check_outcomes,
 )  # fmt: skip
 
 
@@ -361,16 +353,31 @@ def check_run(events: Sequence[Event]) -> list[Violation]:
 # ---- whole-trace invariants -------------------------------------------------------------------------
 
 
-def check_trace(events: Sequence[Event], *, torn: bool = False, open_ok: bool = False) -> list[Violation]:
-    """Per-run invariants for every run, then what spans runs: versions, lock, connections, completeness.
-    `open_ok`: the trace is still being written (a live check between runs): no end line required."""
-    out: list[Violation] = []
+def check_trace(
+    events: Sequence[Event],
+    *,
+    torn: bool = False,
+    open_ok: bool = False,
+    header: dict[str, Any] | None = None,
+    whole: bool = False,
+) -> list[Violation]:
+    """The trace's integrity, per-run invariants for every run, then what spans runs: versions,
+    lock, connections, completeness. `open_ok`: the trace is still being written (a live check
+    between runs): no end line required. `whole`: `events` are a whole file from its first event
+    (`header` its header line), not a window of a live recorder: sequence numbers start at 0 and
+    every run's start is in view."""
+    out: list[Violation] = check_sequence(events, whole=whole)
     by_run: dict[str, list[Event]] = {}
     for e in events:
         if e.get("run") is not None:
             by_run.setdefault(e["run"], []).append(e)
+    if whole:
+        out.extend(check_run_membership(events))
+    else:  # a window: runs whose start scrolled out of it are not judged
+        by_run = {k: v for k, v in by_run.items() if (v[0].get("kind"), v[0].get("event")) == ("run", "start")}
     for run_events in by_run.values():
         out.extend(check_run(run_events))
+    out.extend(check_versions_across_runs(header if whole else None, list(by_run.values())))
 
     last: int | None = None
     for run_events in by_run.values():
@@ -499,16 +506,22 @@ __all__ = [
     "RUN_CHECKS",
     "Violation",
     "check_acks",
+    "check_budgets",
     "check_complete",
     "check_deadline",
     "check_engine_audit",
     "check_finalize_once",
     "check_kv_fresh",
     "check_lock",
+    "check_outcomes",
     "check_paired",
     "check_pause_continue",
     "check_run",
+    "check_run_membership",
+    "check_sequence",
+    "check_states",
     "check_trace",
     "check_version",
+    "check_versions_across_runs",
     "commit_gate",
 ]

@@ -54,10 +54,12 @@ from refit.errors import (
     EngineDied,
     EngineError,
     InvariantViolation,
+    LateAnswer,
     NoTimeLeft,
     RefitBusyError,
     RefitError,
 )
+from refit.invariants.integrity import LATE_TOLERANCE_S
 from refit.protocol.context import EngineOutcome, RefitContext, RefitResult
 from refit.protocol.deadline import Deadline
 from refit.protocol.faults import FaultyEngine, FaultyRanks
@@ -195,6 +197,8 @@ class _Run:
         self.batches = itertools.count()
         self.ahead: list[str] = []  # engines whose probe found them at or past the target version
         self.ranks_stuck = False  # a trainer-side step did not answer in time this run
+        self.budgets: dict[int, float] = {}  # batch -> the budget its engine calls were given
+        self.answered: dict[int, float] = {}  # id(future) -> when it completed (time.monotonic)
 
     # ---- recording ---------------------------------------------------------------------------
 
@@ -236,6 +240,12 @@ class _Run:
     def record_step(self, e: _Engine, step: Step, res: StepResult, batch: int, state: str | None = None) -> None:
         err = res.error
         extra: dict[str, Any] = {"result": res.value} if isinstance(res.value, dict) else {}
+        if step.call in ("resume_memory", "release_memory") and step.args:
+            extra["tags"] = list(step.args[0])
+        if batch in self.budgets:
+            extra["budget_s"] = round(self.budgets[batch], 6)
+        if isinstance(err, LateAnswer):
+            extra["late"] = True  # the driver ignored its timeout: a driver bug, never a success
         if getattr(err, "no_effect", False):
             extra["effect"] = "none"  # the engine refused it before changing anything
         if isinstance(err, NoTimeLeft):
@@ -272,7 +282,9 @@ class _Run:
             except Exception as exc:
                 fut = Future()
                 fut.set_exception(exc)
-        return _RankCall(step, fut, budget, time.monotonic(), t0, extra)
+        rc = _RankCall(step, fut, budget, time.monotonic(), t0, extra)
+        fut.add_done_callback(self._stamp)
+        return rc
 
     def rank_wait(self, rc: _RankCall, *, state: str | None = None) -> tuple[list[Any] | None, BaseException | None]:
         """Wait for a trainer-side step (bounded), record it as one event; (values, error)."""
@@ -286,11 +298,20 @@ class _Run:
                 exc = TimeoutError(f"{rc.step.call} did not return on every trainer rank inside {rc.budget:.3g}s")
         if isinstance(exc, TimeoutError):
             self.ranks_stuck = True
+        answered = self.answered.get(id(rc.future), time.monotonic()) - rc.started
+        late = rc.future.done() and not isinstance(exc, TimeoutError) and answered > rc.budget + LATE_TOLERANCE_S
+        if late:
+            exc = LateAnswer(
+                f"{rc.step.call} answered {answered:.3f}s into the call, past its {rc.budget:.3f}s budget: "
+                f"a trainer-side driver ignores its timeout, so its answer is not trusted",
+                cause=exc, state=rc.step.state, call=rc.step.call, bucket=rc.step.bucket,
+            )  # fmt: skip
         outcome = "ok" if exc is None else outcome_of(exc)
         self.emit(
             "call", rc.step.call, state=state or rc.step.state, side=rc.step.side, outcome=outcome,
             duration_s=round(self.clock() - rc.t0, 6), error=None if exc is None else f"{type(exc).__name__}: {exc}",
-            bucket=rc.step.bucket, ranks=self.ctx.ranks.world if self.ctx.ranks else 1, **rc.extra,
+            bucket=rc.step.bucket, ranks=self.ctx.ranks.world if self.ctx.ranks else 1,
+            budget_s=round(rc.budget, 6) if rc.budget > 0 else None, late=True if late else None, **rc.extra,
         )  # fmt: skip
         return values, exc
 
@@ -305,6 +326,7 @@ class _Run:
     def start_wave(self, plan: dict[_Engine, list[Step]], *, cleanup: bool = False, count: bool = True) -> _Wave:
         budget = self._budget(cleanup)
         wave = _Wave(next(self.batches), budget, time.monotonic(), [])
+        self.budgets[wave.batch] = budget
         for e, steps in plan.items():
             if not steps:
                 continue
@@ -317,10 +339,14 @@ class _Run:
                 except Exception as exc:
                     fut = Future()
                     fut.set_exception(exc)
+            fut.add_done_callback(self._stamp)
             wave.items.append((e, steps, fut))
         if count and wave.items:
             self.round_trips += 1
         return wave
+
+    def _stamp(self, fut: Future[Any]) -> None:
+        self.answered[id(fut)] = time.monotonic()
 
     def wait_wave(self, wave: _Wave) -> Results:
         """Every engine's step results, waiting once for all of them (engines already known to be
@@ -349,8 +375,31 @@ class _Run:
         if exc is None:
             exc = _malformed(fut.result(), len(steps))
             if exc is None:
-                return [(s, _clean(r)) for s, r in zip(steps, fut.result(), strict=False)]
+                pairs = [(s, _clean(r)) for s, r in zip(steps, fut.result(), strict=False)]
+                return self._late(e, pairs, fut, wave)
         return [(s, StepResult(outcome_of(exc), error=exc, seconds=now - wave.started, done_at=now)) for s in steps]
+
+    def _late(
+        self, e: _Engine, pairs: list[tuple[Step, StepResult]], fut: Future[Any], wave: _Wave
+    ) -> list[tuple[Step, StepResult]]:
+        """An answer (ok or error) that came after the call's budget is a driver that ignores its
+        timeout: its answer is not trusted (effect unknown) and it is recorded `late`."""
+        answered = self.answered.get(id(fut), time.monotonic()) - wave.started
+        if answered <= wave.budget + LATE_TOLERANCE_S:
+            return pairs
+        out = []
+        for s, r in pairs:
+            if r.outcome == "timeout" or isinstance(r.error, EngineDied):
+                out.append((s, r))
+                continue
+            err = LateAnswer(
+                f"engine {e.name}'s driver answered {s.call} {answered:.3f}s into the call, past its "
+                f"{wave.budget:.3f}s budget: it ignores its timeout, so its answer "
+                f"({r.outcome}) is not trusted",
+                cause=r.error, state=s.state, engine=e.name, call=s.call, bucket=s.bucket,
+            )  # fmt: skip
+            out.append((s, StepResult("error", error=err, seconds=r.seconds, done_at=r.done_at)))
+        return out
 
     def wave(self, plan: dict[_Engine, list[Step]], *, cleanup: bool = False) -> None:
         """Send a wave, wait for it, record and apply every step in table order."""
@@ -1007,6 +1056,15 @@ def run(ctx: RefitContext) -> RefitResult:
         ctx.ranks.finish(exc)
         raise
     ctx.ranks.finish(result)
+    if not result.ok:  # errors are data, but a failed refit is said out loud: a WARNING on this module's logger
+        import logging
+
+        engines = ", ".join(f"{n} {o.status}" for n, o in result.engines.items())
+        logging.getLogger(__name__).warning(
+            "refit run %s failed in %s (ended %s; engines: %s): %s; trace: %s",
+            result.run_id, getattr(result.error, "state", None) or result.state, result.state, engines or "none",
+            result.error, result.trace_path or "not written (RefitContext(trace=PATH) writes one)",
+        )  # fmt: skip
     return result
 
 
