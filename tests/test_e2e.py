@@ -82,6 +82,8 @@ def test_demo_with_an_injected_kill_fails_cleanly(tmp_path: Path) -> None:
     assert "engine-1: failed, serves version None" in proc.stdout
     assert "lock holder after the run: None" in proc.stdout
     assert "healthy engines match the trainer: True" in proc.stdout
+    assert f"trace: {path}  (check it: refit check {path}; replay it: refit replay {path})" in proc.stdout
+    assert proc.stdout.rstrip().endswith("FAILED: refit 1 of 3 did not reach every engine (run state DONE)")
     checked = refit_cli("check", str(path))  # the failed run kept every invariant
     assert checked.returncode == 0, checked.stdout
     replayed = refit_cli("replay", str(path))  # and today's runner takes exactly the same path

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -56,8 +57,18 @@ def _window(audit: list[dict[str, Any]], since: float) -> tuple[float, float, fl
     return min(pauses), max(continues), min(r["start"] for r in loads), max(r["t"] for r in loads)
 
 
-def control(engines: int = 8, refits: int = 100, mode: str = "disaggregated", warmup: int = 3) -> dict[str, Any]:
-    """Stall minus transfer per refit, from the engines' own clocks (CLOCK_MONOTONIC, one host)."""
+Progress = Callable[[int, int], None]  # progress(done, total): 0 when the work starts, then after each refit
+
+
+def control(
+    engines: int = 8,
+    refits: int = 100,
+    mode: str = "disaggregated",
+    warmup: int = 3,
+    progress: Progress | None = None,
+) -> dict[str, Any]:
+    """Stall minus transfer per refit, from the engines' own clocks (CLOCK_MONOTONIC, one host).
+    `progress(done, warmup + refits)` counts warm-up refits too."""
     config = ModelConfig()
     model = TinyLlama(config, seed=0)
     pool = ReferenceEngine.spawn_many([f"bench-{i}" for i in range(engines)], config, seed=0)
@@ -70,6 +81,8 @@ def control(engines: int = 8, refits: int = 100, mode: str = "disaggregated", wa
         deadline_s=60.0,  # type: ignore[arg-type]
     )
     controls, stalls, transfers, trips = [], [], [], []
+    if progress is not None:
+        progress(0, warmup + refits)
     try:
         for i in range(warmup + refits):
             _step(model, i)
@@ -78,6 +91,8 @@ def control(engines: int = 8, refits: int = 100, mode: str = "disaggregated", wa
                     e.release_memory(["weights", "kv_cache"])
             since = time.monotonic()
             result = protocol.run(ctx).raise_for_error()
+            if progress is not None:
+                progress(i + 1, warmup + refits)
             if i < warmup:
                 continue
             windows = [_window(e.audit(), since) for e in pool]
@@ -143,6 +158,7 @@ def _transfer(
     bucket_mb: int,
     checksums: bool,
     threads: int,
+    tick: Callable[[], None] = lambda: None,
 ) -> dict[str, Any]:
     """Refits of `model` into one fresh engine process; the transfer as the engine saw it: from its
     first bucket's arrival to its last bucket's ack, on its own clock (the finalize that rides on
@@ -160,6 +176,7 @@ def _transfer(
                 floors.append(memcpy.sample())
             since = time.monotonic()
             result = protocol.run(ctx).raise_for_error()
+            tick()
             if i:
                 window = _window(engine.audit(), since)
                 if window is None:
@@ -188,12 +205,18 @@ def _transfer(
 
 
 def transport(
-    refits: int = 6, bucket_mb: int = 64, checksums: bool = True, threads: int = 2, small: bool = False
+    refits: int = 6,
+    bucket_mb: int = 64,
+    checksums: bool = True,
+    threads: int = 2,
+    small: bool = False,
+    progress: Progress | None = None,
 ) -> dict[str, Any]:
     """A >= 0.5 GB fp32 state through protocol.run into one engine process over shared memory, three
     ways: zero-copy (the trainer's weights in a `share_memory` arena) with corruption detection
     (the goal's configuration, the top-level figures), zero-copy without it, and the copying path
-    (weights in ordinary memory) with it. `small`: a few-MB state, for a quick smoke run."""
+    (weights in ordinary memory) with it. `small`: a few-MB state, for a quick smoke run.
+    `progress(done, total)` counts every refit of the three variants (connecting ones included)."""
     from refit.drivers.shm import share_memory
 
     config = SMALL_CONFIG if small else TRANSPORT_CONFIG
@@ -201,7 +224,17 @@ def transport(
     share_memory(shared)  # the trainer keeps training these in place; engines read them where they lie
     nbytes = sum(p.nbytes for p in shared.parameters())
     memcpy = Memcpy(nbytes)
-    args = {"refits": refits, "bucket_mb": bucket_mb, "threads": threads}
+    total, done = 3 * (refits + 1), 0
+
+    def tick() -> None:
+        nonlocal done
+        done += 1
+        if progress is not None:
+            progress(done, total)
+
+    if progress is not None:
+        progress(0, total)
+    args = {"refits": refits, "bucket_mb": bucket_mb, "threads": threads, "tick": tick}
     variants = {
         "zero_copy": _transfer(shared, config, memcpy, checksums=checksums, **args),
         "zero_copy_no_checksums": _transfer(shared, config, memcpy, checksums=False, **args),

@@ -1,26 +1,93 @@
-"""The `refit` command: demo, check, diagram."""
+"""The `refit` command: demo, check, replay, soak, bench, diagram.
+
+Exit codes: 0 ok, 1 the command ran and found a failure (a violation, a divergence, a failed
+refit), 2 bad input (usage, a file that is not a refit trace, a bad --fail-at), before any work.
+Long commands report progress on stderr; their results (and `--json`) go to stdout.
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import math
 import sys
+import time
+from collections.abc import Iterator
+from importlib import metadata
 from pathlib import Path
 from typing import Any
+
+# Trainer-side calls a --fail-at can name (`refit.protocol.ranks.Participant` steps); engine calls
+# are `refit.drivers.base.ENGINE_CALLS`.
+TRAINER_CALLS = (
+    "metas", "prepare", "offload", "restore", "connect", "join", "pack", "send", "release", "abandon", "disconnect",
+    "end_run",
+)  # fmt: skip
+
+
+def _version() -> str:
+    try:
+        return metadata.version("refit-engine")
+    except metadata.PackageNotFoundError:
+        return "unknown (refit-engine is not installed)"
+
+
+@contextlib.contextmanager
+def _runner_quiet() -> Iterator[None]:
+    """For commands that report failed runs themselves: the runner's log warning about a failed
+    refit (logger `refit.protocol.runner`) is not printed a second time. Handlers configured
+    elsewhere still receive it."""
+    logger = logging.getLogger("refit.protocol.runner")
+    handler = logging.NullHandler()
+    logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+
+
+def _load(command: str, path: str) -> tuple[dict[str, Any], list[dict[str, Any]], bool] | None:
+    """The trace at `path`, or None after printing why it cannot be used (the caller exits 2)."""
+    from refit.trace import load_trace
+
+    p = Path(path)
+    why: str | None = None
+    if not p.exists():
+        why = f"cannot read {path}: no such file"
+    elif p.is_dir():
+        why = f"cannot read {path}: it is a directory, not a trace file"
+    else:
+        try:
+            return load_trace(p)
+        except ValueError as exc:  # NotATrace, and undecodable bytes (UnicodeDecodeError)
+            print(f"refit {command}: not a refit trace: {_naming(path, exc)}", file=sys.stderr)
+            return None
+        except OSError as exc:
+            why = f"cannot read {path}: {exc.strerror or exc}"
+    print(f"refit {command}: {why}", file=sys.stderr)
+    return None
+
+
+def _naming(path: str, exc: BaseException) -> str:
+    text = str(exc)
+    return text if path in text else f"{path}: {text}"
 
 
 def _check(args: argparse.Namespace) -> int:
     from refit.invariants import check_trace
-    from refit.trace import load_trace, runs
+    from refit.trace import runs
 
-    try:
-        _header, events, torn = load_trace(args.trace)
-    except (OSError, ValueError) as exc:
-        print(f"refit check: cannot read {args.trace}: {exc}", file=sys.stderr)
+    loaded = _load("check", args.trace)
+    if loaded is None:
         return 2
-    violations = check_trace(events, torn=torn)
+    header, events, torn = loaded
     n_runs = len(runs(events))
+    if n_runs == 0:
+        print(f"refit check: not a refit trace: {args.trace}: no run in it (nothing to check)", file=sys.stderr)
+        return 2
+    violations = check_trace(events, torn=torn, header=header, whole=True)
     if args.json:
         print(json.dumps({"runs": n_runs, "events": len(events), "violations": [v.__dict__ for v in violations]}))
     elif violations:
@@ -37,9 +104,16 @@ def _check(args: argparse.Namespace) -> int:
 
 def _replay(args: argparse.Namespace) -> int:
     from refit.replay import replay
+    from refit.trace import NotATrace
 
+    if _load("replay", args.trace) is None:
+        return 2
     try:
-        report = replay(args.trace)
+        with _runner_quiet():  # a replayed failure is the recording's, reported below
+            report = replay(args.trace)
+    except NotATrace as exc:
+        print(f"refit replay: not a refit trace: {_naming(args.trace, exc)}", file=sys.stderr)
+        return 2
     except (OSError, ValueError, KeyError) as exc:
         print(f"refit replay: cannot replay {args.trace}: {exc}", file=sys.stderr)
         return 2
@@ -59,12 +133,42 @@ def _replay(args: argparse.Namespace) -> int:
     return 0
 
 
+class Progress:
+    """Progress of a long command on stderr (stdout keeps the results and any --json): a line every
+    tenth of the refits or every `every_s` seconds, whichever comes first, and one at the end.
+    Called as `progress(done, total)`; `done == 0` starts the clock (the work proper begins)."""
+
+    def __init__(self, label: str, *, every_s: float = 2.0) -> None:
+        self.label = label
+        self.every_s = every_s
+        self.t0 = self.last = time.monotonic()
+        self.step = 1
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.monotonic()
+        if done == 0:
+            self.t0 = self.last = now
+            self.step = max(1, math.ceil(total / 10))
+            return
+        if done == total or done % self.step == 0 or now - self.last >= self.every_s:
+            self.last = now
+            elapsed = now - self.t0
+            rate = done / elapsed if elapsed > 0 else float("inf")
+            print(f"{self.label}: {done}/{total} refits, {rate:.3g}/s, {elapsed:.1f}s", file=sys.stderr, flush=True)
+
+
 def _soak(args: argparse.Namespace) -> int:
     from refit.soak import soak
 
+    kind = "threads" if args.in_thread else "processes"
+    print(
+        f"soak: starting {args.engines} engine {kind}, one warm-up refit, then {args.refits} refits ...",
+        file=sys.stderr, flush=True,
+    )  # fmt: skip
     report = soak(
         args.refits, engines=args.engines, mode=args.mode, bucket_bytes=args.bucket_bytes,
         fault_every=args.fault_every, verify_every=args.verify_every, in_thread=args.in_thread,
+        progress=Progress("soak"),
     )  # fmt: skip
     if args.json:
         print(json.dumps(report.as_dict()))
@@ -93,8 +197,13 @@ def _soak(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     from refit import bench
 
+    progress = Progress(f"bench {args.what}")
     if args.what == "control":
-        report = bench.control(engines=args.engines, refits=args.refits, mode=args.mode)
+        print(
+            f"bench control: starting {args.engines} engine processes, 3 warm-up refits, then {args.refits} refits ...",
+            file=sys.stderr, flush=True,
+        )  # fmt: skip
+        report = bench.control(engines=args.engines, refits=args.refits, mode=args.mode, progress=progress)
         print(
             f"control plane: {report['engines']} engine processes, {report['refits']} refits ({report['mode']}), "
             f"{report['buckets_per_refit']} bucket each"
@@ -106,9 +215,15 @@ def _bench(args: argparse.Namespace) -> int:
             f"stall {report['stall_ms_median']:.2f} ms, transfer {report['transfer_ms_median']:.2f} ms"
         )
     else:
+        print(
+            f"bench transport: 3 variants, each one engine process, a connecting refit and {args.refits} timed "
+            f"refits of a {'small' if args.small else '0.67 GB'} state ...",
+            file=sys.stderr, flush=True,
+        )  # fmt: skip
         report = bench.transport(
-            refits=args.refits, bucket_mb=args.bucket_mb, checksums=not args.no_checksums, small=args.small
-        )
+            refits=args.refits, bucket_mb=args.bucket_mb, checksums=not args.no_checksums, small=args.small,
+            progress=progress,
+        )  # fmt: skip
         print(
             f"shm transport: {report['bytes'] / 1e9:.2f} GB in {report['buckets']} buckets of "
             f"{report['bucket_bytes'] >> 20} MiB into one engine process; memcpy {report['memcpy_gbps']:.2f} GB/s; "
@@ -141,17 +256,44 @@ def _diagram(args: argparse.Namespace) -> int:
     return 0
 
 
-def _demo(args: argparse.Namespace) -> int:
-    from refit.demo import run_demo
+def _demo_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the demo's options, found before any engine starts (None: nothing)."""
+    from refit.drivers.base import ENGINE_CALLS
     from refit.protocol.faults import FaultPlan
 
-    if args.fail_at:  # refused now, not after the engines started and the trainer trained
+    if args.fail_at:
         try:
-            FaultPlan.parse(args.fail_at, engines=args.engines)
+            plan = FaultPlan.parse(args.fail_at, engines=args.engines)
         except ValueError as exc:
-            print(f"refit demo: --fail-at: {exc}", file=sys.stderr)
-            return 2
-    return run_demo(args)
+            return f"--fail-at: {exc}"
+        call = plan.faults[0].call
+        if call is not None and call not in (*ENGINE_CALLS, *TRAINER_CALLS):
+            return (
+                f"--fail-at: fault spec {args.fail_at!r}: call={call} is not a driver call (engine calls: "
+                f"{', '.join(ENGINE_CALLS)}; trainer calls: {', '.join(TRAINER_CALLS)})"
+            )
+    if args.in_thread and args.ranks > 1:
+        return "--ranks runs engines as processes; drop --in-thread"
+    if args.in_thread and args.engine_tp != 1:
+        return "--in-thread engines have TP=1; drop --engine-tp or --in-thread"
+    from refit.reference.model import ModelConfig
+
+    try:
+        ModelConfig().check_tp(args.engine_tp)
+    except ValueError as exc:
+        return f"--engine-tp {args.engine_tp}: {exc}"
+    return None
+
+
+def _demo(args: argparse.Namespace) -> int:
+    problem = _demo_problem(args)  # refused now, not after the engines started and the trainer trained
+    if problem is not None:
+        print(f"refit demo: {problem}", file=sys.stderr)
+        return 2
+    from refit.demo import run_demo
+
+    with _runner_quiet():  # the demo reports a failed refit itself, with its trace
+        return run_demo(args)
 
 
 def _count(minimum: int) -> Any:
@@ -203,8 +345,10 @@ def _demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--transport", choices=("shm", "broadcast"), default="shm", help="shm or a broadcast group")
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The top-level parser and each subcommand's own (for its usage line in errors)."""
     parser = argparse.ArgumentParser(prog="refit", description="Refit trainer weights into rollout engines, checked.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="a real CPU refit into reference-engine processes")
@@ -249,8 +393,18 @@ def main(argv: list[str] | None = None) -> int:
     diag.add_argument("--readme", default="README.md", help="README whose diagram block to refresh (default README.md)")
     diag.add_argument("--check", action="store_true", help="exit 1 if the committed diagram is stale")
     diag.set_defaults(func=_diagram)
+    return parser, {"demo": demo, "check": check, "replay": rep, "soak": soak_p, "bench": bench_p, "diagram": diag}
 
-    args = parser.parse_args(argv)
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the `refit` command line; returns the exit code (argparse's own exits included)."""
+    parser, commands = _parser()
+    try:
+        args, unknown = parser.parse_known_args(argv)
+        if unknown:  # with the subcommand's usage, not the top-level one
+            commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
+    except SystemExit as exc:  # --help, --version, usage errors: argparse printed them
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
     if getattr(args, "func", None) is _bench and args.refits is None:
         args.refits = 100 if args.what == "control" else 6
     return int(args.func(args))

@@ -15,9 +15,13 @@ picks shared memory or the broadcast side group. The same loop (`refit_loop`) ru
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -95,12 +99,16 @@ def combine(checks: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-LEGEND = (
-    "columns: version published; trainer loss; seconds per phase; rt = control round trips (the first refit also "
-    "connects); buckets; KiB moved; peak KiB = extra trainer memory refit held; tokens = greedy tokens vs the "
-    "trainer's; max|dlogit| = largest logit difference from the trainer; prev = how far the logits moved from the "
-    "previous weights (must be > 1e-3, or the check could not fail); weights = read back bit for bit"
-)
+LEGEND = f"""columns:
+  refit, ver         the refit's number; the version it published
+  loss               the trainer's loss after its optimizer steps
+  offload..restore   seconds in each phase (offload and restore: colocated only); total s: the whole refit
+  rt                 control round trips (2 in steady state; the first refit also connects)
+  bkts, KiB          buckets and KiB moved; peak KiB: the most extra trainer memory the refit held
+  tokens             the engines' greedy tokens vs the trainer's (equal | DIFFER)
+  max|dlogit|        largest logit difference from the trainer (must be <= {LOGIT_ATOL:g})
+  prev               how far the logits moved from the old weights (must be > {MIN_CHANGE:g}, so the check can fail)
+  weights            the engines' weights read back vs the trainer's, bit for bit (exact | DIFFER)"""
 
 
 def header() -> str:
@@ -218,32 +226,47 @@ def summary(result: protocol.RefitResult) -> dict[str, Any]:
     }
 
 
-def verdict(entries: list[dict[str, Any]], refits: int, trace: str | None, *, unfired: bool = False) -> int:
-    if unfired:
-        print("the planned fault never fired: no step matched it (check its state, engine, bucket and call)")
-        return 1
-    if trace:
-        print(f"trace: {trace}  (check it: refit check {trace})")
-    if len(entries) < refits or not all(e["ok"] for e in entries):
-        return 1
+def verdict(
+    entries: list[dict[str, Any]], refits: int, trace: str | None, *, unfired: bool = False, temporary: bool = False
+) -> int:
+    """Print how the demo ended, with the trace to check and replay; 0 when every refit matched.
+    A `temporary` trace (no --trace was given) is kept only when the demo failed."""
+    failed = next((e for e in entries if not e["ok"]), None)
     bad = sum(not e.get("check", {}).get("ok", False) for e in entries)
-    if bad:
+    code = 1 if unfired or failed is not None or len(entries) < refits or bad else 0
+    if trace and temporary and code == 0:
+        Path(trace).unlink(missing_ok=True)
+    elif trace:
+        kept = " (a temporary file, kept because the demo failed)" if temporary else ""
+        print(f"trace: {trace}{kept}  (check it: refit check {trace}; replay it: refit replay {trace})")
+    if unfired:
+        print("FAILED: the planned fault never fired: no step matched it (check its state, engine, bucket and call)")
+    elif failed is not None:
+        print(f"FAILED: refit {failed['refit']} of {refits} did not reach every engine (run state {failed['state']})")
+    elif len(entries) < refits:
+        print(f"FAILED: {len(entries)} of {refits} refits ran")
+    elif bad:
         print(f"MISMATCH in {bad} of {refits} refits")
-        return 1
-    peak = max(e["trainer_peak_bytes"] for e in entries)
-    print(
-        f"all {refits} refits matched the trainer: tokens equal, logits within {LOGIT_ATOL:g}, weights bit-exact; "
-        f"extra trainer memory at most {peak / 1024:.0f} KiB"
-    )
-    return 0
+    else:
+        peak = max(e["trainer_peak_bytes"] for e in entries)
+        print(
+            f"all {refits} refits matched the trainer: tokens equal, logits within {LOGIT_ATOL:g}, weights "
+            f"bit-exact; extra trainer memory at most {peak / 1024:.0f} KiB"
+        )
+    return code
+
+
+def _trace_path(args: argparse.Namespace) -> tuple[str, bool]:
+    """Where the demo writes its trace: --trace, or a temporary file (kept only if the demo fails)."""
+    if args.trace:
+        return args.trace, False
+    fd, path = tempfile.mkstemp(prefix="refit-demo-", suffix=".jsonl")
+    os.close(fd)
+    return path, True
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    try:
-        ModelConfig().check_tp(args.engine_tp)
-    except ValueError as exc:
-        print(f"refit demo: --engine-tp {args.engine_tp}: {exc}", file=sys.stderr)
-        return 2
+    """`refit demo` with options already validated by the CLI (`refit.cli._demo_problem`)."""
     if args.ranks > 1:
         return _run_ranks(args)
     torch.manual_seed(args.seed)
@@ -252,26 +275,31 @@ def run_demo(args: argparse.Namespace) -> int:
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     gen = torch.Generator().manual_seed(args.seed + 1)
     names = [f"engine-{i}" for i in range(args.engines)]
-    kind = "threads" if args.in_thread else "processes"
-    print(f"starting {args.engines} reference engines ({kind}, TP={args.engine_tp}) ...", flush=True)
     if args.in_thread:
-        if args.engine_tp != 1:
-            print("refit demo: --in-thread engines have TP=1; drop --engine-tp or --in-thread", file=sys.stderr)
-            return 2
+        what = f"{args.engines} reference engine threads"
+    else:
+        what = f"{args.engines} reference engine processes" + (f" of TP={args.engine_tp}" if args.engine_tp > 1 else "")
+    print(f"starting {what} ...", flush=True)
+    t0 = time.perf_counter()
+    if args.in_thread:
         engines = [ReferenceEngine.in_thread(n, config, seed=args.seed) for n in names]
     else:
         engines = ReferenceEngine.spawn_many(names, config, seed=args.seed, tp=args.engine_tp)
+    print(f"engines ready in {time.perf_counter() - t0:.1f}s", flush=True)
     from refit.drivers.torch_source import TorchSource
 
+    trace, temporary = _trace_path(args)
     try:
         ctx = protocol.RefitContext(
             source=TorchSource(model, optimizer=opt), transport=make_transport(args.transport), engines=engines,
             mode=args.mode, pause_mode=args.pause_mode, bucket_bytes=args.bucket_bytes, deadline_s=args.deadline,
-            retries=args.retries, call_timeout_s=args.call_timeout, trace=args.trace,
+            retries=args.retries, call_timeout_s=args.call_timeout, trace=trace,
         )  # fmt: skip
     except (protocol.ConfigError, ValueError) as exc:
         for e in engines:
             e.close()
+        if temporary:
+            Path(trace).unlink(missing_ok=True)
         print(f"refit demo: {exc}", file=sys.stderr)
         return 2
     n_params = sum(p.numel() for p in model.parameters())
@@ -288,15 +316,14 @@ def run_demo(args: argparse.Namespace) -> int:
         ctx.close()
         for e in engines:
             e.close()
-    return verdict(entries, args.refits, args.trace, unfired=any(e.get("fault_unfired") for e in entries))
+    unfired = any(e.get("fault_unfired") for e in entries)
+    return verdict(entries, args.refits, trace, unfired=unfired, temporary=temporary)
 
 
 def _run_ranks(args: argparse.Namespace) -> int:
     from refit.spmd import launch
 
-    if args.in_thread:
-        print("refit demo: --ranks runs engines as processes; drop --in-thread", file=sys.stderr)
-        return 2
+    trace, temporary = _trace_path(args)
     print(
         f"starting {args.ranks} FSDP2 trainer ranks (gloo) and {args.engines} reference engines (TP={args.engine_tp}, "
         f"{args.engines * args.engine_tp} processes) | mode {args.mode} | transport {args.transport} ...",
@@ -306,7 +333,7 @@ def _run_ranks(args: argparse.Namespace) -> int:
         "engines": args.engines, "engine_tp": args.engine_tp, "transport": args.transport, "mode": args.mode,
         "pause_mode": args.pause_mode, "refits": args.refits, "steps": args.steps, "bucket_bytes": args.bucket_bytes,
         "deadline": args.deadline, "call_timeout": args.call_timeout, "retries": args.retries, "seed": args.seed,
-        "faults": {"1": args.fail_at} if args.fail_at else {}, "trace": args.trace, "echo": True,
+        "faults": {"1": args.fail_at} if args.fail_at else {}, "trace": trace, "echo": True,
         "stop_on_failure": True,
     }  # fmt: skip
     reports = launch(args.ranks, spec, timeout=max(120.0, args.refits * (args.deadline + 30.0)))
@@ -314,9 +341,12 @@ def _run_ranks(args: argparse.Namespace) -> int:
     for r in missing:
         print(f"rank {r['rank']} failed (exit {r.get('exit')}):\n{r.get('stderr', '')}", file=sys.stderr)
     if missing:
+        if temporary:
+            print(f"trace (kept): {trace}  (check it: refit check {trace})")
         return 1
     entries = reports[0]["refits"]
-    return verdict(entries, args.refits, args.trace, unfired=any(e.get("fault_unfired") for e in entries))
+    unfired = any(e.get("fault_unfired") for e in entries)
+    return verdict(entries, args.refits, trace, unfired=unfired, temporary=temporary)
 
 
 if __name__ == "__main__":

@@ -399,6 +399,10 @@ def replay(path: str | Path) -> ReplayReport:
 
     t0 = time.perf_counter()
     header, events, _torn = load_trace(path)
+    if not any(e.get("kind") == "run" and e.get("event") == "start" for e in events):
+        from refit.trace import NotATrace
+
+        raise NotATrace(f"{path}: no run in it (a trace has a run/start event for every run)")
     script = _Script(events)
     config = header.get("config", {})
     starts = script.run_starts

@@ -13,6 +13,7 @@ import os
 import random
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -35,9 +36,14 @@ def _children() -> list[int]:
     return out
 
 
+# Fixed-size pools made lazily and kept for reuse: the context's call pool, and the process's
+# checksum pool (used in this process when engines run on threads). Neither is a leak.
+POOLS = ("refit-call", "refit-hash")
+
+
 def _threads() -> set[threading.Thread]:
-    """Threads other than the context's call pool (which grows lazily up to its fixed size)."""
-    return {t for t in threading.enumerate() if not t.name.startswith("refit-call")}
+    """Threads other than the fixed-size pools (which grow lazily up to their size)."""
+    return {t for t in threading.enumerate() if not t.name.startswith(POOLS)}
 
 
 def _pool_threads() -> int:
@@ -94,7 +100,10 @@ def soak(
     verify_every: int = 100,
     in_thread: bool = False,
     seed: int = 0,
+    progress: Callable[[int, int], None] | None = None,
 ) -> SoakReport:
+    """`refits` refits (after one warm-up) into `engines` reference engines; see the module docstring.
+    `progress(done, refits)` is called once the warm-up is done (done = 0) and after each refit."""
     import torch
 
     from refit import protocol
@@ -136,6 +145,8 @@ def soak(
         protocol.run(ctx).raise_for_error()  # warm-up: connection, pool threads, lazy imports
         base = (len(leaked_segments(pid=os.getpid())), _fds(), _threads(), _rss_mib())
         t0 = time.perf_counter()
+        if progress is not None:
+            progress(0, refits)
         for i in range(1, refits + 1):
             step()
             ctx.faults = None
@@ -149,6 +160,8 @@ def soak(
             injected += ctx.faults is not None
             if (verify_every and i % verify_every == 0) or i == refits:
                 mismatches += not matches()
+            if progress is not None:
+                progress(i, refits)
         seconds = time.perf_counter() - t0
         growth = (
             len(leaked_segments(pid=os.getpid())) - base[0], _fds() - base[1],
@@ -177,6 +190,6 @@ def soak(
         rss_growth_mib=round(growth[3], 1),
         segments_left=len(leaked_segments(pid=os.getpid())),
         processes_left=len(_children()),
-        threads_left=len(set(threading.enumerate()) - threads_before),
+        threads_left=len({t for t in set(threading.enumerate()) - threads_before if not t.name.startswith(POOLS)}),
         mismatches=mismatches,
     )

@@ -1,0 +1,377 @@
+"""The `refit` command line as a user meets it: bad input gets exit 2 and a message naming what is
+wrong (never a traceback), unknown options get their subcommand's usage, `--fail-at` is refused
+before any engine starts, the demo explains its table and ends a failed run with the trace to check,
+long commands report progress on stderr without touching their --json stdout, and a failed
+`protocol.run` says so in a log warning."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+
+from refit import cli, demo, protocol
+from refit.cli import main
+from refit.protocol.ranks import Participant
+from refit.reference.model import TinyLlama
+
+from .conftest import CONFIG, perturbed
+
+TRACES = Path(__file__).parent / "traces"
+FIXTURE = TRACES / "kill-mid-transfer.jsonl"
+REFIT = Path(sys.executable).parent / "refit"  # the installed console script
+HEADER = '{"kind": "header", "event": "trace", "schema": 1, "config": {}}\n'
+RUN_START = '{"seq": 0, "t": 0.0, "run": "r1", "state": "IDLE", "kind": "run", "event": "start"}\n'
+END = '{"seq": 1, "t": 0.1, "kind": "trace", "event": "end"}\n'
+FAST_DEMO = ["demo", "--refits", "1", "--steps", "2", "--in-thread"]
+RAISE_AT = "transferring:engine=1:bucket=2:kind=raise"
+
+
+def refit(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """The real `refit` console script, in a fresh process."""
+    return subprocess.run([str(REFIT), *args], capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def fixture_lines() -> list[str]:
+    return FIXTURE.read_text().splitlines(keepends=True)
+
+
+def with_line(n: int, text: str) -> str:
+    """The fixture trace with its line `n` (1-based, the header is line 1) replaced by `text`."""
+    lines = fixture_lines()
+    lines[n - 1] = text + "\n"
+    return "".join(lines)
+
+
+def wrong_seq() -> str:
+    lines = fixture_lines()
+    record = json.loads(lines[2])
+    record["seq"] = "x"
+    lines[2] = json.dumps(record) + "\n"
+    return "".join(lines)
+
+
+# name -> (file content, a pattern the reason must match)
+NOT_TRACES: dict[str, tuple[str | bytes, str]] = {
+    "empty": ("", r"empty|no (event|line|run)"),
+    "header-only": (HEADER, r"header|no (event|run)"),
+    "binary": (bytes(range(256)) * 4, r"binary|utf-8|decode|not text"),
+    "json-object": ('{"name": "model", "layers": 2}\n', r"header|line 1|no run"),
+    "text-one-line": ("hello, this is not a trace\n", r"JSON|line 1|header|no run"),
+    "text-lines": ("hello\nthis is not\na trace\n", r"JSON|line 1|header"),
+    "list-line": (with_line(5, "[1, 2, 3]"), r"line 5"),
+    "number-line": (with_line(4, "42"), r"line 4"),
+    "string-line": (HEADER + RUN_START + '"run"\n' + END, r"line 3"),
+    "wrong-field-type": (wrong_seq(), r"line 3"),
+}
+
+
+def write(path: Path, content: str | bytes) -> Path:
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        path.write_text(content)
+    return path
+
+
+# ---- traces that are not traces --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", ["check", "replay"])
+@pytest.mark.parametrize("case", list(NOT_TRACES))
+def test_a_file_that_is_not_a_trace_exits_2_with_the_reason(
+    command: str, case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    content, reason = NOT_TRACES[case]
+    path = write(tmp_path / f"{case}.jsonl", content)
+    assert main([command, str(path)]) == 2
+    out, err = capsys.readouterr()
+    assert err.startswith(f"refit {command}: not a refit trace: "), err
+    assert str(path) in err and re.search(reason, err), err
+    assert "reproduced" not in out and "ok:" not in out
+
+
+def test_the_fixture_lines_used_above_are_a_real_trace(capsys: pytest.CaptureFixture[str]) -> None:
+    """The line-numbered cases edit one line of this trace: unedited, it checks and replays."""
+    assert main(["check", str(FIXTURE)]) == 0
+    assert main(["replay", str(FIXTURE)]) == 0
+    assert "reproduced" in capsys.readouterr().out
+
+
+def test_replay_refuses_a_trace_with_no_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A context opened and closed without a run: never 'reproduced'."""
+    path = write(tmp_path / "no-run.jsonl", HEADER + END)
+    assert main(["replay", str(path)]) == 2
+    out, err = capsys.readouterr()
+    assert "not a refit trace" in err and str(path) in err and "reproduced" not in out
+
+
+@pytest.mark.parametrize("command", ["check", "replay"])
+def test_a_missing_path_or_a_directory_exits_2_naming_it(
+    command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = tmp_path / "nope.jsonl"
+    assert main([command, str(missing)]) == 2
+    assert capsys.readouterr().err == f"refit {command}: cannot read {missing}: no such file\n"
+    assert main([command, str(tmp_path)]) == 2
+    assert capsys.readouterr().err == f"refit {command}: cannot read {tmp_path}: it is a directory, not a trace file\n"
+
+
+def test_bad_traces_through_the_real_command(tmp_path: Path) -> None:
+    json_file = write(tmp_path / "config.json", '{"name": "model", "layers": 2}\n')
+    empty = write(tmp_path / "empty.jsonl", "")
+    for args in (["replay", str(json_file)], ["check", str(empty)], ["check", str(tmp_path / "missing.jsonl")]):
+        proc = refit(*args)
+        assert proc.returncode == 2, (args, proc.stdout, proc.stderr)
+        assert "Traceback" not in proc.stderr and args[1] in proc.stderr
+        assert proc.stderr.startswith(f"refit {args[0]}: "), proc.stderr
+    assert "not a refit trace" in refit("replay", str(json_file)).stderr
+
+
+# ---- --version, unknown options ----------------------------------------------------------------------
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out == f"refit {metadata.version('refit-engine')}\n"
+    proc = refit("--version")
+    assert proc.returncode == 0 and proc.stdout == f"refit {metadata.version('refit-engine')}\n"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["check", "--bogus", "x.jsonl"],
+        ["replay", "x.jsonl", "--bogus"],
+        ["demo", "--nope"],
+        ["bench", "control", "--foo"],
+        ["soak", "--refits", "3", "--fast"],
+        ["diagram", "--where"],
+    ],
+    ids=" ".join,
+)
+def test_an_unknown_option_prints_its_subcommand_usage(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    unknown = next(a for a in argv if a.startswith("--") and a not in ("--refits",))
+    assert err.startswith(f"usage: refit {argv[0]} "), err
+    assert f"refit {argv[0]}: error: unrecognized arguments: {unknown}" in err
+    assert "{demo,check" not in err  # not the top-level usage
+    assert out == ""
+
+
+def test_an_unknown_option_through_the_real_command() -> None:
+    proc = refit("bench", "control", "--foo")
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("usage: refit bench ") and "unrecognized arguments: --foo" in proc.stderr
+
+
+# ---- --fail-at is refused before any engine starts ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--fail-at", "bogus:engine=0"], "'bogus' is not a state a fault can fire in (offloading, connecting"),
+        (["--fail-at", "done"], "'done' is not a state a fault can fire in"),
+        (["--fail-at", "transferring:engine=2"], "engine=2 but there are 2 engines"),
+        (["--engines", "4", "--fail-at", "pausing:engine=4"], "engine=4 but there are 4 engines"),
+        (["--fail-at", "transferring:call=nope"], "call=nope is not a driver call (engine calls: probe"),
+        (["--fail-at", "transferring:kind=boom"], "fault kind 'boom'; known ('raise', 'hang', 'kill', 'corrupt')"),
+        (["--fail-at", "transferring:bucket=x"], "bucket must be a non-negative integer, got 'x'"),
+        (["--fail-at", "transferring:bucket=-1"], "bucket must be a non-negative integer, got '-1'"),
+        (["--fail-at", "transferring:engine=one"], "engine must be a non-negative integer, got 'one'"),
+        (["--fail-at", "transferring:wat=1"], "bad fault spec part 'wat=1'"),
+        (["--fail-at", "transferring:engine"], "bad fault spec part 'engine'"),
+        # the engine index counts engines, not their TP processes or the trainer ranks
+        (["--engines", "1", "--engine-tp", "2", "--fail-at", "transferring:engine=1"], "engine=1 but there are 1"),
+        (["--ranks", "2", "--transport", "broadcast", "--fail-at", "continuing:engine=2"], "engine=2 but there are 2"),
+        (["--transport", "broadcast", "--fail-at", "transferring:call=sned"], "call=sned is not a driver call"),
+        (["--engine-tp", "3"], "--engine-tp 3: tensor parallelism 3 does not divide"),
+        (["--in-thread", "--engine-tp", "2"], "--in-thread engines have TP=1"),
+        (["--in-thread", "--ranks", "2"], "--ranks runs engines as processes; drop --in-thread"),
+    ],
+    ids=lambda v: " ".join(v) if isinstance(v, list) else None,
+)
+def test_a_bad_demo_option_exits_2_before_any_engine_starts(
+    extra: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    t0 = time.monotonic()
+    assert main(["demo", *extra]) == 2
+    out, err = capsys.readouterr()
+    assert message in err and err.startswith("refit demo: "), err
+    assert out == ""  # the demo prints "starting ... engine ..." before it starts any
+    assert time.monotonic() - t0 < 10
+
+
+def test_every_trainer_call_a_fault_can_name_is_a_participant_step() -> None:
+    for call in cli.TRAINER_CALLS:
+        assert callable(getattr(Participant, call, None)), call
+
+
+def test_a_bad_fail_at_through_the_real_command_is_fast() -> None:
+    t0 = time.monotonic()
+    proc = refit("demo", "--fail-at", "transferring:engine=7:kind=kill")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert (
+        proc.stderr
+        == "refit demo: --fail-at: fault spec 'transferring:engine=7:kind=kill': engine=7 but there are 2 engines\n"
+    )
+    assert proc.stdout == ""  # no engine was started, no trainer trained
+    assert time.monotonic() - t0 < 20
+
+
+# ---- the demo's output --------------------------------------------------------------------------------
+
+
+def test_the_demo_shows_progress_a_legend_and_its_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = tmp_path / "demo.jsonl"
+    assert main([*FAST_DEMO, "--trace", str(trace)]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^starting 2 reference engine threads \.\.\.\nengines ready in \d+\.\ds\n", out), out
+    legend = out[out.index("columns:") : out.index(demo.header())]
+    columns = demo.header().replace("total s", "total_s").replace("peak KiB", "peak_KiB").split()
+    assert len(columns) == 20
+    for column in (c.replace("_", " ") for c in columns if c not in demo.SHORT):  # phases: "offload..restore"
+        assert re.search(rf"(^|[ ,]){re.escape(column)}[ ,:]", legend, re.M), column
+    assert "offload..restore" in legend
+    assert f"trace: {trace}  (check it: refit check {trace}; replay it: refit replay {trace})" in out
+    assert out.rstrip().endswith("weights bit-exact; extra trainer memory at most 128 KiB")
+    assert main(["check", str(trace)]) == 0
+
+
+def test_a_passing_demo_without_trace_leaves_no_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    assert main(FAST_DEMO) == 0
+    assert "trace:" not in capsys.readouterr().out
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_failed_demo_without_trace_keeps_one_and_says_how_to_check_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    argv = [*FAST_DEMO, "--refits", "2", "--retries", "0", "--fail-at", RAISE_AT]
+    assert main(argv) == 1
+    out = capsys.readouterr().out
+    (kept,) = tmp_path.glob("refit-demo-*.jsonl")
+    assert "refit 1 did not reach every engine" in out and "engine-1: quarantined" in out
+    assert f"trace: {kept} (a temporary file, kept because the demo failed)" in out
+    assert f"refit check {kept}; replay it: refit replay {kept}" in out
+    assert out.rstrip().endswith("FAILED: refit 1 of 2 did not reach every engine (run state DONE)")
+    assert main(["check", str(kept)]) == 0
+    assert main(["replay", str(kept)]) == 0
+    assert "reproduced" in capsys.readouterr().out
+
+
+def test_a_failed_demo_through_the_real_command(tmp_path: Path) -> None:
+    """The trace hint with --trace; the runner's warning is not printed next to the demo's own report."""
+    trace = tmp_path / "raise.jsonl"
+    proc = refit(*FAST_DEMO, "--retries", "0", "--fail-at", RAISE_AT, "--trace", str(trace), timeout=180)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert f"trace: {trace}  (check it: refit check {trace}" in proc.stdout
+    assert "FAILED: refit 1 of 1" in proc.stdout
+    assert "refit run" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert refit("check", str(trace)).returncode == 0
+
+
+# ---- progress of long commands ----------------------------------------------------------------------------
+
+
+def test_soak_reports_progress_on_stderr_and_json_on_stdout(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["soak", "--refits", "5", "--in-thread", "--json"]) == 0
+    out, err = capsys.readouterr()
+    report = json.loads(out)  # stdout is the JSON and nothing else
+    assert report["refits"] == 5 and report["ok"] == 5 and report["leaks"] == 0
+    lines = err.splitlines()
+    assert lines[0] == "soak: starting 2 engine threads, one warm-up refit, then 5 refits ..."
+    assert [re.match(r"soak: (\d)/5 refits, [\d.]+/s, [\d.]+s$", line).group(1) for line in lines[1:]] == list("12345")
+
+
+def test_progress_lines_every_tenth_or_every_interval(capsys: pytest.CaptureFixture[str]) -> None:
+    progress = cli.Progress("soak", every_s=3600)
+    for i in range(1001):
+        progress(i, 1000)
+    counts = [int(m) for m in re.findall(r"^soak: (\d+)/1000 refits", capsys.readouterr().err, re.M)]
+    assert counts == list(range(100, 1001, 100))
+    progress = cli.Progress("bench control", every_s=0)
+    for i in range(31):
+        progress(i, 30)
+    assert len(capsys.readouterr().err.splitlines()) == 30
+
+
+@pytest.mark.e2e
+def test_bench_control_reports_progress(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "control", "--engines", "1", "--refits", "2"]) == 0
+    out, err = capsys.readouterr()
+    assert "round trips per refit" in out and "bench control" not in out
+    assert err.splitlines()[0].startswith("bench control: starting 1 engine processes, 3 warm-up refits, then 2")
+    assert re.search(r"^bench control: 5/5 refits, [\d.]+/s", err, re.M), err
+
+
+# ---- a failed protocol.run says so ---------------------------------------------------------------------
+
+
+def failing_run(thread_engines, make_ctx, trace: Path) -> protocol.RefitResult:
+    model = perturbed(TinyLlama(CONFIG, seed=0), seed=7)
+    faults = protocol.FaultPlan().fail_at("transferring", engine=1, bucket=2, kind="raise")
+    return protocol.run(make_ctx(model, thread_engines(2), retries=0, faults=faults, trace=str(trace)))
+
+
+def test_a_failed_run_logs_a_warning_naming_state_error_and_trace(
+    thread_engines, make_ctx, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    trace = tmp_path / "fail.jsonl"
+    with caplog.at_level(logging.WARNING, logger="refit"):
+        result = failing_run(thread_engines, make_ctx, trace)
+    assert not result.ok
+    (record,) = [r for r in caplog.records if r.name == "refit.protocol.runner"]
+    text = record.getMessage()
+    assert record.levelno == logging.WARNING
+    assert f"refit run {result.run_id} failed in TRANSFERRING (ended DONE; engines: t0 updated, t1 quarantined)" in text
+    assert str(result.error) in text and "InjectedFault" in text
+    assert text.endswith(f"trace: {trace}")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="refit"):
+        model = perturbed(TinyLlama(CONFIG, seed=0), seed=8)
+        assert protocol.run(make_ctx(model, thread_engines(2))).ok
+    assert not [r for r in caplog.records if r.name.startswith("refit")]  # a run that is ok says nothing
+
+
+SCRIPT = """
+from refit import protocol
+from refit.drivers.reference import ReferenceEngine
+from refit.drivers.shm import SharedMemoryTransport
+from refit.drivers.torch_source import TorchSource
+from refit.reference.model import ModelConfig, TinyLlama
+
+engines = [ReferenceEngine.in_thread(f"e{i}", ModelConfig(), seed=0) for i in range(2)]
+ctx = protocol.RefitContext(
+    TorchSource(TinyLlama(ModelConfig(), seed=1)), SharedMemoryTransport(), engines, retries=0,
+    faults=protocol.FaultPlan().fail_at("pausing", engine=0, kind="raise"),
+)
+result = protocol.run(ctx)
+ctx.close()
+for e in engines:
+    e.close()
+print("ok" if result.ok else "not ok")
+"""
+
+
+def test_with_no_logging_configured_the_warning_reaches_stderr() -> None:
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0 and proc.stdout == "not ok\n", proc.stderr
+    assert re.search(
+        r"^refit run \S+ failed in PAUSING \(ended DONE; engines: e0 unchanged, e1 updated\)", proc.stderr, re.M
+    )
+    assert "trace: not written (RefitContext(trace=PATH) writes one)" in proc.stderr
