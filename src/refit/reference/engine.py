@@ -1,9 +1,11 @@
 """The reference engine core: a small but real CPU inference engine (no transport in here).
 
 What it has, and why each part exists:
-  * model     fused layout like SGLang: q/k/v load into one `qkv_proj`, gate/up into one
-              `gate_up_proj`, so the engine's layout differs from the trainer's. Loads write the
-              live weights in place: a refit cut short leaves the engine with mixed weights.
+  * model     fused layout like SGLang: q/k/v (and their biases) load into one `qkv_proj`,
+              gate/up into one `gate_up_proj`, so the engine's layout differs from the trainer's.
+              Loads write the live weights in place: a refit cut short leaves the engine with
+              mixed weights. Llama and Qwen2 layouts (`ModelConfig.from_hf`): biases, an explicit
+              head_dim, a head tied to the embedding, float32/bfloat16/float16 weights.
   * session   `begin(plan)` validates the whole plan against the model (names, shapes, dtypes,
               duplicates, coverage) before any byte is applied; `load` copies one bucket;
               `finalize` runs post-load processing exactly once and checks every bucket arrived.
@@ -34,13 +36,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from refit.drivers.buckets import BucketManifest, combine, copy_digests, dtype_name
+from refit.drivers.buckets import BucketManifest, chunk_digests, combine, copy_digests, dtype_name
 from refit.errors import EngineError
 from refit.reference.model import ModelConfig, attention, init_weights, rms_norm, rope
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 MEMORY_TAGS = ("weights", "kv_cache")
-ENGINE_DTYPE = "float32"  # every tensor but an auxiliary one (ModelConfig.aux_dtype)
+ENGINE_DTYPE = "float32"  # the default ModelConfig.dtype: every tensor's but an auxiliary one's
 
 
 class Comm:
@@ -81,16 +83,21 @@ class Comm:
 
 class WeightLayout:
     """HF name -> where this TP rank keeps its shard of it: (engine parameter, dim, first index
-    in the full tensor, first index in the local parameter, length). q/k/v fuse into one
-    `qkv_proj` and gate/up into one `gate_up_proj`, column-sharded by heads / rows; o_proj and
-    down_proj are row-parallel (sharded by columns); lm_head is sharded by vocabulary rows;
-    embeddings and norms are replicated."""
+    in the full tensor, first index in the local parameter, length). q/k/v (weights and biases)
+    fuse into one `qkv_proj` and gate/up into one `gate_up_proj`, column-sharded by heads / rows;
+    o_proj and down_proj are row-parallel (sharded by columns; o_proj's bias is replicated and
+    added once, after the all-reduce); lm_head is sharded by vocabulary rows; embeddings and
+    norms are replicated. A tied head (`tied`: alias -> tensor) has no parameter of its own: the
+    engine serves this rank's vocabulary rows of the embedding."""
 
     def __init__(self, config: ModelConfig, tp_rank: int = 0, tp_size: int = 1) -> None:
         c, t, r = config, tp_size, tp_rank
         config.check_tp(t)
+        assert c.head_dim is not None
         self.hf_shapes = config.hf_shapes()
         self.hf_dtypes = config.hf_dtypes()
+        self.tied = config.tied
+        self.dtype = config.dtype
         h = c.hidden_size
         qn, kn, inn, vn = (
             c.num_heads * c.head_dim // t,
@@ -98,17 +105,22 @@ class WeightLayout:
             c.intermediate_size // t,
             c.vocab_size // t,
         )
+        self.head_rows = (r * vn, vn)  # this rank's rows of the (possibly tied) output head
         sharded: dict[str, tuple[str, int, int, int, int]] = {  # suffix -> (target, dim, src start, dst start, length)
             "self_attn.q_proj.weight": ("self_attn.qkv_proj.weight", 0, r * qn, 0, qn),
             "self_attn.k_proj.weight": ("self_attn.qkv_proj.weight", 0, r * kn, qn, kn),
             "self_attn.v_proj.weight": ("self_attn.qkv_proj.weight", 0, r * kn, qn + kn, kn),
+            "self_attn.q_proj.bias": ("self_attn.qkv_proj.bias", 0, r * qn, 0, qn),
+            "self_attn.k_proj.bias": ("self_attn.qkv_proj.bias", 0, r * kn, qn, kn),
+            "self_attn.v_proj.bias": ("self_attn.qkv_proj.bias", 0, r * kn, qn + kn, kn),
             "self_attn.o_proj.weight": ("self_attn.o_proj.weight", 1, r * qn, 0, qn),
             "mlp.gate_proj.weight": ("mlp.gate_up_proj.weight", 0, r * inn, 0, inn),
             "mlp.up_proj.weight": ("mlp.gate_up_proj.weight", 0, r * inn, inn, inn),
             "mlp.down_proj.weight": ("mlp.down_proj.weight", 1, r * inn, 0, inn),
         }
-        local = {"self_attn.qkv_proj.weight": (qn + 2 * kn, h), "self_attn.o_proj.weight": (h, qn),
-                 "mlp.gate_up_proj.weight": (2 * inn, h), "mlp.down_proj.weight": (h, inn)}  # fmt: skip
+        local = {"self_attn.qkv_proj.weight": (qn + 2 * kn, h), "self_attn.qkv_proj.bias": (qn + 2 * kn,),
+                 "self_attn.o_proj.weight": (h, qn), "mlp.gate_up_proj.weight": (2 * inn, h),
+                 "mlp.down_proj.weight": (h, inn)}  # fmt: skip
         self.targets: dict[str, tuple[str, int, int, int, int]] = {}
         self.sharded: set[str] = set()
         self.engine_shapes: dict[str, tuple[int, ...]] = {}
@@ -229,7 +241,7 @@ class EngineCore:
         with torch.no_grad():
             for name, tensor in init_weights(config, seed).items():
                 self._write(name, tensor)
-        self.head_serving = self.params["lm_head.weight"].clone()
+        self.head_serving = self._head()
         self.version = version
         self.weights_epoch = 0
         self.dirty = False  # weights differ from what `version` names
@@ -253,8 +265,15 @@ class EngineCore:
             self.quarantine("awaiting its first refit")
 
     def _zeros(self, engine_name: str) -> torch.Tensor:
-        dtype = self.layout.hf_dtypes.get(engine_name, ENGINE_DTYPE)  # fused parameters are float32
+        dtype = self.layout.hf_dtypes.get(engine_name, self.layout.dtype)  # fused parameters: the model's dtype
         return torch.zeros(self.layout.engine_shapes[engine_name], dtype=getattr(torch, dtype))
+
+    def _head(self) -> torch.Tensor:
+        """A copy of this rank's output head as loaded: lm_head, or the embedding when tied."""
+        if "lm_head.weight" in self.params:
+            return self.params["lm_head.weight"].clone()
+        start, n = self.layout.head_rows
+        return self.params[self.layout.tied["lm_head.weight"]].narrow(0, start, n).clone()
 
     def record(self, op: str, ok: bool, **fields: Any) -> None:
         """Append one engine-side audit record (time is CLOCK_MONOTONIC, comparable across processes)."""
@@ -297,24 +316,30 @@ class EngineCore:
         self._require_weights()
         problems: list[str] = []
         seen: dict[str, int] = {}
+        order: dict[str, tuple[int, int]] = {}  # name -> (bucket, position): the order buckets apply in
         indexes = [m.index for m in plan]
         if len(set(indexes)) != len(indexes):
             problems.append(f"bucket indexes repeat: {indexes}")
         for manifest in plan:
-            for entry in manifest.entries:
+            for pos, entry in enumerate(manifest.entries):
                 meta = entry.meta
-                shape = self.layout.hf_shapes.get(meta.name)
+                model_name = self.layout.tied.get(meta.name, meta.name)  # a tied head is checked as the embedding
+                shape = self.layout.hf_shapes.get(model_name)
                 if shape is None:
                     problems.append(f"unknown tensor {meta.name!r}")
                     continue
                 if meta.name in seen:
                     problems.append(f"duplicate tensor {meta.name!r} (buckets {seen[meta.name]} and {manifest.index})")
                 seen[meta.name] = manifest.index
+                order.setdefault(meta.name, (manifest.index, pos))
                 if tuple(meta.shape) != shape:
                     problems.append(f"{meta.name}: shape {list(meta.shape)} != model {list(shape)}")
-                want = self.layout.hf_dtypes[meta.name]
+                want = self.layout.hf_dtypes[model_name]
                 if meta.dtype != want:
                     problems.append(f"{meta.name}: dtype {meta.dtype} != model {want}")
+        for alias, target in self.layout.tied.items():
+            if alias in order and target in order and order[alias] < order[target]:
+                problems.append(f"{alias} is tied to {target} (tie_word_embeddings) and must come after it in the plan")
         missing = [n for n in self.layout.hf_shapes if n not in seen]
         if missing:
             problems.append(f"{len(missing)} model tensors missing from the plan, first {missing[0]!r}")
@@ -380,6 +405,7 @@ class EngineCore:
         self.check_load(manifest)
         try:
             self._check_tensors(manifest, tensors)
+            self._check_ties(tensors)
         except EngineError as exc:
             self.break_session(f"bucket {manifest.index} was refused ({exc.kind})")
             raise
@@ -387,9 +413,18 @@ class EngineCore:
         with torch.no_grad():
             if expected is None:
                 for name, tensor in tensors:
-                    self._write(name, tensor)
+                    if name not in self.layout.tied:  # a tied head was checked equal to its tensor
+                        self._write(name, tensor)
             else:
-                digests = copy_digests([(self._target(name), tensor) for name, tensor in tensors])
+                run: list[tuple[torch.Tensor, torch.Tensor]] = []  # digests stay in bucket order
+                for name, tensor in tensors:
+                    if name in self.layout.tied:
+                        digests += copy_digests(run) if run else []
+                        digests += chunk_digests(tensor)
+                        run = []
+                    else:
+                        run.append((self._target(name), tensor))
+                digests += copy_digests(run) if run else []
         assert self.session is not None
         self.weights_epoch += 1
         self.dirty = True
@@ -427,6 +462,25 @@ class EngineCore:
                     f"{entry.meta.dtype}{list(entry.meta.shape)}",
                 )
 
+    def _check_ties(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """A tied head must be bit for bit the tensor it is tied to (this bucket's copy, or the one
+        an earlier bucket of this session loaded: `begin` put it first): an engine that ties them
+        cannot serve a trainer whose head is its own."""
+        if not self.layout.tied:
+            return
+        given = dict(tensors)
+        for name, tensor in tensors:
+            target = self.layout.tied.get(name)
+            if target is None:
+                continue
+            ref = given.get(target, self.params[target])
+            if not torch.equal(_bits(ref), _bits(tensor)):
+                raise EngineError(
+                    "bad_payload",
+                    f"{name} differs from {target}, which this engine ties to it (tie_word_embeddings): "
+                    "the trainer's output head is not tied",
+                )
+
     def finalize(self) -> dict[str, Any]:
         session = self.session
         if session is None:
@@ -440,7 +494,7 @@ class EngineCore:
                 "incomplete",
                 f"finalize after {len(session.loaded)} of {len(session.plan)} buckets; missing {missing}",
             )
-        self.head_serving = self.params["lm_head.weight"].clone()
+        self.head_serving = self._head()
         self.ready_to_publish = True
         return {"post_processed": True}
 
@@ -500,7 +554,7 @@ class EngineCore:
                 self.params = {name: self._zeros(name) for name in self.layout.engine_shapes}
                 intact = False
                 self.dirty = True  # zeros are no version's weights until a refit completes
-            self.head_serving = self.params["lm_head.weight"].clone()
+            self.head_serving = self._head()
             self.weights_released = False
             self.weights_epoch += 1
         if "kv_cache" in tags:
@@ -636,6 +690,7 @@ class EngineCore:
         self, tokens: list[int], past: list[tuple[torch.Tensor, torch.Tensor]] | None, start: int
     ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
         c, p, comm = self.config, self.params, self.comm
+        assert c.head_dim is not None
         heads, kv_heads = c.num_heads // comm.size, c.num_kv_heads // comm.size  # this rank's heads
         qd, kvd, t = heads * c.head_dim, kv_heads * c.head_dim, len(tokens)
         pos = torch.arange(start, start + t)
@@ -644,7 +699,7 @@ class EngineCore:
         for i in range(c.num_layers):
             pre = f"model.layers.{i}."
             n = rms_norm(x, p[pre + "input_layernorm.weight"], c.rms_norm_eps)
-            qkv = F.linear(n, p[pre + "self_attn.qkv_proj.weight"])
+            qkv = F.linear(n, p[pre + "self_attn.qkv_proj.weight"], p.get(pre + "self_attn.qkv_proj.bias"))
             q = qkv[..., :qd].contiguous().view(1, t, heads, c.head_dim).transpose(1, 2)
             k = qkv[..., qd : qd + kvd].contiguous().view(1, t, kv_heads, c.head_dim).transpose(1, 2)
             v = qkv[..., qd + kvd :].contiguous().view(1, t, kv_heads, c.head_dim).transpose(1, 2)
@@ -654,12 +709,22 @@ class EngineCore:
                 v = torch.cat([past[i][1], v], dim=2)
             new_kv.append((k, v))
             out = attention(q, k, v, start).transpose(1, 2).reshape(1, t, qd)
-            x = x + comm.all_reduce(F.linear(out, p[pre + "self_attn.o_proj.weight"]))
+            x = x + self._row_parallel(out, p[pre + "self_attn.o_proj.weight"], p.get(pre + "self_attn.o_proj.bias"))
             n = rms_norm(x, p[pre + "post_attention_layernorm.weight"], c.rms_norm_eps)
             gate, up = F.linear(n, p[pre + "mlp.gate_up_proj.weight"]).chunk(2, dim=-1)
-            x = x + comm.all_reduce(F.linear(F.silu(gate) * up, p[pre + "mlp.down_proj.weight"]))
+            x = x + self._row_parallel(F.silu(gate) * up, p[pre + "mlp.down_proj.weight"], None)
         logits = F.linear(rms_norm(x, p["model.norm.weight"], c.rms_norm_eps), self.head_serving)
         return comm.all_gather_cat(logits[0], dim=-1), new_kv
+
+    def _row_parallel(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """`x @ weight.T + bias` for a row-parallel projection (o_proj, down_proj). One rank: one
+        F.linear, as HF's nn.Linear. TP ranks: each rank's partial product in float32, summed across
+        ranks with the (replicated) bias, rounded to the model's dtype once, as one matmul would
+        be (bf16 partials rounded before the sum land units in the last place away from HF's)."""
+        if self.comm.size == 1:
+            return F.linear(x, weight, bias)
+        out = self.comm.all_reduce(F.linear(x.float(), weight.float()))
+        return (out if bias is None else out + bias.float()).to(x.dtype)
 
     def info(self) -> dict[str, Any]:
         return {
@@ -676,3 +741,8 @@ class EngineCore:
             "cached_tokens": self.cache.size,
             "tp": self.comm.size,
         }
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bytes of a tensor (bitwise comparison: -0.0 is not 0.0, a NaN equals itself)."""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
