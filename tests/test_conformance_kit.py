@@ -4,6 +4,8 @@ message naming the invariant it breaks. Each broken driver reproduces a real ref
 from __future__ import annotations
 
 import contextlib
+import time
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -14,16 +16,23 @@ from refit.errors import EngineError
 from refit.protocol.lock import LocalLock
 from refit.testing import check_engine_driver
 
+from .conftest import SUMMARY
+
 
 def test_the_reference_driver_conforms() -> None:
-    check_engine_driver(ReferenceEngine.in_thread, max_examples=30)
+    coverage = check_engine_driver(ReferenceEngine.in_thread, max_examples=20)
+    SUMMARY.append(f"conformance kit (reference driver, shm): {coverage.summary()}")
+    assert coverage.paths["retry"] > 0 and coverage.paths["first attempt"] > 0
+    assert {"raise", "corrupt", "kill", "hang"} <= set(coverage.kinds)
+    assert coverage.checks["weights read back"] > 0 and coverage.checks["in-flight requests"] > 0
 
 
 def test_the_reference_driver_conforms_over_the_broadcast_transport() -> None:
     """The same kit with the collective transport: a group per connection, rebuilt when a member fails."""
     from refit.drivers.broadcast import BroadcastTransport
 
-    check_engine_driver(ReferenceEngine.in_thread, max_examples=15, transport=BroadcastTransport)
+    coverage = check_engine_driver(ReferenceEngine.in_thread, max_examples=10, transport=BroadcastTransport)
+    SUMMARY.append(f"conformance kit (reference driver, broadcast): {coverage.summary()}")
 
 
 class ForgetsToFlush(ReferenceEngine):
@@ -89,6 +98,103 @@ class AcksBeforeCopy(ReferenceEngine):
 
     def load(self, payload: Payload, *, timeout: float) -> None:
         self.client.call_async("load", payload)
+
+
+class _NoAudit(ReferenceEngine):
+    """The drivers below keep no engine-side record (most real drivers have none, and a driver that
+    lies could fake one): only what the engines serve can catch them."""
+
+    def audit(self, *, timeout: float = 60.0) -> None:
+        return None
+
+
+class HidesStaleKV(_NoAudit):
+    """Reports the KV flush done without doing it, and has no audit: prefixes cached under the old
+    weights are served after the update (NeMo RL#4018, miles#2782)."""
+
+    def flush(self, *, timeout: float) -> None:
+        return None
+
+
+class AcksWithoutLoading(_NoAudit):
+    """Acks every bucket and the finalize without the engine taking them, then relabels the engine's
+    version (SGLang's /update_weight_version checks nothing): old weights under the new version."""
+
+    def load(self, payload: Payload, *, timeout: float) -> None:
+        return None
+
+    def finalize(self, *, timeout: float) -> None:
+        return None
+
+    def publish(self, version: int, *, timeout: float) -> None:
+        self.client.call("label_version", version, timeout=timeout)
+
+
+class SkipsFinalize(_NoAudit):
+    """Never runs the engine's post-load processing and labels the version anyway: the weights
+    read back are new, but the engine serves from the head it processed before (end_weight_update /
+    process_weights_after_loading skipped)."""
+
+    def finalize(self, *, timeout: float) -> None:
+        return None
+
+    def publish(self, version: int, *, timeout: float) -> None:
+        self.client.call("label_version", version, timeout=timeout)
+
+
+class ReportsVersionOffByOne(_NoAudit):
+    """Publishes the version after the one the run published (a version bumped twice)."""
+
+    def publish(self, version: int, *, timeout: float) -> None:
+        self.client.call("publish", version + 1, timeout=timeout)
+
+
+class IgnoresItsTimeout(_NoAudit):
+    """Takes longer than the budget it was given and answers anyway, as if nothing was wrong (an HTTP
+    client with no timeout behind a call that was given one)."""
+
+    def load(self, payload: Payload, *, timeout: float) -> None:
+        time.sleep(timeout + 0.25)
+        self.client.call("load", payload, timeout=60.0)
+
+
+class ClaimsWeightsIntact(_NoAudit):
+    """Reports weight memory resumed intact whatever came back (released weights come back empty):
+    an engine whose update then fails before any byte is continued on empty weights."""
+
+    def resume_memory(self, tags: Sequence[str], *, timeout: float) -> dict[str, Any]:
+        out = self.client.call("resume_memory", list(tags), timeout=timeout)
+        return {**out, "weights_intact": True}
+
+
+class NeverContinues(_NoAudit):
+    """Swallows continue_generation (sent to a route that does nothing): engines stay paused while
+    the run reports them serving."""
+
+    def continue_generation(self, *, timeout: float) -> None:
+        return None
+
+
+OUTCOME_BROKEN = {
+    "kv_fresh": HidesStaleKV,
+    "served": AcksWithoutLoading,
+    "served ": SkipsFinalize,
+    "version": ReportsVersionOffByOne,
+    "deadline": IgnoresItsTimeout,
+    "served  ": ClaimsWeightsIntact,
+    "served   ": NeverContinues,
+}
+
+
+@pytest.mark.parametrize(
+    ("invariant", "driver"), OUTCOME_BROKEN.items(), ids=[d.__name__ for d in OUTCOME_BROKEN.values()]
+)
+def test_the_kit_checks_outcomes_not_claims(invariant: str, driver: type[ReferenceEngine]) -> None:
+    """Drivers with no audit whose engines do real harm: caught by what the engines serve."""
+    with pytest.raises(AssertionError) as info:
+        check_engine_driver(driver.in_thread, max_examples=10, shrink=False)
+    message = str(info.value)
+    assert f"{invariant.strip()}:" in message, message
 
 
 BROKEN = {

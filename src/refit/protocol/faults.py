@@ -44,7 +44,9 @@ class Fault:
     bucket: int | None = None
     call: str | None = None
     kind: str = "raise"
+    after: int = 0  # matching steps let through before it fires (1: a retry's step, not the first)
     fired: int = 0
+    passed: int = 0
 
     def matches(self, state: str, call: str, engine: int | None, bucket: int | None) -> bool:
         return (
@@ -56,13 +58,16 @@ class Fault:
         )
 
     def describe(self) -> dict[str, object]:
-        return {
+        out: dict[str, object] = {
             "state": self.state,
             "engine": self.engine,
             "bucket": self.bucket,
             "call": self.call,
             "kind": self.kind,
         }
+        if self.after:
+            out["after"] = self.after
+        return out
 
 
 @dataclass
@@ -91,6 +96,9 @@ class FaultPlan:
         """The fault to fire for this step, marking it fired; None if no fault matches."""
         for fault in self.faults:
             if fault.matches(state, call, engine, bucket):
+                if fault.passed < fault.after:
+                    fault.passed += 1
+                    continue
                 fault.fired += 1
                 return fault
         return None

@@ -1,35 +1,61 @@
-"""Conformance kit for engine drivers: property-test your driver against every refit invariant.
+"""Conformance kit for engine drivers: property-test your driver against every refit invariant, and
+against what its engine actually serves.
 
     from refit.testing import check_engine_driver
 
     def test_my_driver_conforms():
-        check_engine_driver(lambda name: MyEngineDriver.start(name), max_examples=25)
+        report = check_engine_driver(lambda name: MyEngineDriver.start(name), max_examples=25)
+        print(report.summary())
 
-First a deterministic sweep: one refit with each fault kind (raise, corrupt, kill, hang) in each
-state, on two engines. Then a Hypothesis rule-based state machine drives `protocol.run` over
-engines built by your factory:
-random engine counts (1-3), colocated or disaggregated runs, pause modes, retries, and random
-single faults (raise, hang, kill, corrupt) at random (state, engine, bucket); concurrent attempts
-while another owner holds the lock, late releases by stale owner tokens, and engines restarted
-after they died. After every step it checks
+First a deterministic sweep (two engines, colocated): every fault kind (raise, corrupt, kill, hang)
+in every state, at the first, middle and last bucket, with retries off and on; faults that hit the
+retry attempt itself; engines that released their memory (as a colocated engine does while the
+trainer trains) and must be refit in full, with and without a fault before any byte; restarts and a
+concurrent attempt. Then a Hypothesis rule-based state machine explores: 1-3 engines, colocated
+or disaggregated, pause modes, retries, faults weighted towards the bucket loop and the retry
+path, requests in flight, memory releases, concurrent attempts, stale owners' late releases,
+restarts. After every refit it checks outcomes, not claims:
 
-  * every trace invariant (refit.invariants.check_trace) over everything recorded so far, and
-  * when the driver exposes `audit()` (what the engine itself did), the engine-side invariants
-    (check_engine_audit) and that every acknowledged bucket had really been copied (check_acks).
+  * every trace invariant (refit.invariants.check_trace) over everything recorded so far, and the
+    engine-side audit when the driver has `audit()`;
+  * served     each engine the run reports `updated` (at the new version) or `unchanged` (at its
+               old one) really serves that version's weights: its weights read back equal the
+               trainer's bit for bit (when the driver has `state_dict`), and the greedy tokens it
+               generates are the ones the trainer's model gives with those weights (checked by
+               teacher forcing, so near-ties cannot flake); a quarantined engine refuses requests;
+  * version    the version an engine labels its tokens with (and reports in `info()`) is the one
+               the run published for it;
+  * kv_fresh   requests it submitted before the refit, and prompts whose prefixes were cached
+               under the old weights, produce only tokens that their own version's weights give
+               (a token computed on KV from other weights does not);
+  * progress   a refit with no fault updates every engine; an engine restarted (new incarnation)
+               is attached again and refit in full before the run reports it updated;
+  * deadline   no call answered after the budget it was given (a driver that ignores its
+               `timeout` is reported as such, never as a success).
 
-A failure raises AssertionError naming the invariant, and Hypothesis prints the shortest sequence
-of steps that breaks it. Trace checks see what the driver *reported*; only the audit shows what
-the engine *did*, so a driver that reports success without doing the work is caught only through
-`audit()`. The default model, source and transport are the reference engine's (TinyLlama, torch
-source, shared memory); pass `model` / `transport` for drivers of other engines.
+A failure raises AssertionError naming the invariant; Hypothesis prints the shortest sequence of
+steps that breaks it. The coverage (runs, faults per state and per path, outcomes) is returned.
+
+What the kit needs from a driver besides the protocol calls: `generate(prompt, max_new_tokens, *,
+timeout) -> {"output": [token ids], "weight_versions": [one per token] (optional)}`; optional
+`state_dict(*, timeout)` (weights read back, engine-side names as the trainer's), `score(tokens, *,
+timeout)` (fresh logits, to tell stale KV from wrong weights), `info(*, timeout) -> {"version"}`,
+`submit(prompt, max_new_tokens) -> Future` (requests in flight), `release_memory(tags, *, timeout)`
+(colocated engines), `audit(*, timeout)`, `alive`, `close()`. The default model, source and
+transport are the reference engine's (TinyLlama, torch source, shared memory); pass `model` /
+`transport` for drivers of other engines (`model(ids [1, T])` returns logits or an object with
+`.logits`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import time
 import uuid
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import hypothesis.strategies as st
@@ -48,10 +74,39 @@ from refit import invariants, protocol
 from refit.drivers.base import EngineDriver, Transport
 from refit.drivers.buckets import plan_buckets
 from refit.errors import RefitBusyError
-from refit.protocol.faults import Fault
+from refit.protocol.faults import FAULT_KINDS, Fault
 from refit.states import ACTIVE_STATES
 
-FAULT_KINDS = ("kill", "corrupt", "raise", "hang", "corrupt", "raise")  # Hypothesis favours the first ones
+PROMPTS: tuple[tuple[int, ...], ...] = ((3, 1, 4, 1, 5, 9, 2, 6), (2, 7, 1, 8, 2, 8))  # the served check
+CHECK_TOKENS = 6
+INFLIGHT_PROMPT = (1, 2, 3, 4)
+INFLIGHT_TOKENS = 40
+LOGIT_TOLERANCE = 1e-3  # a served token may trail the trainer's best by this much (summation order)
+SERVE_TIMEOUT_S = 5.0  # an engine reported serving answers a short request within this
+RETRY_STATES = ("INVALIDATING", "TRANSFERRING", "POST_PROCESSING")
+
+
+@dataclass
+class Coverage:
+    """What the kit exercised: runs, injected faults per state / kind / path, engine outcomes, and
+    how many served checks ran (weights read back, prompts generated, in-flight requests)."""
+
+    runs: int = 0
+    faults: Counter[str] = field(default_factory=Counter)  # per state
+    kinds: Counter[str] = field(default_factory=Counter)
+    paths: Counter[str] = field(default_factory=Counter)  # first attempt | retry | cleanup | trainer
+    outcomes: Counter[str] = field(default_factory=Counter)
+    checks: Counter[str] = field(default_factory=Counter)
+
+    def summary(self) -> str:
+        def fmt(c: Counter[str]) -> str:
+            return ", ".join(f"{k} {v}" for k, v in sorted(c.items())) or "none"
+
+        return (
+            f"{self.runs} refits, {sum(self.faults.values())} faults fired; per state: {fmt(self.faults)}; "
+            f"per kind: {fmt(self.kinds)}; per path: {fmt(self.paths)}; engine outcomes: {fmt(self.outcomes)}; "
+            f"served checks: {fmt(self.checks)}"
+        )
 
 
 def _default_model() -> Any:
@@ -73,6 +128,9 @@ class DriverStateMachine(RuleBasedStateMachine):
     model_factory: Callable[[], Any] = staticmethod(_default_model)
     transport_factory: Callable[[], Transport] = staticmethod(_default_transport)
     bucket_bytes = 64 << 10
+    call_timeout_s = 0.3
+    logit_tolerance = LOGIT_TOLERANCE
+    coverage: Coverage = Coverage()
 
     def __init__(self) -> None:
         super().__init__()
@@ -82,6 +140,12 @@ class DriverStateMachine(RuleBasedStateMachine):
         self.steps = 0
         self.runs_of: dict[int, set[str]] = {}  # id(engine) -> runs it took part in
         self.audits: dict[int, tuple[list[dict[str, Any]], float]] = {}  # id(engine) -> (audit, taken at)
+        self.snapshots: dict[int, dict[str, Any]] = {}  # version -> the trainer's weights it names
+        self.inflight: list[tuple[EngineDriver, Any]] = []  # requests submitted before the next refit
+        self.restarted: dict[str, bool] = {}  # engines replaced since their last full refit -> attached
+        self.released: set[str] = set()  # engines whose memory the kit released since they last served
+        self._scratch: Any = None
+        self._logits: dict[tuple[int, tuple[int, ...]], Any] = {}
 
     # ---- set-up -------------------------------------------------------------------------------
 
@@ -95,6 +159,7 @@ class DriverStateMachine(RuleBasedStateMachine):
 
         self.engines = [type(self).factory(f"kit{i}") for i in range(n)]
         self.model = type(self).model_factory()
+        self.snapshots[0] = _clone(self.model.state_dict())  # every engine starts from this checkpoint
         self.ctx = protocol.RefitContext(
             source=TorchSource(self.model),
             transport=type(self).transport_factory(),
@@ -104,7 +169,7 @@ class DriverStateMachine(RuleBasedStateMachine):
             bucket_bytes=type(self).bucket_bytes,
             deadline_s=10.0,
             cleanup_grace_s=2.0,
-            call_timeout_s=0.3,
+            call_timeout_s=type(self).call_timeout_s,
             version=0,
         )
         _note(f"{n} engines, {mode}, pause {pause_mode}")
@@ -116,45 +181,83 @@ class DriverStateMachine(RuleBasedStateMachine):
         return len(plan_buckets(self.ctx.source.metas(), self.ctx.bucket_bytes))
 
     def fault_states(self) -> list[str]:
-        """States a fault can fire in: offload/restore exist only in colocated runs."""
+        """States a fault can fire in: offload/restore exist only in colocated runs, RECONNECTING
+        only with a collective transport."""
         assert self.ctx is not None
-        return [str(s) for s in ACTIVE_STATES if self.ctx.colocated or s not in ("OFFLOADING", "RESTORING")]
+        return [
+            str(s) for s in ACTIVE_STATES
+            if (self.ctx.colocated or s not in ("OFFLOADING", "RESTORING"))
+            and (self.ctx.transport.collective or s != "RECONNECTING")
+        ]  # fmt: skip
 
-    @rule(data=st.data(), retries=st.integers(0, 1), faulty=st.booleans())
-    def refit(self, data: st.DataObject, retries: int, faulty: bool) -> None:
-        """A training step, then a refit, maybe with one fault injected somewhere."""
-        fault = None
-        if faulty:  # only faults that can fire: a bucket only in TRANSFERRING
+    @rule(data=st.data(), retries=st.integers(0, 1), path=st.sampled_from(["transfer", "retry", "transfer", "other"]))
+    def refit(self, data: st.DataObject, retries: int, path: str) -> None:
+        """A training step, then a refit; faults favour the bucket loop and the retry attempt."""
+        engine = data.draw(st.integers(0, len(self.engines) - 1), label="engine")
+        kind = data.draw(st.sampled_from(FAULT_KINDS), label="kind")
+        n = self.n_buckets()
+        faults: list[Fault] = []
+        if path == "transfer":
+            bucket = data.draw(st.sampled_from(sorted({0, n // 2, n - 1})), label="bucket")
+            faults = [Fault("TRANSFERRING", engine=engine, bucket=bucket, kind=kind)]
+        elif path == "retry":
+            retries = 1
+            faults = self.retry_path(engine, data.draw(st.sampled_from(self.retry_targets()), label="target"), kind)
+        elif data.draw(st.booleans(), label="faulty"):
             state = data.draw(st.sampled_from(self.fault_states()), label="state")
-            n = self.n_buckets()
-            buckets = sorted({0, n // 2, n - 1}) if state == "TRANSFERRING" else [None]
-            fault = Fault(
-                state,
-                engine=data.draw(st.integers(0, len(self.engines) - 1), label="engine"),
-                bucket=data.draw(st.sampled_from(buckets), label="bucket"),
-                kind=data.draw(st.sampled_from(FAULT_KINDS), label="kind"),
-            )
-        self.refit_with(fault, retries)
+            faults = [Fault(state, engine=engine, kind=kind)] if state != "TRANSFERRING" else []
+        self.refit_with(faults, retries)
 
-    def refit_with(self, fault: Fault | None, retries: int) -> None:
+    def retry_targets(self) -> list[tuple[str, str | None, int | None, int]]:
+        """Steps of an engine's retry attempt, as (state, call, bucket, matches before it fires)
+        after a raise at the middle bucket dropped it from the first attempt."""
+        n = self.n_buckets()
+        mid = n // 2  # the first attempt's loads before `mid` pass a fault keyed to them; `mid` fails
+        return [
+            ("INVALIDATING", "begin", None, 1),
+            ("TRANSFERRING", "load", 0, 1 if mid > 0 else 0),
+            ("TRANSFERRING", "load", n - 1, 0),
+            ("POST_PROCESSING", "finalize", None, 0),
+        ]
+
+    def retry_path(self, engine: int, target: tuple[str, str | None, int | None, int], kind: str) -> list[Fault]:
+        state, call, bucket, after = target
+        first = Fault("TRANSFERRING", engine=engine, bucket=self.n_buckets() // 2, call="load", kind="raise")
+        return [first, Fault(state, engine=engine, bucket=bucket, call=call, kind=kind, after=after)]
+
+    def refit_with(self, faults: Fault | Sequence[Fault] | None, retries: int) -> protocol.RefitResult:
+        """One training step and one refit; then every check of the module docstring."""
         import torch
 
         assert self.ctx is not None
+        plan = [faults] if isinstance(faults, Fault) else list(faults or [])
+        if any(f.state == "CONNECTING" for f in plan):  # engine calls of CONNECTING happen on a new connection
+            from refit.protocol.runner import disconnect
+
+            disconnect(self.ctx, timeout=SERVE_TIMEOUT_S)
         self.steps += 1
-        with torch.no_grad():
+        with torch.no_grad():  # a large step: stale KV or a missed bucket changes the tokens served
             gen = torch.Generator().manual_seed(self.steps)
             for p in self.model.parameters():
-                p.add_(0.01 * torch.randn(p.shape, generator=gen))
+                scale = float(p.detach().float().std()) if p.numel() > 1 else 0.0
+                p.add_((max(scale, 0.02) * torch.randn(p.shape, generator=gen)).to(p.dtype))
+        sent = _clone(self.model.state_dict())
         self.ctx.retries = retries
-        self.ctx.faults = protocol.FaultPlan([fault]) if fault else None
+        self.ctx.faults = protocol.FaultPlan(plan) if plan else None
         result = protocol.run(self.ctx)  # raises InvariantViolation if the run's own events break one
+        if result.version is not None:
+            self.snapshots[result.version] = sent
         for e in self.engines:
             self.runs_of.setdefault(id(e), set()).add(result.run_id)
-        _note(f"refit {self.steps}: {fault} -> {result.state} {[(o.name, o.status) for o in result.engines.values()]}")
+        events = [e for e in self.ctx.recorder.events if e.get("run") == result.run_id]
+        self.count(result, events)
+        _note(f"refit {self.steps}: {plan} -> {result.state} {[(o.name, o.status) for o in result.engines.values()]}")
         assert self.ctx.lock is not None and self.ctx.lock.holder is None, "lock: still held after the run"
-        for name, o in result.engines.items():
-            if o.status == "updated":
-                assert o.version == result.version, f"version: engine {name} updated but reports {o.version}"
+        self.every_invariant_holds()
+        self.check_answers_in_time(events)
+        self.check_progress(result, events, fault_free=not plan)
+        self.check_outcomes(result)
+        return result
 
     @rule()
     def concurrent_attempt(self) -> None:
@@ -189,6 +292,7 @@ class DriverStateMachine(RuleBasedStateMachine):
         self._audit(self.engines[i])  # keep what it did before it was replaced
         self.retired.append(self.engines[i])
         self.engines[i] = type(self).factory(self.engines[i].name)
+        self.restarted[self.engines[i].name] = False
         assert self.ctx is not None
         self.ctx.engines[i] = self.engines[i]
         _note(f"restarted engine {i}")
@@ -196,10 +300,26 @@ class DriverStateMachine(RuleBasedStateMachine):
     @precondition(lambda self: any(_alive(e) and hasattr(e, "submit") for e in self.engines))
     @rule()
     def requests_in_flight(self) -> None:
-        """Rollouts running when the next refit starts (exercises pause modes)."""
+        """Rollouts running when the next refit starts (exercises pause modes and KV freshness)."""
         for e in self.engines:
             if _alive(e) and hasattr(e, "submit"):
-                e.submit([1, 2, 3, 4], 40)
+                self.inflight.append((e, e.submit(list(INFLIGHT_PROMPT), INFLIGHT_TOKENS)))
+
+    @precondition(lambda self: self.ctx is not None and self.ctx.colocated)
+    @rule()
+    def release_memory(self) -> None:
+        """The trainer trains: colocated engines give their weight and KV memory back (weights
+        released without a backup are gone; the next refit must restore them in full)."""
+        self.release_all()
+
+    def release_all(self) -> None:
+        self.settle_requests()
+        for e in self.engines:
+            if _alive(e):
+                with contextlib.suppress(Exception):  # an engine that cannot release keeps its memory
+                    e.release_memory(["kv_cache", "weights"], timeout=SERVE_TIMEOUT_S)
+                    self.released.add(e.name)
+        type(self).coverage.checks["memory released"] += 1
 
     # ---- checks ---------------------------------------------------------------------------------
 
@@ -222,6 +342,190 @@ class DriverStateMachine(RuleBasedStateMachine):
         if found:
             raise AssertionError("refit invariant violated:\n" + "\n".join(f"  {v}" for v in found))
 
+    def check_answers_in_time(self, events: list[dict[str, Any]]) -> None:
+        late = [e for e in events if e.get("late")]
+        if late:
+            e = late[0]
+            who = f"engine {e.get('engine')}'s driver" if e.get("engine") else f"the {e.get('side')} driver"
+            raise AssertionError(
+                f"deadline: {who} answered {e.get('event')} after its {e.get('budget_s')}s budget: it ignores its "
+                f"timeout ({e.get('error')})"
+            )
+
+    def check_progress(self, result: protocol.RefitResult, events: list[dict[str, Any]], *, fault_free: bool) -> None:
+        for name, o in result.engines.items():
+            driver = next(e for e in self.engines if e.name == name)
+            if fault_free and _alive(driver) and o.status != "updated":
+                raise AssertionError(
+                    f"progress: a refit with no fault left engine {name} {o.status} (error: {o.error})"
+                )
+        for e in events:  # a restarted engine's new incarnation must attach before any bucket reaches it
+            name = e.get("engine")
+            if e.get("kind") != "call" or name not in self.restarted:
+                continue
+            if e.get("event") == "attach" and e.get("outcome") == "ok":
+                self.restarted[name] = True
+            elif e.get("event") == "detach":
+                self.restarted[name] = False
+            elif e.get("event") == "load" and e.get("outcome") == "ok" and not self.restarted[name]:
+                raise AssertionError(f"progress: restarted engine {name} took bucket {e.get('bucket')} unattached")
+        for name, o in result.engines.items():
+            if name in self.restarted and o.status == "updated":
+                del self.restarted[name]
+
+    def check_outcomes(self, result: protocol.RefitResult) -> None:
+        """What each engine serves, against the trainer's weights of the version it reports."""
+        cov = type(self).coverage
+        serving = {}
+        for name, o in result.engines.items():
+            driver = next(e for e in self.engines if e.name == name)
+            if not _alive(driver):
+                continue
+            if o.status == "updated" and o.version != result.version:
+                raise AssertionError(
+                    f"version: engine {name} updated to {o.version}, the run published {result.version}"
+                )
+            claimed = o.serving or (o.status == "unchanged" and name not in self.released)
+            if o.serving:
+                self.released.discard(name)
+            if o.status in ("updated", "unchanged") and claimed and o.version in self.snapshots:
+                serving[name] = o.version
+                self.check_serves(driver, o.version)
+            elif o.status == "quarantined":
+                self.check_refuses(driver)
+        for driver, fut in self.inflight:
+            if driver.name in serving and _alive(driver):
+                self.check_request(driver, fut)
+                cov.checks["in-flight requests"] += 1
+        self.inflight = []
+
+    def check_serves(self, engine: EngineDriver, version: int) -> None:
+        cov = type(self).coverage
+        name = engine.name
+        weights = self.snapshots[version]
+        if hasattr(engine, "state_dict"):
+            read = engine.state_dict(timeout=SERVE_TIMEOUT_S)
+            for key, want in weights.items():
+                got = read.get(key)
+                if got is None or got.shape != want.shape or got.dtype != want.dtype or not bool((got == want).all()):
+                    raise AssertionError(
+                        f"served: engine {name} is reported at version {version} but its weights read back differ "
+                        f"from the trainer's version {version} (first: {key})"
+                    )
+            cov.checks["weights read back"] += 1
+        if hasattr(engine, "info"):
+            reported = (engine.info(timeout=SERVE_TIMEOUT_S) or {}).get("version")
+            if reported is not None and reported != version:
+                raise AssertionError(f"version: engine {name} reports version {reported}, the run says {version}")
+        for prompt in PROMPTS:
+            try:
+                out = engine.generate(list(prompt), CHECK_TOKENS, timeout=SERVE_TIMEOUT_S)
+            except Exception as exc:
+                raise AssertionError(
+                    f"served: engine {name} is reported serving version {version} but a request failed: "
+                    f"{type(exc).__name__}: {exc}"
+                ) from None
+            self.check_tokens(engine, list(prompt), out, default_version=version, fresh=True)
+            cov.checks["prompts generated"] += 1
+
+    def check_refuses(self, engine: EngineDriver) -> None:
+        """A quarantined engine does not serve: a request is refused (or never answered)."""
+        try:
+            engine.generate(list(PROMPTS[0]), 1, timeout=0.5)
+        except Exception:
+            type(self).coverage.checks["quarantined refused"] += 1
+            return
+        raise AssertionError(f"pause_continue: engine {engine.name} was quarantined but still serves requests")
+
+    def check_request(self, engine: EngineDriver, fut: Any) -> None:
+        try:
+            out = fut.result(timeout=SERVE_TIMEOUT_S)
+        except Exception:
+            return  # aborted, refused or lost with a restart: nothing was served
+        if isinstance(out, dict):
+            self.check_tokens(engine, list(out.get("prompt") or INFLIGHT_PROMPT), out, default_version=None)
+
+    def check_tokens(
+        self,
+        engine: EngineDriver,
+        prompt: list[int],
+        out: dict[str, Any],
+        *,
+        default_version: int | None,
+        fresh: bool = False,
+    ) -> None:
+        """Each token is what its version's weights give on everything before it (teacher forcing)."""
+        tokens = [int(t) for t in out.get("output") or []]
+        versions = out.get("weight_versions") or [default_version] * len(tokens)
+        if fresh and not tokens:
+            raise AssertionError(f"served: engine {engine.name} answered a request with no tokens")
+        for i, (tok, v) in enumerate(zip(tokens, versions, strict=False)):
+            if default_version is not None and v != default_version:
+                raise AssertionError(
+                    f"version: engine {engine.name} labelled a token with version {v}; it was reported at "
+                    f"{default_version}"
+                )
+            if v not in self.snapshots:
+                raise AssertionError(
+                    f"version: engine {engine.name} labelled a token with version {v}, never published"
+                )
+            logits = self.trainer_logits(v, (*prompt, *tokens[:i]))[-1]
+            gap = float(logits.max() - logits[tok])
+            if gap > type(self).logit_tolerance:
+                raise AssertionError(self._diagnose(engine, prompt, tokens, i, v, gap))
+
+    def _diagnose(self, engine: EngineDriver, prompt: list[int], tokens: list[int], i: int, v: int, gap: float) -> str:
+        """A wrong token: stale KV when the engine's own fresh forward agrees with the trainer."""
+        where = (
+            f"token {i} of a request (prompt {prompt[:4]}...) under version {v} trails the trainer's best by {gap:.3g}"
+        )
+        score = getattr(engine, "score", None)
+        if score is not None:
+            with contextlib.suppress(Exception):
+                seq = (*prompt, *tokens[:i])
+                fresh = score(list(seq), timeout=SERVE_TIMEOUT_S)[-1]
+                want = self.trainer_logits(v, seq)[-1]
+                if float((fresh.float() - want.float()).abs().max()) <= type(self).logit_tolerance:
+                    return (
+                        f"kv_fresh: engine {engine.name} served a token computed on stale KV: {where}, while its own "
+                        f"fresh forward agrees with the trainer (the cache held KV from other weights)"
+                    )
+        return f"served: engine {engine.name} serves tokens its version's weights do not give: {where}"
+
+    def trainer_logits(self, version: int, tokens: tuple[int, ...]) -> Any:
+        import torch
+
+        key = (version, tokens)
+        if key not in self._logits:
+            if self._scratch is None:
+                self._scratch = copy.deepcopy(self.model)
+            self._scratch.load_state_dict(self.snapshots[version])
+            with torch.no_grad():
+                out = self._scratch(torch.tensor([list(tokens)]))
+            self._logits[key] = (getattr(out, "logits", out))[0].float()
+        return self._logits[key]
+
+    def settle_requests(self) -> None:
+        """Let requests in flight finish before memory is released (engines refuse it meanwhile)."""
+        for _, fut in self.inflight:
+            with contextlib.suppress(Exception):
+                fut.result(timeout=SERVE_TIMEOUT_S)
+
+    def count(self, result: protocol.RefitResult, events: list[dict[str, Any]]) -> None:
+        cov = type(self).coverage
+        cov.runs += 1
+        for e in events:
+            if (e.get("kind"), e.get("event")) == ("fault", "injected"):
+                fault = e.get("fault") or {}
+                cov.faults[str(fault.get("state"))] += 1
+                cov.kinds[str(fault.get("kind"))] += 1
+                path = "cleanup" if e.get("state") in ("ABORTING", "QUARANTINING") else (
+                    "retry" if e.get("attempt", 0) > 0 else "first attempt"
+                )  # fmt: skip
+                cov.paths[path] += 1
+        for o in result.engines.values():
+            cov.outcomes[o.status] += 1
+
     def _audit(self, engine: EngineDriver) -> tuple[list[dict[str, Any]], float] | None:
         """The engine's own record of what it did, and when that record was taken."""
         if _alive(engine):
@@ -238,6 +542,10 @@ class DriverStateMachine(RuleBasedStateMachine):
             close = getattr(e, "close", None)
             if close is not None:
                 close()
+
+
+def _clone(state: dict[str, Any]) -> dict[str, Any]:
+    return {k: v.detach().clone() for k, v in state.items()}
 
 
 def _note(message: str) -> None:
@@ -257,25 +565,65 @@ def _dropped_unreachable(events: list[dict[str, Any]], name: str) -> bool:
     )
 
 
+def _settle(machine: DriverStateMachine) -> None:
+    """After a hang or a kill: hung engines answer again, dead ones are restarted."""
+    for i, e in enumerate(machine.engines):
+        if not _alive(e):
+            machine.restart(i)
+            continue
+        with contextlib.suppress(Exception):  # a stalled engine carries on after its injected hang
+            getattr(e, "info", lambda **_: None)(timeout=SERVE_TIMEOUT_S)
+
+
 def sweep(machine: DriverStateMachine) -> None:
-    """Deterministic coverage before the random exploration: one refit with each fault kind in
-    each state (middle bucket in TRANSFERRING, on the last engine), no retries, every invariant
-    checked after each; dead engines are restarted; then a concurrent attempt."""
-    for kind in ("raise", "corrupt", "kill", "hang"):
-        for state in machine.fault_states():
-            bucket = machine.n_buckets() // 2 if state == "TRANSFERRING" else None
-            fault = Fault(state, engine=len(machine.engines) - 1, bucket=bucket, kind=kind)
-            try:
-                machine.refit_with(fault, retries=0)
-                machine.every_invariant_holds()
-            except AssertionError as exc:
-                raise AssertionError(f"{exc}\n(sweep step: refit with {fault}, no retries)") from None
-            for i, e in enumerate(machine.engines):
-                if not _alive(e):
-                    machine.restart(i)
-    machine.refit_with(None, retries=1)
+    """Deterministic coverage before the random exploration (see the module docstring); every
+    check runs after each refit, and a failure names the sweep step."""
+    n = machine.n_buckets()
+    last = len(machine.engines) - 1
     machine.concurrent_attempt()
     machine.every_invariant_holds()
+    steps: list[tuple[str, list[Fault], int]] = []
+    if machine.ctx is not None and machine.ctx.colocated:  # memory released while the trainer trained
+        steps += [
+            ("released memory, no fault", [], -1),
+            ("released memory, pause fails", [Fault("PAUSING", engine=last, kind="raise")], -1),
+            ("released memory, connect fails", [Fault("CONNECTING", call="connect", kind="raise")], -1),
+        ]
+    for retries in (0, 1):
+        for kind in FAULT_KINDS:
+            for state in machine.fault_states():
+                if state == "RECONNECTING":  # reached when a member died mid-transfer and the group is rebuilt
+                    if retries:
+                        died = Fault("TRANSFERRING", engine=0, bucket=min(1, n - 1), kind="kill")
+                        steps.append((f"{kind} in {state}", [died, Fault(state, engine=last, kind=kind)], 1))
+                    continue
+                if retries and (state not in RETRY_STATES or kind in ("hang", "kill")):
+                    continue  # retries change nothing outside the update, nor for a hung or dead engine
+                buckets: list[int | None] = sorted({0, n // 2, n - 1}) if state == "TRANSFERRING" else [None]  # type: ignore[assignment]
+                for b in buckets:
+                    steps.append((f"{kind} in {state}", [Fault(state, engine=last, bucket=b, kind=kind)], retries))
+    for kind in FAULT_KINDS:
+        for target in machine.retry_targets():
+            steps.append((f"{kind} in the retry's {target[0]}", machine.retry_path(last, target, kind), 1))
+    steps.append(("requests in flight, no fault", [], 1))
+    for label, faults, retries in steps:
+        if retries < 0:
+            machine.release_all()
+        elif label.startswith("requests in flight"):
+            machine.requests_in_flight()
+        _sweep_step(machine, label, faults, max(retries, 1) if retries < 0 else retries)
+        _settle(machine)
+    machine.every_invariant_holds()
+
+
+def _sweep_step(machine: DriverStateMachine, label: str, faults: list[Fault], retries: int) -> None:
+    try:
+        machine.refit_with(faults, retries=retries)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n(sweep step: {label}: {faults}, retries={retries})") from None
+    for f in faults:
+        if not f.fired:  # a planned fault that never fired covers nothing
+            raise AssertionError(f"kit: sweep step {label!r} planned {f} but it never fired")
 
 
 def check_engine_driver(
@@ -287,21 +635,25 @@ def check_engine_driver(
     transport: Callable[[], Transport] | None = None,
     shrink: bool = True,
     sweep_first: bool = True,
-) -> None:
-    """Property-test an engine driver against every refit invariant; raises AssertionError (naming
-    the invariant) with a minimal failing sequence if one breaks.
+    logit_tolerance: float = LOGIT_TOLERANCE,
+) -> Coverage:
+    """Property-test an engine driver against every refit invariant and against what its engines
+    serve; raises AssertionError (naming the invariant) with a minimal failing sequence if one
+    breaks. Returns the coverage.
 
     factory: name -> a fresh EngineDriver (a new engine each call, serving the checkpoint `model`
-        is initialized from). model: builds the trainer's nn.Module (default: the reference
-        TinyLlama). transport: builds the transport (default: shared memory). steps: rule steps per
-        example. shrink: False reports the first failing sequence without minimizing it.
-        sweep_first: run the deterministic sweep (every state x fault kind) before exploring.
+        is initialized from, at version 0). model: builds the trainer's nn.Module (default: the
+        reference TinyLlama). transport: builds the transport (default: shared memory). steps: rule
+        steps per example. shrink: False reports the first failing sequence without minimizing it.
+        sweep_first: run the deterministic sweep before exploring. logit_tolerance: how far a
+        served token's logit may trail the trainer's best (raise it for low-precision models).
     """
 
     class Machine(DriverStateMachine):
-        pass
+        coverage = Coverage()
 
     Machine.factory = staticmethod(factory)  # type: ignore[assignment]
+    Machine.logit_tolerance = logit_tolerance
     if model is not None:
         Machine.model_factory = staticmethod(model)  # type: ignore[assignment]
     if transport is not None:
@@ -326,6 +678,7 @@ def check_engine_driver(
             suppress_health_check=list(HealthCheck),
         ),
     )
+    return Machine.coverage
 
 
-__all__ = ["DriverStateMachine", "check_engine_driver", "sweep"]
+__all__ = ["Coverage", "DriverStateMachine", "check_engine_driver", "sweep"]
