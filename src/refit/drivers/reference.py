@@ -131,6 +131,7 @@ class ReferenceEngine(EngineDriver):
         if any(getattr(type(self), s.call) is not getattr(ReferenceEngine, s.call) for s in steps):
             return super().run_steps_async(steps, timeout=timeout, executor=executor)
         out: Future[list[StepResult]] = Future()
+        end = time.monotonic() + timeout
         reply = self.client.call_async("steps", [(s.call, tuple(s.args)) for s in steps])
 
         def done(f: Future[Any]) -> None:
@@ -138,6 +139,10 @@ class ReferenceEngine(EngineDriver):
             exc = f.exception()
             if exc is not None:
                 out.set_exception(exc)
+                return
+            if now > end:  # answered past its budget: the runner cannot know what it did in time
+                late = TimeoutError(f"engine {self.name} answered {[s.call for s in steps]} after its {timeout:.3g}s")
+                out.set_result([StepResult("timeout", error=late, seconds=now - end + timeout, done_at=now)])
                 return
             results = []
             for ok, value, seconds in f.result():
