@@ -1,7 +1,9 @@
 """`refit check` is tamper-evident: each class of edit to a real trace (lost, reordered, duplicated or
 foreign lines, transitions off the table, an end that disagrees with its calls, versions that do not
 follow, an engine's events removed, unpaired memory resumes, an ok call past its budget) is
-rejected, naming the invariant and the offending event. The untouched trace passes."""
+rejected, naming the invariant and the offending event; an edited outcome, effect or decision that
+keeps the trace self-consistent is caught by replaying it through the runner (`decisions`). The
+untouched trace passes."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from refit.drivers.reference import ReferenceEngine
 from refit.drivers.shm import SharedMemoryTransport
 from refit.drivers.torch_source import TorchSource
 from refit.reference.model import TinyLlama
+from refit.replay import check_decisions
 from refit.trace import load_trace
 
 from .conftest import CONFIG, perturbed
@@ -27,8 +30,9 @@ Lines = list[dict]
 
 @pytest.fixture(scope="module")
 def real(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A colocated trace of five real runs: clean, a corrupted bucket retried, an engine hung on
-    pause (dropped as timed out), an engine killed mid-transfer, then a clean run after restarting it."""
+    """A colocated trace of six real runs: clean, a corrupted bucket retried, an engine hung on pause
+    (dropped as timed out), an engine killed mid-transfer, a clean run after restarting it, and a
+    failed bucket with no retry (that engine quarantined)."""
     path = tmp_path_factory.mktemp("tamper") / "real.jsonl"
     engines = [ReferenceEngine.in_thread(f"e{i}", CONFIG, seed=0) for i in range(2)]
     model = perturbed(TinyLlama(CONFIG, seed=0), seed=1)
@@ -37,21 +41,25 @@ def real(tmp_path_factory: pytest.TempPathFactory) -> Path:
         call_timeout_s=0.5, deadline_s=20.0, trace=path,
     )  # fmt: skip
     plans = [
-        None,
-        protocol.FaultPlan().fail_at("transferring", engine=0, bucket=2, kind="corrupt"),
-        protocol.FaultPlan().fail_at("pausing", engine=1, kind="hang"),
-        protocol.FaultPlan().fail_at("transferring", engine=1, bucket=3, kind="kill"),
-        None,
+        (None, 1),
+        (protocol.FaultPlan().fail_at("transferring", engine=0, bucket=2, kind="corrupt"), 1),
+        (protocol.FaultPlan().fail_at("pausing", engine=1, kind="hang"), 1),
+        (protocol.FaultPlan().fail_at("transferring", engine=1, bucket=3, kind="kill"), 1),
+        (None, 1),
+        (protocol.FaultPlan().fail_at("transferring", engine=1, bucket=1, call="load"), 0),
     ]
     try:
-        for i, plan in enumerate(plans):
+        for i, (plan, retries) in enumerate(plans):
             perturbed(model, seed=10 + i)
-            ctx.faults = plan
+            ctx.faults, ctx.retries = plan, retries
             protocol.run(ctx)
+            assert plan is None or not plan.unfired(), plan
             for j, e in enumerate(list(ctx.engines)):
                 if not e.alive:
                     e.close()
                     ctx.engines[j] = engines[j] = ReferenceEngine.in_thread(e.name, CONFIG, seed=0)
+                else:
+                    e.info(timeout=10.0)  # a hung engine answers again before the next run
     finally:
         ctx.close()
         for e in engines:
@@ -235,6 +243,36 @@ def trace_end_line_not_last(ls: Lines) -> Lines:
     return renumber(ls)
 
 
+def failed_load_made_ok(ls: Lines) -> Lines:
+    """Run 2's corrupted bucket recorded as acked: the retry that follows no longer follows from it."""
+    i = where(ls, lambda e: e.get("kind") == "call" and e.get("event") == "load" and e.get("outcome") == "error")
+    ls[i]["outcome"] = "ok"
+    ls[i].pop("error", None)
+    ls[i].pop("effect", None)
+    return ls
+
+
+def effect_edited(ls: Lines) -> Lines:
+    """A bucket the engine refused before any effect recorded as one whose effect is unknown."""
+    i = where(ls, lambda e: e.get("kind") == "call" and e.get("effect") == "none")
+    del ls[i]["effect"]
+    return ls
+
+
+def effect_added(ls: Lines) -> Lines:
+    """The killed engine's failed load (effect unknown) recorded as refused before any effect."""
+    died = [i for i, e in enumerate(ls) if e.get("event") == "load" and "EngineDied" in str(e.get("error"))]
+    ls[died[0]]["effect"] = "none"
+    return ls
+
+
+def quarantine_made_continue(ls: Lines) -> Lines:
+    """Run 6's quarantine of the engine whose bucket failed recorded as a continue."""
+    i = where(ls, call("quarantine"))
+    ls[i]["event"] = "continue_generation"
+    return ls
+
+
 TAMPERS: dict[str, tuple[Callable[[Lines], Lines], str]] = {
     "lost line": (lose_a_line, "integrity"),
     "reordered lines": (reorder_two_lines, "integrity"),
@@ -258,12 +296,18 @@ TAMPERS: dict[str, tuple[Callable[[Lines], Lines], str]] = {
     "second end": (second_end, "integrity"),
     "publish of another version": (publish_of_another_version, "integrity"),
     "trace end line not last": (trace_end_line_not_last, "integrity"),
+    "failed load made ok": (failed_load_made_ok, "decisions"),
+    "effect removed": (effect_edited, "decisions"),
+    "effect added": (effect_added, "decisions"),
+    "quarantine made a continue": (quarantine_made_continue, "pause_continue"),
 }
 
 
 def violations_of(path: Path) -> list[invariants.Violation]:
+    """What `refit check` reports: the invariants, then (when they hold) the replayed decisions."""
     header, events, torn = load_trace(path)
-    return invariants.check_trace(events, torn=torn, header=header, whole=True)
+    found = invariants.check_trace(events, torn=torn, header=header, whole=True)
+    return found or check_decisions(path)
 
 
 def test_the_real_trace_passes(real: Path, capsys: pytest.CaptureFixture[str]) -> None:

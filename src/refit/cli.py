@@ -88,6 +88,11 @@ def _check(args: argparse.Namespace) -> int:
         print(f"refit check: not a refit trace: {args.trace}: no run in it (nothing to check)", file=sys.stderr)
         return 2
     violations = check_trace(events, torn=torn, header=header, whole=True)
+    if not violations:  # a consistent trace: do its decisions follow from its outcomes? (replay)
+        from refit.replay import check_decisions
+
+        with _runner_quiet():
+            violations = check_decisions(args.trace)
     if args.json:
         print(json.dumps({"runs": n_runs, "events": len(events), "violations": [v.__dict__ for v in violations]}))
     elif violations:
@@ -98,7 +103,7 @@ def _check(args: argparse.Namespace) -> int:
                 print(f"  event: {json.dumps(event)}")
         print(f"{len(violations)} violation(s) in {n_runs} run(s), {len(events)} events: {args.trace}")
     else:
-        print(f"ok: {n_runs} run(s), {len(events)} events, every invariant holds: {args.trace}")
+        print(f"ok: {n_runs} run(s), {len(events)} events, every invariant holds, its decisions replay: {args.trace}")
     return 1 if violations else 0
 
 

@@ -66,6 +66,8 @@ class Divergence:
     index: int  # position among the compared events (recorded order, injected faults left out)
     expected: dict[str, Any] | None
     got: dict[str, Any] | None
+    seq: int | None = None  # the recorded event's sequence number
+    run: str | None = None
 
     def __str__(self) -> str:
         return f"event {self.index}: expected {self.expected}, got {self.got}"
@@ -128,9 +130,9 @@ class _Script:
         return float(self.expected[min(self.cursor, len(self.expected) - 1)].get("t", 0.0))
 
     def claim(self, kind: str, event: str, *, side: str | None = None, engine: str | None = None,
-              bucket: int | None = None, batch: int | None = None) -> dict[str, Any] | None:  # fmt: skip
-        """The next unclaimed recorded event for this call at or after the cursor (within `batch`
-        when given); None once diverged."""
+              bucket: int | None = None, batch: tuple[Any, Any] | None = None) -> dict[str, Any] | None:  # fmt: skip
+        """The next unclaimed recorded event for this call at or after the cursor (within `batch`,
+        a (run, batch) pair, when given: batch numbers restart with every run); None once diverged."""
         with self._lock:
             if self.divergence is not None:
                 return None
@@ -138,7 +140,7 @@ class _Script:
             for i in indexes[bisect.bisect_left(indexes, self.cursor) :]:
                 if i in self._claimed:
                     continue
-                if batch is not None and self.expected[i].get("batch") != batch:
+                if batch is not None and _batch_of(self.expected[i]) != batch:
                     return None
                 self._claimed.add(i)
                 return self.expected[i]
@@ -153,7 +155,10 @@ class _Script:
                 expected = self.expected[self.cursor] if self.cursor < len(self.expected) else None
                 got = normalize(record)
                 if expected is None or normalize(expected) != got:
-                    self.divergence = Divergence(self.cursor, normalize(expected) if expected else None, got)
+                    self.divergence = Divergence(
+                        self.cursor, normalize(expected) if expected else None, got,
+                        (expected or {}).get("seq"), (expected or record).get("run"),
+                    )  # fmt: skip
             self.cursor += 1
 
     def current_run(self) -> dict[str, Any]:
@@ -162,6 +167,11 @@ class _Script:
         if k:
             return self.run_starts[k - 1]
         return self.run_starts[0] if self.run_starts else {}
+
+
+def _batch_of(event: dict[str, Any]) -> tuple[Any, Any]:
+    """Which engine call a recorded step rode in: batch numbers restart with every run."""
+    return (event.get("run"), event.get("batch"))
 
 
 def error_of(event: dict[str, Any]) -> BaseException:
@@ -216,9 +226,10 @@ def _done(value: Any = None, exc: BaseException | None = None) -> Future[Any]:
 class ReplayRanks(Ranks):
     """Every trainer-side step answers as it did on every rank."""
 
-    def __init__(self, script: _Script, world: int) -> None:
+    def __init__(self, script: _Script, world: int, transport: ReplayTransport | None = None) -> None:
         self.script = script
         self.world = world
+        self.transport = transport  # the leader's: a recorded disconnect disconnects it
 
     def start(self, step: RankStep, *, timeout: float) -> Future[list[Any]]:
         if step.call == "end_run":
@@ -230,6 +241,8 @@ class ReplayRanks(Ranks):
             return _done(exc=exc)
         if step.call == "metas":
             value = self._metas()
+        if step.call == "disconnect" and self.transport is not None:
+            self.transport.disconnect()
         return _done([value] * self.world)
 
     def _metas(self) -> list[TensorMeta]:
@@ -337,7 +350,7 @@ class ReplayEngine(EngineDriver):
             if event is None:
                 break
             claimed.append(event)
-            batch = event.get("batch")
+            batch = _batch_of(event)
             if event.get("outcome") != "ok" and not self._more_in_batch(steps, len(claimed), batch):
                 break
         if not claimed:
@@ -354,14 +367,14 @@ class ReplayEngine(EngineDriver):
                 results.append(StepResult(outcome_of(err), error=err))
         return _done(results)
 
-    def _more_in_batch(self, steps: Sequence[Step], n: int, batch: Any) -> bool:
+    def _more_in_batch(self, steps: Sequence[Step], n: int, batch: tuple[Any, Any] | None) -> bool:
         if n >= len(steps):
             return False
         nxt = steps[n]
         with self.script._lock:
             indexes = self.script._by_key.get(("call", "engine", self.name, nxt.call, nxt.bucket), [])
             return any(
-                i not in self.script._claimed and self.script.expected[i].get("batch") == batch
+                i not in self.script._claimed and _batch_of(self.script.expected[i]) == batch
                 for i in indexes[bisect.bisect_left(indexes, self.script.cursor) :]
             )
 
@@ -408,9 +421,10 @@ def replay(path: str | Path) -> ReplayReport:
     starts = script.run_starts
     first = starts[0] if starts else {}
     names = first.get("engines", [])
+    transport = ReplayTransport(script, int(config.get("slots", 2)), bool(first.get("collective", False)))
     ctx = protocol.RefitContext(
         source=ReplaySource(),
-        transport=ReplayTransport(script, int(config.get("slots", 2)), bool(first.get("collective", False))),
+        transport=transport,
         engines=[ReplayEngine(n, script) for n in names] or [ReplayEngine("none", script)],
         mode=first.get("mode", "disaggregated"),
         pause_mode=first.get("pause_mode", "retract"),
@@ -422,13 +436,16 @@ def replay(path: str | Path) -> ReplayReport:
         version=int(first.get("previous_version", 0)),
         lock=ReplayLock(script),  # type: ignore[arg-type]
         trace=ReplayRecorder(script),
-        ranks=ReplayRanks(script, int(first.get("ranks", 1))),
+        ranks=ReplayRanks(script, int(first.get("ranks", 1)), transport),
         check_invariants=False,
         clock=script.clock,
     )
-    for _ in starts:
+    for start in starts:
         if script.divergence is not None:
             break
+        for key in ("retries", "pause_mode", "deadline_s", "cleanup_grace_s", "call_timeout_s"):  # per run
+            if key in start:
+                setattr(ctx, key, start[key])
         try:
             protocol.run(ctx)
         except RefitBusyError:
@@ -438,7 +455,8 @@ def replay(path: str | Path) -> ReplayReport:
     if script.divergence is None and events and events[-1].get("kind") == "trace":
         ctx.close()  # the recording was closed: replay its disconnect and end line too
     if script.divergence is None and script.cursor < len(script.expected):  # the replay stopped short
-        script.divergence = Divergence(script.cursor, normalize(script.expected[script.cursor]), None)
+        stopped = script.expected[script.cursor]
+        script.divergence = Divergence(script.cursor, normalize(stopped), None, stopped.get("seq"), stopped.get("run"))
     recorded_runs = _by_run(script.expected)
     replayed_runs = _by_run(ctx.recorder.events)
     return ReplayReport(
@@ -450,6 +468,22 @@ def replay(path: str | Path) -> ReplayReport:
         recorded=[RunSummary.of(r) for r in recorded_runs],
         replayed=[RunSummary.of(r) for r in replayed_runs],
     )
+
+
+def check_decisions(path: str | Path) -> list[Any]:
+    """`refit check`'s `decisions` invariant: the recorded runs follow from their recorded outcomes.
+    Replays the trace through this runner; a divergence means the trace's decisions (moves,
+    retries, quarantines, publishes, outcomes) are not what the runner makes of the outcomes the
+    trace records: an edited outcome, effect or decision, or a trace from other code."""
+    from refit.invariants import Violation
+
+    report = replay(path)
+    d = report.divergence
+    if d is None:
+        return []
+    runner = "nothing more" if d.got is None else d.got
+    msg = f"the runner, fed this trace's recorded outcomes, gives {runner} where the trace has {d.expected}"
+    return [Violation("decisions", msg, d.seq, d.run)]
 
 
 def _by_run(events: Sequence[dict[str, Any]]) -> list[list[dict[str, Any]]]:
