@@ -485,3 +485,36 @@ def test_weight_memory_not_reported_intact_is_never_served_unpublished(trainer) 
     finally:
         ctx.close()
         engine.close()
+
+
+class AnswersLate(ReferenceEngine):
+    """Its load takes longer than the budget it was given and answers ok anyway."""
+
+    def load(self, payload: Any, *, timeout: float) -> None:
+        time.sleep(timeout + 0.2)
+        self.client.call("load", payload, timeout=60.0)
+
+
+def test_an_answer_after_its_budget_is_never_recorded_as_a_success(trainer) -> None:
+    """The late ok is an error (late: true, effect unknown): that engine is never reported updated
+    (quarantined, or failed when its queued calls keep it too late to quarantine), the other
+    engine takes the version, and the trace keeps every invariant."""
+    engines = [ReferenceEngine.in_thread("on-time", CONFIG, seed=0), AnswersLate.in_thread("late", CONFIG, seed=0)]
+    ctx = protocol.RefitContext(
+        TorchSource(trainer), SharedMemoryTransport(), engines, bucket_bytes=64 << 10, call_timeout_s=0.3,
+        retries=0,
+    )  # fmt: skip
+    try:
+        result = protocol.run(ctx)
+        statuses = {n: o.status for n, o in result.engines.items()}
+        assert statuses["on-time"] == "updated" and statuses["late"] in ("quarantined", "failed"), statuses
+        assert matches(engines[0], trainer)
+        late = [e for e in ctx.recorder.events if e.get("late")]
+        assert late and all(e["outcome"] == "error" and e["engine"] == "late" for e in late)
+        assert "LateAnswer" in late[0]["error"] and "ignores its timeout" in late[0]["error"]
+        assert late[0]["budget_s"] <= 0.3
+    finally:
+        ctx.close()
+        for e in engines:
+            e.close()
+    assert invariants.check_trace(ctx.recorder.events) == []
