@@ -19,6 +19,7 @@ from refit.drivers.reference import ReferenceEngine
 from refit.drivers.shm import SharedMemoryTransport
 from refit.drivers.torch_source import TorchSource
 from refit.errors import EngineError
+from refit.protocol.faults import FAULT_CALLS
 from refit.reference.model import TinyLlama
 from refit.states import ACTIVE_STATES
 
@@ -72,6 +73,11 @@ def run_case(transport: str, state: str, kind: str, engine: int, bucket: int | N
             found.append("lock: held after the run")
         ctx.close()
         found += [str(v) for v in invariants.check_trace(ctx.recorder.events)]
+        found += [  # the table --fail-at is checked against must name every call the runner made
+            f"call {e['event']} ran in {e['state']}, which FAULT_CALLS does not list"
+            for e in ctx.recorder.events
+            if e.get("kind") == "call" and e.get("state") in FAULT_CALLS and e["event"] not in FAULT_CALLS[e["state"]]
+        ]
         for e in engines:
             if not e.client.alive:
                 if result.engines[e.name].status != "failed":

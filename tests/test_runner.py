@@ -351,3 +351,15 @@ def test_a_hung_trainer_side_gather_is_bounded_too(trainer, thread_engines, make
     assert isinstance(result.error, protocol.DeadlineExceeded) and result.error.call == "pack"
     assert {o.status for o in result.engines.values()} == {"unchanged"}
     assert ctx.lock.holder is None
+
+
+def test_a_planned_fault_that_never_fires_is_reported(
+    trainer: TinyLlama, thread_engines, make_ctx, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A fault no step matched tested nothing: the run says so instead of passing silently."""
+    faults = protocol.FaultPlan().fail_at("transferring", bucket=99, call="pack")
+    ctx = make_ctx(trainer, thread_engines(2), faults=faults)
+    with caplog.at_level("WARNING", logger="refit.protocol.runner"):
+        result = protocol.run(ctx)
+    assert result.ok and faults.unfired()
+    assert any("never fired" in r.getMessage() and "'bucket': 99" in r.getMessage() for r in caplog.records)

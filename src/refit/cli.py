@@ -12,6 +12,7 @@ import contextlib
 import json
 import logging
 import math
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -412,7 +413,12 @@ def main(argv: list[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
     if getattr(args, "func", None) is _bench and args.refits is None:
         args.refits = 100 if args.what == "control" else 6
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except BrokenPipeError:  # the reader went away (`refit check T | head`): stop quietly
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":

@@ -16,6 +16,8 @@ differently.
 from __future__ import annotations
 
 import bisect
+import contextlib
+import logging
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -183,7 +185,8 @@ def error_of(event: dict[str, Any]) -> BaseException:
         return EngineDied(msg)
     if typ == "EngineError":
         kind, _, text = msg.partition(": ")
-        return EngineError(kind, text)
+        data = event.get("error_data")
+        return EngineError(kind, text, data if isinstance(data, dict) else None)
     if typ == "InjectedFault":
         return InjectedFault(msg)
     if typ == "RankError":
@@ -447,7 +450,8 @@ def replay(path: str | Path) -> ReplayReport:
             if key in start:
                 setattr(ctx, key, start[key])
         try:
-            protocol.run(ctx)
+            with _quiet():
+                protocol.run(ctx)
         except RefitBusyError:
             pass
         except RefitError:  # the replayed run raised where the recorded one did not: the events show it
@@ -484,6 +488,19 @@ def check_decisions(path: str | Path) -> list[Any]:
     runner = "nothing more" if d.got is None else d.got
     msg = f"the runner, fed this trace's recorded outcomes, gives {runner} where the trace has {d.expected}"
     return [Violation("decisions", msg, d.seq, d.run)]
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """A replayed run that fails is the recording's failure, already reported: the runner's warning
+    about it is dropped while replaying."""
+    logger = logging.getLogger("refit.protocol.runner")
+    drop = logging.Filter("refit-replay-drops-everything")  # matches no logger name: filters every record
+    logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        logger.removeFilter(drop)
 
 
 def _by_run(events: Sequence[dict[str, Any]]) -> list[list[dict[str, Any]]]:

@@ -80,6 +80,8 @@ def check_sequence(events: Sequence[Event], *, whole: bool = True) -> list[Viola
                 once("dup", _v("integrity", f"event seq {seq} appears twice (duplicated)", e))
             elif seq < p:
                 once("order", _v("integrity", f"event seq {seq} comes after seq {p} (reordered)", e))
+            elif seq > p + 1 and _found_later(events, i, range(p + 1, min(seq, p + 9))):
+                once("order", _v("integrity", f"event seq {seq} comes before seq {p + 1} (reordered)", e))
             elif seq > p + 1:
                 once("lost", _v("integrity", f"events seq {p + 1}..{seq - 1} are missing (lost)", e))
             t, pt = e.get("t"), prev.get("t")
@@ -87,6 +89,12 @@ def check_sequence(events: Sequence[Event], *, whole: bool = True) -> list[Viola
                 once("time", _v("integrity", f"event time {t} is before the previous event's {pt}", e))
         prev = e
     return out
+
+
+def _found_later(events: Sequence[Event], i: int, seqs: range) -> bool:
+    """The skipped sequence numbers come a little later in the file: moved, not lost."""
+    ahead = {e.get("seq") for e in events[i + 1 : i + 65]}
+    return all(n in ahead for n in seqs)
 
 
 def check_run_membership(events: Sequence[Event]) -> list[Violation]:

@@ -30,6 +30,20 @@ from refit.drivers.base import EngineDriver, Step, StepResult
 from refit.errors import EngineDied, EngineError
 
 FAULT_KINDS = ("raise", "hang", "kill", "corrupt")
+# The calls the runner makes in each state a fault can fire in (engine and trainer side): a fault
+# keyed to any other (state, call) can never fire. tests/test_fault_matrix.py checks every call of
+# its real runs against this table, so it cannot drift from the runner.
+FAULT_CALLS: dict[str, frozenset[str]] = {
+    "OFFLOADING": frozenset({"offload", "probe", "resume_memory"}),
+    "CONNECTING": frozenset({"probe", "resume_memory", "attach", "detach", "connect", "join", "disconnect"}),
+    "PAUSING": frozenset({"pause"}),
+    "INVALIDATING": frozenset({"flush", "begin"}),
+    "TRANSFERRING": frozenset({"pack", "send", "load", "release", "abandon"}),
+    "POST_PROCESSING": frozenset({"finalize"}),
+    "RECONNECTING": frozenset({"attach", "detach", "connect", "join", "disconnect"}),
+    "CONTINUING": frozenset({"publish", "continue_generation", "quarantine", "release_memory", "detach", "disconnect"}),
+    "RESTORING": frozenset({"restore", "resume_memory", "quarantine", "detach", "disconnect"}),
+}
 HANG_SLACK_S = 0.6  # how far past its budget an injected hang answers (the runner waits budget + 0.5)
 
 
@@ -127,6 +141,15 @@ class FaultPlan:
                 kwargs[key] = value
         if engines is not None and isinstance(kwargs.get("engine"), int) and kwargs["engine"] >= engines:  # type: ignore[operator]
             raise ValueError(f"fault spec {spec!r}: engine={kwargs['engine']} but there are {engines} engines")
+        calls = FAULT_CALLS.get(state.upper(), frozenset())
+        if "bucket" in kwargs and state.upper() != "TRANSFERRING":
+            raise ValueError(f"fault spec {spec!r}: bucket= only applies in transferring (the bucket loop)")
+        call = kwargs.get("call")
+        known = frozenset().union(*FAULT_CALLS.values())
+        if isinstance(call, str) and call in known and call not in calls:  # unknown calls: refit demo names them
+            raise ValueError(
+                f"fault spec {spec!r}: {call} never runs in {state.lower()} (calls there: {', '.join(sorted(calls))})"
+            )
         return cls().fail_at(state, **kwargs)  # type: ignore[arg-type]
 
     def unfired(self) -> list[Fault]:

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import itertools
+import logging
 import threading
 import time
 import uuid
@@ -250,6 +251,8 @@ class _Run:
             extra["effect"] = "none"  # the engine refused it before changing anything
         if isinstance(err, NoTimeLeft):
             extra["sent"] = False  # the run had no time left: the call never reached the engine
+        if isinstance(err, EngineError) and err.data:
+            extra["error_data"] = err.data  # facts the runner acted on (the version a probe found): for replay
         self.emit(
             "call", step.call, state=state or step.state, side="engine", engine=e.name, bucket=step.bucket,
             outcome=res.outcome, duration_s=round(res.seconds, 6),
@@ -1056,11 +1059,16 @@ def run(ctx: RefitContext) -> RefitResult:
         ctx.ranks.finish(exc)
         raise
     ctx.ranks.finish(result)
+    log = logging.getLogger(__name__)
+    unfired = ctx.faults.unfired() if ctx.faults is not None else []
+    if unfired:  # an injected fault that matched no step tested nothing: say so
+        log.warning(
+            "refit run %s: %d planned fault(s) never fired (no step matched): %s", result.run_id, len(unfired),
+            "; ".join(str(f.describe()) for f in unfired),
+        )  # fmt: skip
     if not result.ok:  # errors are data, but a failed refit is said out loud: a WARNING on this module's logger
-        import logging
-
         engines = ", ".join(f"{n} {o.status}" for n, o in result.engines.items())
-        logging.getLogger(__name__).warning(
+        log.warning(
             "refit run %s failed in %s (ended %s; engines: %s): %s; trace: %s",
             result.run_id, getattr(result.error, "state", None) or result.state, result.state, engines or "none",
             result.error, result.trace_path or "not written (RefitContext(trace=PATH) writes one)",
