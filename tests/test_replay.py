@@ -117,3 +117,71 @@ def test_replay_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert main(["replay", str(bad)]) == 1
     assert "DIVERGED at event" in capsys.readouterr().out
     assert main(["replay", str(tmp_path / "missing.jsonl")]) == 2
+
+
+def _check_and_replay(path: Path) -> None:
+    """An untouched real trace passes `refit check` (invariants and replayed decisions) and replays."""
+    assert main(["check", str(path)]) == 0
+    report = replay(path)
+    assert report.divergence is None, str(report.divergence)
+
+
+def test_runs_that_hit_their_deadline_replay(tmp_path: Path) -> None:
+    """Every engine hangs on pause and the deadline passes: the calls the runner budgeted before the
+    deadline replay as timeouts, not as calls it had no time to send (the replay clock reads when a
+    call began, not when it was recorded)."""
+    engines = [ReferenceEngine.in_thread(f"e{i}", CONFIG, seed=0) for i in range(2)]
+    path = tmp_path / "deadline.jsonl"
+    ctx = protocol.RefitContext(
+        TorchSource(perturbed(TinyLlama(CONFIG, seed=0), seed=1)), SharedMemoryTransport(), engines,
+        bucket_bytes=64 << 10, deadline_s=1.0, cleanup_grace_s=0.0, trace=path,
+        faults=protocol.FaultPlan().fail_at("pausing", engine=0, kind="hang").fail_at("pausing", engine=1, kind="hang"),
+    )  # fmt: skip
+    try:
+        result = protocol.run(ctx)
+        assert not result.ok
+    finally:
+        ctx.close()
+        for e in engines:
+            e.close()
+    _check_and_replay(path)
+
+
+def test_an_engine_set_that_changes_between_runs_replays(tmp_path: Path) -> None:
+    """Engines join and leave between runs of one context: each run replays with its own engines."""
+    pool = {n: ReferenceEngine.in_thread(n, CONFIG, seed=0) for n in ("e0", "e1", "e2")}
+    path = tmp_path / "engines.jsonl"
+    model = TinyLlama(CONFIG, seed=0)
+    ctx = protocol.RefitContext(
+        TorchSource(model), SharedMemoryTransport(), [pool["e0"], pool["e1"]], bucket_bytes=64 << 10, trace=path
+    )
+    try:
+        for names in (["e0", "e1"], ["e0", "e1", "e2"], ["e1", "e2"]):
+            perturbed(model, seed=len(names))
+            ctx.engines = [pool[n] for n in names]
+            protocol.run(ctx)
+    finally:
+        ctx.close()
+        for e in pool.values():
+            e.close()
+    _check_and_replay(path)
+
+
+def test_a_context_behind_its_engines_replays(tmp_path: Path) -> None:
+    """A second context over engines that already hold version 1 is refused before any byte; the
+    refusal (the version the probe found) replays."""
+    engines = [ReferenceEngine.in_thread(f"e{i}", CONFIG, seed=0) for i in range(2)]
+    model = TinyLlama(CONFIG, seed=0)
+    try:
+        for i in range(2):
+            ctx = protocol.RefitContext(
+                TorchSource(model), SharedMemoryTransport(), engines, bucket_bytes=64 << 10,
+                trace=tmp_path / f"ctx{i}.jsonl",
+            )  # fmt: skip
+            result = protocol.run(ctx)
+            ctx.close()
+            assert result.ok == (i == 0)
+    finally:
+        for e in engines:
+            e.close()
+    _check_and_replay(tmp_path / "ctx1.jsonl")

@@ -120,16 +120,30 @@ class _Script:
         ]
         self.run_starts = [self.expected[i] for i in self._start_index]
         self.plans = [e for e in self.expected if e.get("kind") == "plan"]
+        # when each recorded event's work began (a call: its time less its duration), and the
+        # earliest such start at or after each position: see clock()
+        began = [_began(e) for e in self.expected]
+        self._earliest = list(began)
+        for i in range(len(began) - 2, -1, -1):
+            self._earliest[i] = min(began[i], self._earliest[i + 1])
 
     @staticmethod
     def _key(e: dict[str, Any]) -> tuple[Any, ...]:
         return (e.get("kind"), e.get("side"), e.get("engine"), e.get("event"), e.get("bucket"))
 
     def clock(self) -> float:
-        """The recorded time of the next event the runner will emit."""
+        """What the recorded clock read at this point of the run: no earlier than the last event
+        emitted, no later than the next one, and within that the earliest start of a call still to
+        be recorded (a wave's calls are recorded when they end, but the runner read the clock to
+        budget them when they began)."""
         if not self.expected:
             return 0.0
-        return float(self.expected[min(self.cursor, len(self.expected) - 1)].get("t", 0.0))
+        i = min(self.cursor, len(self.expected) - 1)
+        nxt = float(self.expected[i].get("t", 0.0))
+        prev = float(self.expected[i - 1].get("t", 0.0)) if 0 < self.cursor <= len(self.expected) else 0.0
+        if self.cursor >= len(self.expected):
+            return nxt
+        return max(prev, min(nxt, self._earliest[i]))
 
     def claim(self, kind: str, event: str, *, side: str | None = None, engine: str | None = None,
               bucket: int | None = None, batch: tuple[Any, Any] | None = None) -> dict[str, Any] | None:  # fmt: skip
@@ -169,6 +183,12 @@ class _Script:
         if k:
             return self.run_starts[k - 1]
         return self.run_starts[0] if self.run_starts else {}
+
+
+def _began(event: dict[str, Any]) -> float:
+    t = float(event.get("t", 0.0))
+    took = event.get("duration_s")
+    return t - float(took) if event.get("kind") == "call" and isinstance(took, int | float) else t
 
 
 def _batch_of(event: dict[str, Any]) -> tuple[Any, Any]:
@@ -449,6 +469,8 @@ def replay(path: str | Path) -> ReplayReport:
         for key in ("retries", "pause_mode", "deadline_s", "cleanup_grace_s", "call_timeout_s"):  # per run
             if key in start:
                 setattr(ctx, key, start[key])
+        if start.get("engines") and [e.name for e in ctx.engines] != list(start["engines"]):  # the set changed
+            ctx.engines = [ReplayEngine(n, script) for n in start["engines"]]
         try:
             with _quiet():
                 protocol.run(ctx)
