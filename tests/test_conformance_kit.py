@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
@@ -14,6 +14,9 @@ from refit.drivers.base import Payload
 from refit.drivers.reference import ReferenceEngine
 from refit.errors import EngineError
 from refit.protocol.lock import LocalLock
+from refit.reference.client import start_thread
+from refit.reference.engine import EngineCore
+from refit.reference.model import ModelConfig
 from refit.testing import check_engine_driver
 
 from .conftest import SUMMARY
@@ -173,6 +176,71 @@ class NeverContinues(_NoAudit):
 
     def continue_generation(self, *, timeout: float) -> None:
         return None
+
+
+class ContinuesMidTransferNoAudit(_NoAudit, ContinuesAfterPartialTransfer):
+    """ContinuesAfterPartialTransfer without the audit: in-flight requests are served from
+    half-updated weights before the run quarantines the engine."""
+
+
+class _DropsRetracted(EngineCore):
+    """pause(retract) takes requests off the scheduler without finishing or requeueing them."""
+
+    def pause(self, mode: str) -> dict[str, int]:
+        if mode != "retract":
+            return super().pause(mode)
+        dropped = len(self.running) + len(self.waiting)
+        self.paused = True
+        self.running.clear()
+        self.waiting.clear()
+        return {"retracted": dropped}
+
+
+class _KeepsLongPrefixes(EngineCore):
+    """flush() drops short cached prefixes but keeps long ones (pinned pages surviving a reset)."""
+
+    def flush(self) -> dict[str, int]:
+        def depth(node: Any) -> int:
+            return 1 + max((depth(c) for c in node.children.values()), default=0)
+
+        long = {t: c for t, c in self.cache.root.children.items() if depth(c) >= 16}
+        out = super().flush()
+        self.cache.root.children.update(long)
+        return out
+
+
+def _on_core(core: type[EngineCore]) -> Callable[[str], ReferenceEngine]:
+    return lambda name: _NoAudit(start_thread(name, ModelConfig(), 0, core=core))
+
+
+class NoWeightVersions(ReferenceEngine):
+    """A correct driver whose engine does not label tokens with versions (optional)."""
+
+    def generate(self, prompt: Sequence[int], max_new_tokens: int, *, timeout: float = 60.0) -> dict[str, Any]:
+        out = dict(super().generate(prompt, max_new_tokens, timeout=timeout))
+        out.pop("weight_versions", None)
+        return out
+
+
+def test_a_correct_driver_without_version_labels_passes() -> None:
+    check_engine_driver(NoWeightVersions.in_thread, max_examples=8, sweep_first=False)
+
+
+@pytest.mark.parametrize(
+    ("invariant", "factory"),
+    [
+        ("served", ContinuesMidTransferNoAudit.in_thread),
+        ("served", _on_core(_DropsRetracted)),
+        ("kv_fresh", _on_core(_KeepsLongPrefixes)),
+    ],
+    ids=["ContinuesMidTransferNoAudit", "DropsRetractedRequests", "KeepsLongPrefixesOnFlush"],
+)
+def test_the_kit_checks_what_requests_get(invariant: str, factory: Callable[[str], ReferenceEngine]) -> None:
+    """Engine-side harm behind a driver that reports success: requests served from half-updated
+    weights, requests lost on pause, long prefixes served from stale KV."""
+    with pytest.raises(AssertionError) as info:
+        check_engine_driver(factory, max_examples=10, shrink=False)
+    assert f"{invariant}:" in str(info.value).splitlines()[0], str(info.value)
 
 
 OUTCOME_BROKEN = {

@@ -190,10 +190,19 @@ def _reap_children() -> None:
             proc.wait(5)
 
 
-def start_thread(name: str, config: ModelConfig, seed: int, *, version: int = 0, serving: bool = True) -> EngineClient:
-    """Run an engine on a thread of this process (same loop as the process version)."""
+def start_thread(
+    name: str,
+    config: ModelConfig,
+    seed: int,
+    *,
+    version: int = 0,
+    serving: bool = True,
+    core: type[EngineCore] = EngineCore,
+) -> EngineClient:
+    """Run an engine on a thread of this process (same loop as the process version). `core`: an
+    EngineCore subclass (tests use one to host an engine-side bug behind a correct driver)."""
     ours, theirs = LocalChannel.pair()
-    server = EngineServer(EngineCore(config, seed, version=version, serving=serving), name, in_process=True)
+    server = EngineServer(core(config, seed, version=version, serving=serving), name, in_process=True)
     thread = threading.Thread(target=serve, args=(theirs, server), name=f"refit-engine-{name}", daemon=True)
     thread.start()
     return EngineClient(ours, name, thread=thread)

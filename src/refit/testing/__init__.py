@@ -77,13 +77,18 @@ from refit.errors import RefitBusyError
 from refit.protocol.faults import FAULT_KINDS, Fault
 from refit.states import ACTIVE_STATES
 
-PROMPTS: tuple[tuple[int, ...], ...] = ((3, 1, 4, 1, 5, 9, 2, 6), (2, 7, 1, 8, 2, 8))  # the served check
+PROMPTS: tuple[tuple[int, ...], ...] = (  # the served check: short prompts, and a long one (caches may keep those)
+    (3, 1, 4, 1, 5, 9, 2, 6),
+    (2, 7, 1, 8, 2, 8),
+    (5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4, 6, 2, 6, 4, 3, 3, 8, 3, 2, 7, 9, 5),
+)
 CHECK_TOKENS = 6
 INFLIGHT_PROMPT = (1, 2, 3, 4)
 INFLIGHT_TOKENS = 40
 LOGIT_TOLERANCE = 1e-3  # a served token may trail the trainer's best by this much (summation order)
 SERVE_TIMEOUT_S = 5.0  # an engine reported serving answers a short request within this
 RETRY_STATES = ("INVALIDATING", "TRANSFERRING", "POST_PROCESSING")
+SWEEP_KINDS = ("raise", "corrupt", "kill", "hang")  # hangs last: they cost the most time
 
 
 @dataclass
@@ -145,6 +150,7 @@ class DriverStateMachine(RuleBasedStateMachine):
         self.restarted: dict[str, bool] = {}  # engines replaced since their last full refit -> attached
         self.released: set[str] = set()  # engines whose memory the kit released since they last served
         self._scratch: Any = None
+        self.last: protocol.RefitResult | None = None
         self._logits: dict[tuple[int, tuple[int, ...]], Any] = {}
 
     # ---- set-up -------------------------------------------------------------------------------
@@ -242,6 +248,7 @@ class DriverStateMachine(RuleBasedStateMachine):
                 scale = float(p.detach().float().std()) if p.numel() > 1 else 0.0
                 p.add_((max(scale, 0.02) * torch.randn(p.shape, generator=gen)).to(p.dtype))
         sent = _clone(self.model.state_dict())
+        self.await_hung()
         self.ctx.retries = retries
         self.ctx.faults = protocol.FaultPlan(plan) if plan else None
         result = protocol.run(self.ctx)  # raises InvariantViolation if the run's own events break one
@@ -255,9 +262,26 @@ class DriverStateMachine(RuleBasedStateMachine):
         assert self.ctx.lock is not None and self.ctx.lock.holder is None, "lock: still held after the run"
         self.every_invariant_holds()
         self.check_answers_in_time(events)
-        self.check_progress(result, events, fault_free=not plan)
+        self.check_progress(result, events, plan)
         self.check_outcomes(result)
+        self.last = result
         return result
+
+    def await_hung(self) -> None:
+        """Engines the last run dropped as hung answer again before the next refit (an injected hang
+        stalls the engine a little past the runner's wait; a real engine would be restarted)."""
+        hung = {
+            e.get("engine") for e in self.last_events() if e.get("event") == "dropped" and e.get("failure") == "timeout"
+        }
+        for e in self.engines:
+            if e.name in hung and _alive(e) and hasattr(e, "info"):
+                with contextlib.suppress(Exception):
+                    e.info(timeout=SERVE_TIMEOUT_S)
+
+    def last_events(self) -> list[dict[str, Any]]:
+        if self.ctx is None or self.last is None:
+            return []
+        return [e for e in self.ctx.recorder.events if e.get("run") == self.last.run_id]
 
     @rule()
     def concurrent_attempt(self) -> None:
@@ -352,13 +376,17 @@ class DriverStateMachine(RuleBasedStateMachine):
                 f"timeout ({e.get('error')})"
             )
 
-    def check_progress(self, result: protocol.RefitResult, events: list[dict[str, Any]], *, fault_free: bool) -> None:
-        for name, o in result.engines.items():
+    def check_progress(self, result: protocol.RefitResult, events: list[dict[str, Any]], plan: list[Fault]) -> None:
+        """A fault-free refit updates every engine; a refit whose faults all target given engines (over a
+        transport where members do not share a group) that completes updates every other engine."""
+        assert self.ctx is not None
+        targeted = {f.engine for f in plan}
+        judged = not plan or (None not in targeted and not self.ctx.transport.collective and result.state == "DONE")
+        for i, (name, o) in enumerate(result.engines.items()):
             driver = next(e for e in self.engines if e.name == name)
-            if fault_free and _alive(driver) and o.status != "updated":
-                raise AssertionError(
-                    f"progress: a refit with no fault left engine {name} {o.status} (error: {o.error})"
-                )
+            if judged and i not in targeted and _alive(driver) and o.status != "updated":
+                why = "with no fault" if not plan else f"whose faults all targeted engine(s) {sorted(targeted)}"
+                raise AssertionError(f"progress: a refit {why} left engine {name} {o.status} (error: {o.error})")
         for e in events:  # a restarted engine's new incarnation must attach before any bucket reaches it
             name = e.get("engine")
             if e.get("kind") != "call" or name not in self.restarted:
@@ -393,9 +421,8 @@ class DriverStateMachine(RuleBasedStateMachine):
                 self.check_serves(driver, o.version)
             elif o.status == "quarantined":
                 self.check_refuses(driver)
-        for driver, fut in self.inflight:
-            if driver.name in serving and _alive(driver):
-                self.check_request(driver, fut)
+        for driver, fut in self.inflight:  # on every engine: one that served them half-updated may be quarantined now
+            if _alive(driver) and self.check_request(driver, fut, serving=driver.name in serving):
                 cov.checks["in-flight requests"] += 1
         self.inflight = []
 
@@ -437,13 +464,25 @@ class DriverStateMachine(RuleBasedStateMachine):
             return
         raise AssertionError(f"pause_continue: engine {engine.name} was quarantined but still serves requests")
 
-    def check_request(self, engine: EngineDriver, fut: Any) -> None:
-        try:
-            out = fut.result(timeout=SERVE_TIMEOUT_S)
-        except Exception:
-            return  # aborted, refused or lost with a restart: nothing was served
-        if isinstance(out, dict):
+    def check_request(self, engine: EngineDriver, fut: Any, *, serving: bool) -> bool:
+        """A request that was in flight across the refit: on a serving engine it must finish (with
+        tokens or aborted), and every token it got must be what its version's weights give."""
+        with contextlib.suppress(Exception):
+            fut.result(timeout=SERVE_TIMEOUT_S if serving else 0.5)
+        if not fut.done():
+            if serving:
+                raise AssertionError(
+                    f"served: engine {engine.name} serves, but a request in flight across the refit never finished "
+                    f"(lost when it was paused?)"
+                )
+            return False  # an engine out of service may keep it
+        if fut.exception() is not None:
+            return False  # refused, or lost with the engine: nothing was served
+        out = fut.result()
+        if isinstance(out, dict) and out.get("weight_versions") is not None:  # tokens are checked per version
             self.check_tokens(engine, list(out.get("prompt") or INFLIGHT_PROMPT), out, default_version=None)
+            return True
+        return False
 
     def check_tokens(
         self,
@@ -582,36 +621,39 @@ def sweep(machine: DriverStateMachine) -> None:
     last = len(machine.engines) - 1
     machine.concurrent_attempt()
     machine.every_invariant_holds()
-    steps: list[tuple[str, list[Fault], int]] = []
+    # (label, faults, retries, before): before = "release" (memory released first), "requests" (requests
+    # in flight when the refit starts) or ""
+    steps: list[tuple[str, list[Fault], int, str]] = [("requests in flight, no fault", [], 1, "requests")]
     if machine.ctx is not None and machine.ctx.colocated:  # memory released while the trainer trained
         steps += [
-            ("released memory, no fault", [], -1),
-            ("released memory, pause fails", [Fault("PAUSING", engine=last, kind="raise")], -1),
-            ("released memory, connect fails", [Fault("CONNECTING", call="connect", kind="raise")], -1),
+            ("released memory, no fault", [], 1, "release"),
+            ("released memory, pause fails", [Fault("PAUSING", engine=last, kind="raise")], 1, "release"),
+            ("released memory, connect fails", [Fault("CONNECTING", call="connect", kind="raise")], 1, "release"),
         ]
     for retries in (0, 1):
-        for kind in FAULT_KINDS:
+        for kind in SWEEP_KINDS:
             for state in machine.fault_states():
                 if state == "RECONNECTING":  # reached when a member died mid-transfer and the group is rebuilt
                     if retries:
                         died = Fault("TRANSFERRING", engine=0, bucket=min(1, n - 1), kind="kill")
-                        steps.append((f"{kind} in {state}", [died, Fault(state, engine=last, kind=kind)], 1))
+                        steps.append((f"{kind} in {state}", [died, Fault(state, engine=last, kind=kind)], 1, ""))
                     continue
                 if retries and (state not in RETRY_STATES or kind in ("hang", "kill")):
                     continue  # retries change nothing outside the update, nor for a hung or dead engine
                 buckets: list[int | None] = sorted({0, n // 2, n - 1}) if state == "TRANSFERRING" else [None]  # type: ignore[assignment]
+                before = "requests" if state == "TRANSFERRING" and kind in ("raise", "corrupt") else ""
                 for b in buckets:
-                    steps.append((f"{kind} in {state}", [Fault(state, engine=last, bucket=b, kind=kind)], retries))
-    for kind in FAULT_KINDS:
+                    faults = [Fault(state, engine=last, bucket=b, kind=kind)]
+                    steps.append((f"{kind} in {state}", faults, retries, before))
+    for kind in SWEEP_KINDS:
         for target in machine.retry_targets():
-            steps.append((f"{kind} in the retry's {target[0]}", machine.retry_path(last, target, kind), 1))
-    steps.append(("requests in flight, no fault", [], 1))
-    for label, faults, retries in steps:
-        if retries < 0:
+            steps.append((f"{kind} in the retry's {target[0]}", machine.retry_path(last, target, kind), 1, ""))
+    for label, faults, retries, before in steps:
+        if before == "release":
             machine.release_all()
-        elif label.startswith("requests in flight"):
+        elif before == "requests":
             machine.requests_in_flight()
-        _sweep_step(machine, label, faults, max(retries, 1) if retries < 0 else retries)
+        _sweep_step(machine, label, faults, retries)
         _settle(machine)
     machine.every_invariant_holds()
 
@@ -627,7 +669,14 @@ def _sweep_step(machine: DriverStateMachine, label: str, faults: list[Fault], re
         if not missed:
             return
         _settle(machine)
-    raise AssertionError(f"kit: sweep step {label!r} planned {missed} but it never fired, twice")  # covers nothing
+    last = machine.last
+    how = (
+        ""
+        if last is None
+        else f"; the run ended {last.state}, engines: "
+        + ", ".join(f"{o.name} {o.status}" + (f" ({o.error})" if o.error else "") for o in last.engines.values())
+    )
+    raise AssertionError(f"kit: sweep step {label!r} planned {missed} but it never fired, twice{how}")
 
 
 def check_engine_driver(
