@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from refit.drivers.base import Payload
+from refit.drivers.base import ConnectInfo, Payload
 from refit.drivers.reference import ReferenceEngine
 from refit.errors import EngineError
 from refit.protocol.lock import LocalLock
@@ -243,6 +243,24 @@ def test_the_kit_checks_what_requests_get(invariant: str, factory: Callable[[str
     assert f"{invariant}:" in str(info.value).splitlines()[0], str(info.value)
 
 
+class AttachIsNoop(_NoAudit):
+    """Reports attach done without the engine opening the transport: no bucket can reach it."""
+
+    def attach(self, info: ConnectInfo, *, timeout: float) -> None:
+        return None
+
+
+class ProbeSaysCurrent(_NoAudit):
+    """Reports the engine one version behind the refit whatever it holds (a version read from a
+    registry, not the engine): a restarted engine passes for current, and when its refit fails it is
+    left serving its checkpoint under the fleet's version."""
+
+    def probe(self, target_version: int, *, timeout: float) -> dict[str, Any]:
+        out = dict(super().probe(target_version, timeout=timeout))
+        out["version"] = max(int(out.get("version") or 0), target_version - 1)
+        return out
+
+
 OUTCOME_BROKEN = {
     "kv_fresh": HidesStaleKV,
     "served": AcksWithoutLoading,
@@ -251,6 +269,8 @@ OUTCOME_BROKEN = {
     "deadline": IgnoresItsTimeout,
     "served  ": ClaimsWeightsIntact,
     "served   ": NeverContinues,
+    "progress": AttachIsNoop,
+    "served    ": ProbeSaysCurrent,
 }
 
 
