@@ -185,3 +185,32 @@ def test_a_context_behind_its_engines_replays(tmp_path: Path) -> None:
         for e in engines:
             e.close()
     _check_and_replay(tmp_path / "ctx1.jsonl")
+
+
+@pytest.mark.parametrize("state", ["restoring", "connecting"])
+def test_a_hang_with_no_call_timeout_keeps_the_deadline_and_replays(state: str, tmp_path: Path) -> None:
+    """call_timeout_s=None (each call may take the whole deadline): an engine hangs while the trainer
+    restores (its restore answered in time must not be recorded as past its budget), or while a
+    restarted engine is connected (the detach before it uses the run's deadline, not the cleanup
+    grace). The run ends inside deadline + grace and its trace checks and replays."""
+    engines = [ReferenceEngine.in_thread(f"e{i}", CONFIG, seed=0) for i in range(2)]
+    path = tmp_path / f"{state}.jsonl"
+    model = TinyLlama(CONFIG, seed=0)
+    ctx = protocol.RefitContext(
+        TorchSource(model), SharedMemoryTransport(), engines, mode="colocated", bucket_bytes=64 << 10,
+        call_timeout_s=None if state == "connecting" else 5.0, deadline_s=2.0, cleanup_grace_s=2.0, trace=path,
+    )  # fmt: skip
+    try:
+        if state == "connecting":  # a new incarnation: the next run reconnects
+            assert protocol.run(ctx).ok
+            engines[1].close()
+            ctx.engines[1] = engines[1] = ReferenceEngine.in_thread("e1", CONFIG, seed=0)
+        perturbed(model, seed=2)
+        ctx.faults = protocol.FaultPlan().fail_at(state, engine=1 if state == "connecting" else 0, kind="hang")
+        result = protocol.run(ctx)  # raises InvariantViolation if the run broke its own deadline
+        assert result.seconds <= 2.0 + 2.0 + 1.0
+    finally:
+        ctx.close()
+        for e in engines:
+            e.close()
+    _check_and_replay(path)

@@ -39,7 +39,7 @@ from refit.drivers.base import (
     outcome_of,
 )
 from refit.drivers.buckets import BucketManifest, TensorEntry, TensorMeta
-from refit.errors import EngineDied, EngineError, NoTimeLeft, RankError, RefitBusyError, RefitError
+from refit.errors import EngineDied, EngineError, LateAnswer, NoTimeLeft, RankError, RefitBusyError, RefitError
 from refit.protocol.faults import InjectedFault
 from refit.protocol.ranks import Ranks, RankStep
 from refit.trace import TraceRecorder, load_trace
@@ -209,6 +209,8 @@ def error_of(event: dict[str, Any]) -> BaseException:
         return EngineError(kind, text, data if isinstance(data, dict) else None)
     if typ == "InjectedFault":
         return InjectedFault(msg)
+    if typ == "LateAnswer":
+        return LateAnswer(msg)
     if typ == "RankError":
         rank, _, text = msg.partition(": ")
         return RankError(int(rank.removeprefix("rank ") or 0), text)
@@ -466,7 +468,7 @@ def replay(path: str | Path) -> ReplayReport:
     for start in starts:
         if script.divergence is not None:
             break
-        for key in ("retries", "pause_mode", "deadline_s", "cleanup_grace_s", "call_timeout_s"):  # per run
+        for key in ("mode", "retries", "pause_mode", "deadline_s", "cleanup_grace_s", "call_timeout_s"):  # per run
             if key in start:
                 setattr(ctx, key, start[key])
         if start.get("engines") and [e.name for e in ctx.engines] != list(start["engines"]):  # the set changed

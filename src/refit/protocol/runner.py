@@ -310,9 +310,10 @@ class _Run:
                 cause=exc, state=rc.step.state, call=rc.step.call, bucket=rc.step.bucket,
             )  # fmt: skip
         outcome = "ok" if exc is None else outcome_of(exc)
+        took = answered if rc.future.done() else self.clock() - rc.t0  # until it answered, not until recorded
         self.emit(
             "call", rc.step.call, state=state or rc.step.state, side=rc.step.side, outcome=outcome,
-            duration_s=round(self.clock() - rc.t0, 6), error=None if exc is None else f"{type(exc).__name__}: {exc}",
+            duration_s=round(took, 6), error=None if exc is None else f"{type(exc).__name__}: {exc}",
             bucket=rc.step.bucket, ranks=self.ctx.ranks.world if self.ctx.ranks else 1,
             budget_s=round(rc.budget, 6) if rc.budget > 0 else None, late=True if late else None, **rc.extra,
         )  # fmt: skip
@@ -690,7 +691,8 @@ class _Run:
         attached = [e for e in self.engines if e.reachable]  # detaching one never attached changes nothing
         shared.connection_key, shared.attached = None, set()
         if attached:
-            w = self.start_wave({e: [Step("detach", str(self.machine.state))] for e in attached}, cleanup=True)
+            # inside the run (before a connect) the run's own deadline bounds it; only cleanup may use the grace
+            w = self.start_wave({e: [Step("detach", str(self.machine.state))] for e in attached}, cleanup=cleanup)
             for e, pairs in self.wait_wave(w).items():
                 for step, res in pairs:
                     self.record_step(e, step, res, w.batch, state=str(self.machine.state))
