@@ -129,9 +129,16 @@ def test_fault_matrix(transport: str) -> None:
         len(matrix) == 8 * 4 * 2 + 4 * 2 * 2 + extra
     )  # 8 states x 4 kinds x 2 engines, + 2 more buckets in TRANSFERRING
     violations = {case: problems for case in matrix if (problems := run_case(*case))}
+    redone = [case for case, problems in violations.items() if problems == [p for p in problems if "did not fire" in p]]
+    for case in redone:  # the fault missed its step because something else failed first (a slow rendezvous): once more
+        if not (problems := run_case(*case)):
+            del violations[case]
+        else:
+            violations[case] = problems
     SUMMARY.append(
         f"fault matrix ({transport}): {len(matrix)} cases (8 states x 4 kinds x 2 engines, x 3 buckets in TRANSFERRING"
         + (", + RECONNECTING x 4 kinds" if extra else "")
         + f"), {sum(len(v) for v in violations.values())} invariant violations"
+        + (f"; {len(redone)} case(s) run again because the fault missed its step" if redone else "")
     )
     assert not violations, "\n".join(f"{case}: {problems}" for case, problems in violations.items())
