@@ -92,8 +92,7 @@ def _check(args: argparse.Namespace) -> int:
     if not violations:  # a consistent trace: do its decisions follow from its outcomes? (replay)
         from refit.replay import check_decisions
 
-        with _runner_quiet():
-            violations = check_decisions(args.trace)
+        violations = check_decisions(args.trace, loaded)
     if args.json:
         print(json.dumps({"runs": n_runs, "events": len(events), "violations": [v.__dict__ for v in violations]}))
     elif violations:
@@ -112,11 +111,11 @@ def _replay(args: argparse.Namespace) -> int:
     from refit.replay import replay
     from refit.trace import NotATrace
 
-    if _load("replay", args.trace) is None:
+    loaded = _load("replay", args.trace)
+    if loaded is None:
         return 2
     try:
-        with _runner_quiet():  # a replayed failure is the recording's, reported below
-            report = replay(args.trace)
+        report = replay(args.trace, loaded)  # replay keeps the runner quiet: a replayed failure is the recording's
     except NotATrace as exc:
         print(f"refit replay: not a refit trace: {_naming(args.trace, exc)}", file=sys.stderr)
         return 2

@@ -431,12 +431,12 @@ class ReplayLock:
         return None
 
 
-def replay(path: str | Path) -> ReplayReport:
+def replay(path: str | Path, loaded: tuple[dict[str, Any], list[dict[str, Any]], bool] | None = None) -> ReplayReport:
     """Replay every run of the trace at `path` through the real runner; see the module docstring."""
     from refit import protocol
 
     t0 = time.perf_counter()
-    header, events, _torn = load_trace(path)
+    header, events, _torn = loaded if loaded is not None else load_trace(path)  # `loaded`: load_trace's answer
     if not any(e.get("kind") == "run" and e.get("event") == "start" for e in events):
         from refit.trace import NotATrace
 
@@ -498,14 +498,16 @@ def replay(path: str | Path) -> ReplayReport:
     )
 
 
-def check_decisions(path: str | Path) -> list[Any]:
+def check_decisions(
+    path: str | Path, loaded: tuple[dict[str, Any], list[dict[str, Any]], bool] | None = None
+) -> list[Any]:
     """`refit check`'s `decisions` invariant: the recorded runs follow from their recorded outcomes.
     Replays the trace through this runner; a divergence means the trace's decisions (moves,
     retries, quarantines, publishes, outcomes) are not what the runner makes of the outcomes the
     trace records: an edited outcome, effect or decision, or a trace from other code."""
     from refit.invariants import Violation
 
-    report = replay(path)
+    report = replay(path, loaded)
     d = report.divergence
     if d is None:
         return []
