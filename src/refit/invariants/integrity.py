@@ -156,6 +156,11 @@ def check_states(events: Sequence[Event]) -> list[Violation]:
     return []
 
 
+def _began(e: Event) -> float:
+    took = e.get("duration_s")
+    return float(e.get("t", 0.0)) - (float(took) if isinstance(took, int | float) else 0.0)
+
+
 def _drained(e: Event, state: str) -> bool:
     """A bucket's answers collected while the run aborts: recorded in the state they were sent in."""
     return (
@@ -191,7 +196,10 @@ def check_outcomes(events: Sequence[Event]) -> list[Violation]:
             None,
         )  # fmt: skip
         if dropped is not None:
-            late = [c for c in calls if c["seq"] > dropped["seq"] and c.get("outcome") == "ok"]
+            late = [  # a call sent after the drop (one in flight before it, a pipelined bucket, may still answer)
+                c for c in calls
+                if c["seq"] > dropped["seq"] and c.get("outcome") == "ok" and _began(c) > float(dropped.get("t", 0.0))
+            ]  # fmt: skip
             if late:
                 msg = f"engine {name} answered {late[0].get('event')} after it was dropped as {dropped.get('failure')}"
                 out.append(_v("outcome", msg, late[0]))
