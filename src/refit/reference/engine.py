@@ -212,7 +212,7 @@ class PrefixCache:
 
 @dataclass
 class _Session:
-    plan: dict[int, BucketManifest]
+    plan: dict[int, BucketManifest] | None  # None: no plan (SGLang's sessions carry none)
     loaded: set[int] = field(default_factory=set)
     broken: str | None = None  # why a bucket was refused: every later bucket is refused too
 
@@ -310,10 +310,18 @@ class EngineCore:
         if self.weights_released:
             raise EngineError("weights_released", "weight memory is released; resume it first")
 
-    def begin(self, plan: Sequence[BucketManifest]) -> None:
+    def begin(self, plan: Sequence[BucketManifest] | None) -> None:
+        """Open a weight-update session for `plan`, validated whole against the model first. With
+        `plan=None` (an engine API whose session names no plan, as SGLang's begin_weight_update),
+        each bucket is validated on arrival and finalize cannot check completeness."""
         if self.session is not None:
             raise EngineError("session_open", "a weight-update session is already open; finalize it first")
         self._require_weights()
+        if plan is None:
+            self.session = _Session(plan=None)
+            self.sessions += 1
+            self.ready_to_publish = False
+            return
         problems: list[str] = []
         seen: dict[str, int] = {}
         order: dict[str, tuple[int, int]] = {}  # name -> (bucket, position): the order buckets apply in
@@ -378,6 +386,9 @@ class EngineCore:
             raise EngineError("no_session", "load outside a weight-update session (begin was not called)")
         if session.broken:
             raise EngineError("session_broken", f"bucket {manifest.index} refused: {session.broken}; begin again")
+        if session.plan is None:
+            self.check_against_model(manifest)
+            return
         planned = session.plan.get(manifest.index)
         if planned is None or planned != manifest:
             self.break_session(f"bucket {manifest.index} does not match the plan")
@@ -388,6 +399,21 @@ class EngineCore:
         if manifest.index != expected:
             self.break_session(f"bucket {manifest.index} arrived before bucket {expected}")
             raise EngineError("bad_manifest", f"bucket {manifest.index} arrived before bucket {expected}")
+
+    def check_against_model(self, manifest: BucketManifest) -> None:
+        """Refuse (changing nothing) a bucket naming a tensor the model lacks, or a wrong shape/dtype."""
+        for entry in manifest.entries:
+            meta = entry.meta
+            model_name = self.layout.tied.get(meta.name, meta.name)
+            shape = self.layout.hf_shapes.get(model_name)
+            if shape is None:
+                raise EngineError("bad_manifest", f"bucket {manifest.index}: unknown tensor {meta.name!r}")
+            want = self.layout.hf_dtypes[model_name]
+            if tuple(meta.shape) != shape or meta.dtype != want:
+                raise EngineError(
+                    "bad_manifest",
+                    f"{meta.name}: {meta.dtype}{list(meta.shape)} != model {want}{list(shape)}",
+                )
 
     def break_session(self, reason: str) -> None:
         if self.session is not None and self.session.broken is None:
@@ -488,7 +514,7 @@ class EngineCore:
         self.session = None
         if not session.loaded:
             return {"post_processed": False}
-        missing = sorted(set(session.plan) - session.loaded)
+        missing = sorted(set(session.plan) - session.loaded) if session.plan is not None else []
         if missing:
             raise EngineError(
                 "incomplete",
@@ -514,6 +540,15 @@ class EngineCore:
         """Set the version label and nothing else (like SGLang's /update_weight_version): no check
         that the weights are complete. refit never calls it; it exists so tests can show why."""
         self.version = version
+
+    def abort_requests(self) -> int:
+        """Finish every running and waiting request as aborted (SGLang's abort_all); returns how many."""
+        reqs = [*self.running, *self.waiting]
+        for req in reqs:
+            self._finish(req, "abort")
+        self.running.clear()
+        self.waiting.clear()
+        return len(reqs)
 
     def quarantine(self, reason: str) -> None:
         """Out of service until a refit completes. An open update session is voided (not

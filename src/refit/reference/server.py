@@ -65,7 +65,7 @@ FAULT_KINDS = ("hang", "kill", "corrupt")
 AUDITED = frozenset(
     {
         "probe", "pause", "flush", "begin", "load", "finalize", "publish", "label_version", "continue_generation",
-        "quarantine", "resume_memory", "release_memory",
+        "quarantine", "resume_memory", "release_memory", "abort_requests",
     }
 )  # fmt: skip
 HEAD_ONLY = frozenset({"info", "audit", "ping", "arm_fault", "result"})  # no model state: not forwarded
@@ -231,7 +231,7 @@ class EngineServer:
         {
             "info", "submit", "result", "score", "state_dict", "pause", "continue_generation", "flush",
             "begin", "load", "finalize", "publish", "label_version", "quarantine", "release_memory",
-            "resume_memory", "attach", "detach", "ping", "audit", "arm_fault", "probe", "steps",
+            "resume_memory", "attach", "detach", "ping", "audit", "arm_fault", "probe", "steps", "abort_requests",
         }
     )  # fmt: skip
 
@@ -242,8 +242,7 @@ class EngineServer:
         self.name = name
         self.in_process = in_process  # False: this is the engine's own process
         self.followers = followers or []  # TP ranks 1.. (this is the head)
-        self.receiver: Receiver | None = None
-        self.transport_kind: str | None = None
+        self.receivers: dict[str, Receiver] = {}  # transport kind -> this rank's receiver
         self.armed: dict[tuple[str, int | None], tuple[str, float]] = {}
         self._corrupt_next_load = False
 
@@ -357,19 +356,21 @@ class EngineServer:
         return list(self.core.audit)
 
     def _attach(self, info: ConnectInfo) -> None:
-        self._detach()
-        self.receiver = load_receiver(info, self.core.comm.rank)
-        self.transport_kind = info.kind
+        """Open a transport's engine side. One receiver per transport kind: an engine behind an API
+        that takes several (SGLang: tensors by reference, and a broadcast group) keeps each open."""
+        self._detach(info.kind)
+        self.receivers[info.kind] = load_receiver(info, self.core.comm.rank)
 
-    def _detach(self) -> None:
-        if self.receiver is not None:
-            self.receiver.close()
-        self.receiver = None
-        self.transport_kind = None
+    def _detach(self, kind: str | None = None) -> None:
+        for k in [kind] if kind is not None else list(self.receivers):
+            receiver = self.receivers.pop(k, None)
+            if receiver is not None:
+                receiver.close()
 
     def _load(self, payload: Payload) -> None:
         """Every TP rank reads its own part and checks it; they vote; all apply or none does."""
-        if self.receiver is None or payload.kind != self.transport_kind:
+        receiver = self.receivers.get(payload.kind)
+        if receiver is None:
             raise EngineError("not_attached", f"no {payload.kind!r} transport attached; attach before load")
         index = payload.manifest.index
         self.core.check_load(payload.manifest)  # the manifest first: a truncated bucket is named as such
@@ -378,12 +379,12 @@ class EngineServer:
         comm = self.core.comm
         fused = comm.size == 1  # one rank: verify while copying (TP ranks vote first, then apply)
         try:
-            tensors = self.receiver.read(payload)
+            tensors = receiver.read(payload)
             if self._corrupt_next_load:
                 self._corrupt_next_load = False
                 tensors = _damaged(tensors)
             if not fused:
-                self.receiver.verify(payload, tensors)
+                receiver.verify(payload, tensors)
         except (ValueError, KeyError, OSError, IndexError, RuntimeError) as exc:
             problem = f"{type(exc).__name__}: {exc}"
         votes = comm.gather_objects(problem)
@@ -392,7 +393,7 @@ class EngineServer:
             self.core.break_session(f"bucket {index} could not be read on TP rank {bad[0][0]}")
             rank, text = bad[0]
             raise EngineError("bad_payload", f"bucket {index} (TP rank {rank}): {text}")
-        self.core.load(payload.manifest, tensors, expected=self.receiver.expected(payload) if fused else None)
+        self.core.load(payload.manifest, tensors, expected=receiver.expected(payload) if fused else None)
         comm.gather_objects(None)  # the ack leaves only once every rank has copied its shard
 
 

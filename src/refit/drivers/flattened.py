@@ -1,0 +1,622 @@
+"""SGLang's flattened-bucket wire format, and the transports that speak it.
+
+A flattened bucket is one uint8 tensor holding a bucket's tensors back to back, plus one metadata
+record per tensor (name, shape, dtype, byte start/end, byte count), as
+`sglang.srt.weight_sync.tensor_bucket.FlattenedTensorBucket` (0.5.6 .. 0.5.23) builds and reads
+it. SGLang inserts no padding, and its receiver for `update_weights_from_distributed` computes
+the offsets itself (refusing one that is not a multiple of the dtype's size), so `plan_flattened`
+keeps each bucket contiguous and orders its tensors by element size, largest first: every offset
+is then aligned for its dtype with no padding at all.
+
+Colocated (`SGLangTensorTransport`, kind ``sglang_tensor``): each trainer rank packs a bucket
+into a shared buffer and serializes `{"flattened_tensor": buffer, "metadata": [...]}` once per
+engine TP rank it feeds (one export per consumer, as SGLang requires; sglang#4446), with the
+allow-listed types SGLang's `SafeUnpickler` accepts (torch rebuild functions, `SimpleNamespace`).
+CPU buffers travel by shared-memory name (`rebuild_storage_filename`), which any process on the
+host can open, whatever its multiprocessing family; CUDA buffers as CUDA IPC handles (torch's own
+reduction). SGLang's torch-reduction patch is never applied here: it breaks CPU tensor pickling.
+
+Disaggregated (`SGLangBroadcastTransport`, kind ``sglang_broadcast``): trainer rank 0 broadcasts
+each bucket on a group laid out as SGLang's `init_custom_process_group` builds it (a TCPStore
+rendezvous, `PrefixStore(group_name)`, then the keys `_new_process_group_helper` adds), without
+touching the trainer's default group. With `flattened=True` one uint8 broadcast per bucket (SGLang
+`load_format="flattened_bucket"`), else one broadcast per tensor in list order.
+
+Lifecycle (both), per state:
+  run start     `plan`: `plan_flattened` (contiguous buckets, aligned by ordering).
+  CONNECTING    `connect`: buffers (and, for broadcast, the store) for this engine set;
+                `attach_infos`: what the engine side opens (SGLang: nothing for tensors,
+                `/init_weights_update_group` for broadcast).
+  TRANSFERRING  `pack(k)`: copy bucket k into a free buffer; tensors: serialize it for each engine
+                TP rank this rank feeds; broadcast: `send(k)` while the engines receive.
+                `release(k)` after every engine acked; `abandon(k)`: the buffer is replaced.
+  disconnect    buffers and group dropped; idempotent.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from collections.abc import Iterable, Sequence
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
+
+from refit.drivers.base import ConnectInfo, EngineSpec, LazyTensors, Payload, Receiver, Topology, Transport
+from refit.drivers.broadcast import SOURCE_RANK, BroadcastTransport, _td
+from refit.drivers.buckets import (
+    BucketManifest,
+    TensorEntry,
+    TensorMeta,
+    dtype_name,
+    itemsize,
+    pack_into,
+    slot_bytes,
+    torch_dtype,
+)
+from refit.errors import EngineError
+
+if TYPE_CHECKING:
+    import torch
+
+FLATTENED_BUCKET = "flattened_bucket"  # SGLang's load_format for this layout
+
+# ---- layout --------------------------------------------------------------------------------------
+
+
+def plan_flattened(metas: Iterable[TensorMeta], bucket_bytes: int) -> list[BucketManifest]:
+    """Greedy bucketing by bytes in the source's order; inside a bucket, tensors are ordered by
+    element size (largest first, stable) and laid out back to back, so every byte offset is a
+    multiple of its dtype's size without padding (SGLang inserts none). A tensor larger than a
+    bucket travels alone."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    groups: list[tuple[list[TensorMeta], bool]] = []
+    current: list[TensorMeta] = []
+    size = 0
+    seen: set[str] = set()
+    for meta in metas:
+        if meta.name in seen:
+            raise ValueError(f"tensor {meta.name!r} appears twice in the source")
+        seen.add(meta.name)
+        if meta.nbytes > bucket_bytes:
+            if current:
+                groups.append((current, False))
+            groups.append(([meta], True))
+            current, size = [], 0
+            continue
+        if current and size + meta.nbytes > bucket_bytes:
+            groups.append((current, False))
+            current, size = [], 0
+        current.append(meta)
+        size += meta.nbytes
+    if current:
+        groups.append((current, False))
+    plan = []
+    for index, (group, oversized) in enumerate(groups):
+        entries, offset = [], 0
+        for meta in sorted(group, key=lambda m: -itemsize(m.dtype)):
+            entries.append(TensorEntry(meta, offset))
+            offset += meta.nbytes
+        plan.append(BucketManifest(index, tuple(entries), offset, oversized))
+    return plan
+
+
+def check_flattened(manifest: BucketManifest) -> None:
+    """Refuse a manifest SGLang's flattened receiver would not read back as planned: entries must be
+    back to back from 0 (no padding) and each offset a multiple of its dtype's size."""
+    offset = 0
+    for entry in manifest.entries:
+        meta = entry.meta
+        if entry.offset != offset:
+            raise ValueError(
+                f"bucket {manifest.index}: {meta.name!r} starts at byte {entry.offset}, SGLang's layout puts it at "
+                f"{offset} (no padding between tensors)"
+            )
+        if offset % itemsize(meta.dtype):
+            raise ValueError(
+                f"bucket {manifest.index}: {meta.name!r} ({meta.dtype}) at byte {offset} is not aligned for its dtype; "
+                "order a bucket's tensors by element size, largest first (plan_flattened)"
+            )
+        offset += meta.nbytes
+
+
+def metadata_of(manifest: BucketManifest) -> list[SimpleNamespace]:
+    """SGLang's FlattenedTensorMetadata records for a manifest, as SimpleNamespace (an allow-listed
+    type: the receiver reads attributes, and needs no refit class to unpickle them)."""
+    import torch
+
+    return [
+        SimpleNamespace(
+            name=e.meta.name,
+            shape=torch.Size(e.meta.shape),
+            dtype=torch_dtype(e.meta.dtype),
+            start_idx=e.offset,
+            end_idx=e.offset + e.meta.nbytes,
+            numel=e.meta.nbytes,
+        )
+        for e in manifest.entries
+    ]
+
+
+def flatten(named_tensors: Sequence[tuple[str, torch.Tensor]], *, share: bool = True) -> dict[str, Any]:
+    """One flattened bucket `{"flattened_tensor", "metadata"}` from named tensors (any layout,
+    contiguous or not), ordered as `plan_flattened` orders a bucket. A CPU buffer is placed in
+    shared memory (by name) when `share`, so another process can open it."""
+    import torch
+
+    if not named_tensors:
+        raise ValueError("a flattened bucket needs at least one tensor")
+    metas = [TensorMeta.of(name, t) for name, t in named_tensors]
+    total = sum(m.nbytes for m in metas)
+    (manifest,) = plan_flattened(metas, max(total, 1))
+    device = named_tensors[0][1].device
+    buffer = torch.empty(total, dtype=torch.uint8, device=device)
+    if share and device.type == "cpu":
+        share_by_name(buffer)
+    by_name = dict(named_tensors)
+    pack_into(buffer, manifest, [(e.meta.name, by_name[e.meta.name]) for e in manifest.entries])
+    return {"flattened_tensor": buffer, "metadata": metadata_of(manifest)}
+
+
+def share_by_name(buffer: torch.Tensor) -> None:
+    """Move a CPU tensor's storage into named shared memory (torch's file_system strategy), once."""
+    buffer.untyped_storage()._share_filename_cpu_()
+
+
+# ---- serialization -------------------------------------------------------------------------------
+
+
+def _reduce_storage_by_name(storage: Any) -> tuple[Any, ...]:
+    """A CPU storage as its shared-memory name (torch's `file_system` reduction), whatever the
+    process-wide sharing strategy: unrelated processes can open a name, not a passed fd."""
+    from torch.multiprocessing.reductions import StorageWeakRef, rebuild_storage_filename, shared_cache
+
+    if storage.device.type != "cpu":
+        raise RuntimeError("a CUDA storage is sent inside its tensor (CUDA IPC), never alone")
+    manager, handle, size = storage._share_filename_cpu_()
+    storage._shared_incref()  # one reference in transit, dropped by the receiver's rebuild
+    shared_cache[handle] = StorageWeakRef(storage)
+    return (rebuild_storage_filename, (type(storage), manager, handle, size))
+
+
+def serialize(obj: Any) -> bytes:
+    """What SGLang's `MultiprocessingSerializer.serialize` produces for `obj` (a ForkingPickler
+    stream), except that CPU storages always travel by shared-memory name. One call per consumer."""
+    import torch
+    from torch.multiprocessing.reductions import init_reductions  # registers torch's reducers
+
+    init_reductions()
+    from multiprocessing.reduction import ForkingPickler
+
+    buf = io.BytesIO()
+    pickler = ForkingPickler(buf)
+    pickler.dispatch_table[torch.UntypedStorage] = _reduce_storage_by_name
+    pickler.dump(obj)
+    return buf.getvalue()
+
+
+# The globals a flattened payload may name (a subset of SGLang 0.5.23's SafeUnpickler allow-list).
+ALLOWED_GLOBALS = frozenset(
+    {
+        ("builtins", "dict"), ("builtins", "list"), ("builtins", "tuple"), ("builtins", "str"), ("builtins", "int"),
+        ("types", "SimpleNamespace"), ("copyreg", "__newobj__"), ("torch", "Size"), ("torch", "Tensor"),
+        ("torch.storage", "UntypedStorage"), ("torch.storage", "TypedStorage"),
+        ("torch.multiprocessing.reductions", "rebuild_tensor"),
+        ("torch.multiprocessing.reductions", "rebuild_typed_storage"),
+        ("torch.multiprocessing.reductions", "rebuild_storage_filename"),
+        ("torch.multiprocessing.reductions", "rebuild_storage_fd"),
+        ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"),
+        ("torch.multiprocessing.reductions", "rebuild_storage_empty"),
+        ("multiprocessing.resource_sharer", "DupFd"),
+        ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata"),
+    }
+)  # fmt: skip
+
+
+class _SafeUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch" and name in _dtype_names():
+            return super().find_class(module, name)
+        if (module, name) in ALLOWED_GLOBALS:
+            if module.startswith("sglang."):
+                return SimpleNamespace  # its fields are read as attributes; sglang need not be installed
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"payload names {module}.{name}, which a flattened bucket never contains")
+
+
+class _Peeker(_SafeUnpickler):
+    """Reads a payload's metadata without opening any storage (no mapping, no reference taken)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        found = super().find_class(module, name)
+        if module.startswith(("torch.multiprocessing", "multiprocessing")) or (module, name) == ("torch", "Tensor"):
+            return _nothing
+        return found
+
+
+def _nothing(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def _dtype_names() -> frozenset[str]:
+    from refit.drivers.buckets import ITEMSIZE
+
+    return frozenset(ITEMSIZE)
+
+
+def deserialize(data: bytes | str) -> Any:
+    """Decode one serialized payload (bytes, or base64 text as HTTP carries it), refusing any
+    global a flattened bucket never names. Opens the storages it references (once per payload)."""
+    return _SafeUnpickler(io.BytesIO(_raw(data))).load()
+
+
+def peek_metadata(data: bytes | str) -> list[Any]:
+    """The metadata records of a serialized flattened bucket, without opening its storage."""
+    obj = _Peeker(io.BytesIO(_raw(data))).load()
+    if not isinstance(obj, dict) or "metadata" not in obj:
+        raise ValueError("not a flattened bucket: expected a dict with 'flattened_tensor' and 'metadata'")
+    return list(obj["metadata"])
+
+
+def _raw(data: bytes | str) -> bytes:
+    if isinstance(data, str):
+        import base64
+        import binascii
+
+        try:
+            return base64.b64decode(data, validate=True)
+        except binascii.Error as exc:
+            raise ValueError(f"payload is not valid base64: {exc}") from None
+    return bytes(data)
+
+
+def manifest_from_metadata(index: int, metadata: Sequence[Any]) -> BucketManifest:
+    """A bucket manifest read from flattened-bucket metadata (what an engine knows from the body)."""
+    entries, end = [], 0
+    for m in metadata:
+        try:
+            meta = TensorMeta(str(m.name), dtype_name(m.dtype), tuple(int(d) for d in m.shape))
+            start, stop, numel = int(m.start_idx), int(m.end_idx), int(m.numel)
+        except (AttributeError, TypeError, ValueError) as exc:
+            raise ValueError(f"bad flattened-bucket metadata record: {exc}") from None
+        itemsize(meta.dtype)  # names an unknown dtype
+        if stop - start != meta.nbytes or numel != meta.nbytes or start < 0:
+            raise ValueError(
+                f"{meta.name}: metadata spans bytes [{start}, {stop}) ({numel}), its {meta.dtype}{list(meta.shape)} "
+                f"needs {meta.nbytes}"
+            )
+        entries.append(TensorEntry(meta, start))
+        end = max(end, stop)
+    if not entries:
+        raise ValueError("a flattened bucket with no tensors")
+    return BucketManifest(index, tuple(entries), end)
+
+
+def reconstruct(bucket: dict[str, Any], manifest: BucketManifest) -> list[tuple[str, torch.Tensor]]:
+    """Views of each tensor of a decoded flattened bucket (as SGLang's `reconstruct_tensors`), after
+    checking them against the manifest the engine expects."""
+    import torch
+
+    flat = bucket.get("flattened_tensor") if isinstance(bucket, dict) else None
+    meta = bucket.get("metadata") if isinstance(bucket, dict) else None
+    if not isinstance(flat, torch.Tensor) or flat.dtype != torch.uint8 or flat.dim() != 1 or meta is None:
+        raise ValueError("not a flattened bucket: expected a 1-D uint8 'flattened_tensor' and its 'metadata'")
+    got = manifest_from_metadata(manifest.index, meta)
+    if got.entries != manifest.entries:
+        raise ValueError(f"bucket {manifest.index}: the payload's metadata does not match the bucket's manifest")
+    if flat.numel() < manifest.nbytes:
+        raise ValueError(
+            f"bucket {manifest.index} is truncated: {flat.numel()} bytes, metadata spans {manifest.nbytes}"
+        )
+    out = []
+    for entry in manifest.entries:
+        m = entry.meta
+        if entry.offset % itemsize(m.dtype):
+            raise ValueError(f"{m.name}: byte offset {entry.offset} is not aligned for {m.dtype}")
+        raw = flat[entry.offset : entry.offset + m.nbytes]
+        out.append((m.name, raw.view(torch_dtype(m.dtype)).reshape(m.shape)))
+    return out
+
+
+# ---- colocated: tensors by reference -------------------------------------------------------------
+
+
+class SGLangTensorTransport(Transport):
+    """Colocated transport in SGLang's `update_weights_from_tensor` + `flattened_bucket` format."""
+
+    kind = "sglang_tensor"
+
+    def __init__(self, slots: int = 2, *, device: str = "cpu", decoder: str = "refit") -> None:
+        """`device`: where buffers live (cpu: shared memory by name; cuda: CUDA IPC). `decoder`
+        (engine side of the reference emulator): ``refit`` or ``sglang`` (SGLang's own code)."""
+        if not isinstance(slots, int) or slots < 1:
+            raise ValueError(f"slots must be an integer >= 1, got {slots!r}")
+        if decoder not in ("refit", "sglang"):
+            raise ValueError(f"decoder {decoder!r}: use refit or sglang")
+        self.slots = slots
+        self.device = device
+        self.decoder = decoder
+        self.temp_bytes = 0
+        self._buffers: list[torch.Tensor] = []
+        self._busy: list[int | None] = []
+        self._own: dict[int, torch.Tensor] = {}
+        self._slot_bytes = 0
+        self._consumers: list[tuple[str, int]] = []
+        self._connected = False
+
+    def plan(self, metas: Sequence[TensorMeta], bucket_bytes: int) -> list[BucketManifest]:
+        return plan_flattened(metas, bucket_bytes)
+
+    @property
+    def connected(self) -> bool:
+        return self._connected
+
+    @property
+    def buffer_bytes(self) -> int:
+        return len(self._buffers) * self._slot_bytes + sum(int(t.numel()) for t in self._own.values())
+
+    def _new_buffer(self, nbytes: int) -> torch.Tensor:
+        import torch
+
+        buffer = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self.device)
+        if buffer.device.type == "cpu":
+            share_by_name(buffer)
+        return buffer
+
+    def connect(self, plan: Sequence[BucketManifest], topology: Topology, rank: int) -> dict[str, Any]:
+        self.disconnect()
+        for manifest in plan:
+            check_flattened(manifest)
+        self._consumers = [
+            (e.name, j) for e in topology.engines for j in range(e.tp) if self.route(topology, e, j) == rank
+        ]
+        if self._consumers:
+            self._slot_bytes = slot_bytes(plan)
+            self._buffers = [self._new_buffer(self._slot_bytes) for _ in range(self.slots)]
+            self._busy = [None] * self.slots
+        self._connected = True
+        return {}
+
+    def attach_infos(self, rank_infos: Sequence[dict[str, Any]], topology: Topology) -> dict[str, ConnectInfo]:
+        return {
+            e.name: ConnectInfo(
+                self.kind, f"{__name__}:FlattenedTensorReceiver", fields={"decoder": self.decoder}, parts=({},) * e.tp
+            )
+            for e in topology.engines
+        }
+
+    def pack(self, manifest: BucketManifest, tensors: LazyTensors) -> dict[str, Any] | None:
+        if not self._connected:
+            raise RuntimeError("sglang tensor transport: pack() before connect()")
+        if not self._consumers:  # same gathers as the ranks that feed an engine, nothing kept
+            self.temp_bytes = pack_into(None, manifest, tensors).temp_bytes
+            return None
+        buffer = self._buffer_for(manifest)
+        try:
+            packed = pack_into(buffer, manifest, tensors)
+            bucket = {"flattened_tensor": buffer[: manifest.nbytes], "metadata": metadata_of(manifest)}
+            serialized = {f"{name}/{j}": serialize(bucket) for name, j in self._consumers}
+        except BaseException:
+            self.release(manifest.index)
+            raise
+        self.temp_bytes = packed.temp_bytes
+        return {"serialized": serialized}
+
+    def _buffer_for(self, manifest: BucketManifest) -> torch.Tensor:
+        if manifest.oversized:
+            self._own[manifest.index] = self._new_buffer(manifest.nbytes)
+            return self._own[manifest.index]
+        try:
+            slot = self._busy.index(None)
+        except ValueError:
+            raise RuntimeError(
+                f"sglang tensor transport: no free buffer for bucket {manifest.index}; "
+                f"buckets {self._busy} wait for acks"
+            ) from None
+        self._busy[slot] = manifest.index
+        return self._buffers[slot]
+
+    def payloads(
+        self, manifest: BucketManifest, parts: Sequence[dict[str, Any] | None], topology: Topology
+    ) -> dict[str, Payload]:
+        out = {}
+        for e in topology.engines:
+            per_rank = []
+            for j in range(e.tp):
+                part = parts[self.route(topology, e, j)] or {}
+                per_rank.append({"serialized": part["serialized"][f"{e.name}/{j}"]})
+            out[e.name] = Payload(self.kind, manifest, {"load_format": FLATTENED_BUCKET}, tuple(per_rank))
+        return out
+
+    def release(self, index: int) -> None:
+        if self._own.pop(index, None) is not None:
+            return
+        if index in self._busy:
+            self._busy[self._busy.index(index)] = None
+
+    def abandon(self, index: int) -> None:
+        """An engine may still read the buffer: it is never written again (a fresh one replaces it)."""
+        if self._own.pop(index, None) is not None or index not in self._busy:
+            return
+        slot = self._busy.index(index)
+        self._buffers[slot] = self._new_buffer(self._slot_bytes)
+        self._busy[slot] = None
+
+    def disconnect(self) -> None:
+        self._buffers, self._busy, self._own, self._consumers = [], [], {}, []
+        self._connected = False
+
+
+class FlattenedTensorReceiver(Receiver):
+    """Engine side (one TP rank): decodes its own serialized entry and returns views of the bucket.
+    With ``decoder: sglang`` it decodes with SGLang's own `MultiprocessingSerializer` and
+    `FlattenedTensorBucket` (SGLang must be importable in the engine's process)."""
+
+    def read(self, payload: Payload) -> list[tuple[str, torch.Tensor]]:
+        data = payload.parts[self.tp_rank].get("serialized")
+        if data is None:
+            raise ValueError(f"bucket {payload.manifest.index}: no serialized entry for TP rank {self.tp_rank}")
+        if self.info.fields.get("decoder") == "sglang":
+            from sglang.srt.utils import MultiprocessingSerializer
+            from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+            obj = MultiprocessingSerializer.deserialize(data)
+            views = FlattenedTensorBucket(
+                flattened_tensor=obj["flattened_tensor"], metadata=obj["metadata"]
+            ).reconstruct_tensors()
+            got = manifest_from_metadata(payload.manifest.index, obj["metadata"])
+            if got.entries != payload.manifest.entries:
+                raise ValueError(f"bucket {payload.manifest.index}: metadata does not match the manifest")
+            return views
+        return reconstruct(deserialize(data), payload.manifest)
+
+
+# ---- disaggregated: broadcast on SGLang's group layout --------------------------------------------
+
+DEFAULT_GROUP = "weight_update_group"  # SGLang's default group_name
+
+
+def sglang_group(store: Any, group_name: str, rank: int, size: int, timeout_s: float, backend: str) -> Any:
+    """A process group keyed as SGLang's `init_custom_process_group` keys it (PrefixStore(group_name),
+    then `_new_process_group_helper`'s "<group_name>/" and "<device>/"), built from `store` alone:
+    never split from the default group, whatever device it is bound to."""
+    import torch.distributed as dist
+
+    prefixed = dist.PrefixStore(f"{group_name}/", dist.PrefixStore(group_name, store))
+    if backend == "gloo":
+        group = dist.ProcessGroupGloo(dist.PrefixStore("cpu/", prefixed), rank, size, _td(timeout_s))
+    elif backend == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = _td(timeout_s)
+        opts.is_high_priority_stream = False
+        group = dist.ProcessGroupNCCL(dist.PrefixStore("cuda/", prefixed), rank, size, opts)
+    else:
+        raise ValueError(f"backend {backend!r}: use gloo or nccl")
+    group._set_sequence_number_for_group()
+    return group
+
+
+class SGLangBroadcastTransport(BroadcastTransport):
+    """Disaggregated transport for SGLang's `init_weights_update_group` +
+    `update_weights_from_distributed`: trainer rank 0 is group rank 0, engine i's TP rank j is
+    rank 1 + rank_offset_i + j (SGLang's `rank_offset + tp_rank`)."""
+
+    kind = "sglang_broadcast"
+
+    def __init__(
+        self,
+        slots: int = 2,
+        *,
+        backend: str = "gloo",
+        host: str | None = None,
+        flattened: bool = True,
+        group_name: str = DEFAULT_GROUP,
+    ) -> None:
+        super().__init__(slots, backend=backend, host=host, checksums=False)
+        self.flattened = flattened
+        self.group_name = group_name
+
+    def plan(self, metas: Sequence[TensorMeta], bucket_bytes: int) -> list[BucketManifest]:
+        return plan_flattened(metas, bucket_bytes)
+
+    def connect(self, plan: Sequence[BucketManifest], topology: Topology, rank: int) -> dict[str, Any]:
+        for manifest in plan:
+            check_flattened(manifest)
+        info = super().connect(plan, topology, rank)
+        if self._sender:
+            info["group"] = self._info["group"] = self.group_name
+        return info
+
+    def route(self, topology: Topology, engine: EngineSpec, tp_rank: int) -> int:
+        return SOURCE_RANK
+
+    def attach_infos(self, rank_infos: Sequence[dict[str, Any]], topology: Topology) -> dict[str, ConnectInfo]:
+        shared = dict(rank_infos[SOURCE_RANK])
+        return {
+            e.name: ConnectInfo(
+                self.kind,
+                f"{__name__}:SGLangBroadcastReceiver",
+                fields={**shared, "rank_offset": 1 + e.rank_offset, "flattened": self.flattened},
+                parts=tuple({"rank": 1 + e.rank_offset + j} for j in range(e.tp)),
+            )
+            for e in topology.engines
+        }
+
+    def join(self) -> None:
+        if self._sender:
+            info = self._info
+            self._group = sglang_group(
+                self._store, info["group"], SOURCE_RANK, info["world"], info["timeout_s"], self.backend
+            )
+
+    def payloads(
+        self, manifest: BucketManifest, parts: Sequence[dict[str, Any] | None], topology: Topology
+    ) -> dict[str, Payload]:
+        fields = {"load_format": FLATTENED_BUCKET if self.flattened else None, "group_name": self.group_name}
+        return {e.name: Payload(self.kind, manifest, fields, parts=({},) * e.tp) for e in topology.engines}
+
+    def send(self, index: int) -> None:
+        if not self._sender:
+            return
+        if self._group is None:
+            raise RuntimeError("sglang broadcast transport: send() before the group formed (join)")
+        manifest = self._plan[index]
+        buffer = self._own.get(index)
+        if buffer is None:
+            buffer = self._buffers[self._slot_of(index)]
+        from refit.drivers.broadcast import _broadcast
+
+        if self.flattened:
+            _broadcast(self._group, buffer[: manifest.nbytes])
+            return
+        for entry in manifest.entries:  # one broadcast per tensor, in list order
+            m = entry.meta
+            _broadcast(self._group, buffer[entry.offset : entry.offset + m.nbytes].view(torch_dtype(m.dtype)))
+
+
+class SGLangBroadcastReceiver(Receiver):
+    """Engine side of `SGLangBroadcastTransport` (one TP rank), as SGLang's weight updater does it:
+    joins the group at attach (`init_custom_process_group`'s layout) and receives each bucket as
+    one uint8 buffer (flattened) or one tensor at a time."""
+
+    def __init__(self, info: ConnectInfo, tp_rank: int = 0) -> None:
+        super().__init__(info, tp_rank)
+        import torch.distributed as dist
+
+        f = info.fields
+        rank, world = int(self.part["rank"]), int(f["world"])
+        try:
+            store = dist.TCPStore(f["addr"], int(f["port"]), world, is_master=False, timeout=_td(f["timeout_s"]))
+            self._group = sglang_group(store, f["group"], rank, world, f["timeout_s"], f["backend"])
+        except (RuntimeError, OSError, ValueError) as exc:
+            raise EngineError("rendezvous", f"group {f.get('group')} did not form: {exc}") from exc
+        self._store = store
+
+    def read(self, payload: Payload) -> list[tuple[str, torch.Tensor]]:
+        import torch
+
+        from refit.drivers.broadcast import _broadcast
+
+        manifest = payload.manifest
+        if payload.fields.get("load_format") == FLATTENED_BUCKET:
+            check_flattened(manifest)
+            buffer = torch.empty(manifest.nbytes, dtype=torch.uint8)
+            _broadcast(self._group, buffer)
+            return [
+                (
+                    e.meta.name,
+                    buffer[e.offset : e.offset + e.meta.nbytes].view(torch_dtype(e.meta.dtype)).view(e.meta.shape),
+                )
+                for e in manifest.entries
+            ]
+        out = []
+        for entry in manifest.entries:
+            m = entry.meta
+            tensor = torch.empty(m.shape, dtype=torch_dtype(m.dtype))
+            _broadcast(self._group, tensor)
+            out.append((m.name, tensor))
+        return out
+
+    def close(self) -> None:
+        self._group = None
+        self._store = None

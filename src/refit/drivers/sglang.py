@@ -1,0 +1,565 @@
+"""Engine driver for an SGLang server, over its HTTP API (httpx).
+
+One driver per server (one engine, however many TP ranks). The server's version decides what it
+can do; the driver learns it once, in its first probe, into a `Capabilities` record, and every
+version difference is read from that record (never from scattered version checks).
+
+Lifecycle, per state (each step is one HTTP call; SGLang has no batch route):
+  first engine call       probe(target): GET /server_info (version, startup time: a restart is a
+                          new incarnation), then the weight version (GET /model_info; older
+                          servers /get_weight_version), and, where sessions exist (>= 0.5.21),
+                          POST /end_weight_update {} to close a session a crashed run left open
+                          (only while the driver cannot know it is closed); refuses with
+                          `version_ahead` when the server already holds the target.
+  OFFLOADING (colocated)  resume_memory(["weights"]): POST /resume_memory_occupation {"tags"}.
+  CONNECTING              attach(info): nothing for tensors (each payload carries its handles);
+                          broadcast: POST /init_weights_update_group while the trainer joins.
+  PAUSING                 pause(mode): POST /pause_generation {"mode"} (abort | retract; in_place
+                          keeps KV computed by the old weights and SGLang cannot flush it, so
+                          refit refuses it).
+  INVALIDATING            flush(): POST /flush_cache (refused while requests hold KV);
+                          begin(plan): POST /begin_weight_update {} (>= 0.5.21); the plan is kept
+                          here, since SGLang's session names none.
+  TRANSFERRING            load(payload): POST /update_weights_from_tensor (flattened_bucket, one
+                          base64 entry per TP rank) or /update_weights_from_distributed (while the
+                          trainer broadcasts), always flush_cache=false and abort_all_requests=false:
+                          invalidation is the protocol's own step.
+  POST_PROCESSING         finalize(): POST /end_weight_update {}; refused as `incomplete` unless
+                          every planned bucket was acknowledged.
+  CONTINUING              publish(v): refused here unless the session acked every bucket and
+                          finalized (SGLang's label checks nothing), then POST
+                          /update_weight_version {"new_version", "abort_all_requests": false}
+                          (its default aborts every request in flight); continue_generation():
+                          POST /continue_generation {}.
+  RESTORING (colocated)   resume_memory(["kv_cache", "cuda_graph"]).
+  QUARANTINING            quarantine(reason): POST /pause_generation {"mode": "abort"}: it stays
+                          paused (requests wait, none is served) until a refit completes.
+  abort before pausing    release_memory(["weights"]).
+  disconnect              detach(): broadcast: POST /destroy_weights_update_group.
+
+Errors name the engine, the call, the route and the HTTP status: a timeout is `TimeoutError`, a
+refused or dropped connection `EngineDied`, 401/403 `unauthorized`, 404 `unsupported`, 422
+`bad_request` (no effect), a 400 from an update `refused` (effect unknown) unless SGLang says
+nothing ran (`no_session`) or that weights changed but the cache was not flushed (`state_unknown`:
+poison, never success), 5xx `server_error`.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from refit.drivers.base import ConnectInfo, EngineDriver, PauseMode, Payload
+from refit.drivers.buckets import BucketManifest
+from refit.errors import EngineDied, EngineError
+
+if TYPE_CHECKING:
+    import httpx
+    import torch
+
+DEFAULT_TIMEOUT = 60.0
+WEIGHTS_UPDATED_NOT_FLUSHED = "Weights were updated, but the cache was not flushed"
+NO_SESSION_TEXT = "must run between begin_weight_update"
+
+
+def _version_tuple(text: str | None) -> tuple[int, ...] | None:
+    if not text:
+        return None
+    m = re.match(r"(\d+)\.(\d+)\.(\d+)", text)
+    return tuple(int(x) for x in m.groups()) if m else None
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What one SGLang server can do, read once from its version (anchor-engine-apis.md, 1.1).
+
+    session             begin/end_weight_update exist and tensor/distributed updates need them (0.5.21+)
+    flush_while_paused  a flush succeeds while paused with retracted requests waiting (0.5.21+):
+                        `retract` is usable
+    pause_modes         modes /pause_generation takes (abort, retract, in_place from 0.5.6)
+    version_route       where the weight version is read: /model_info (0.5.6+; /get_weight_version
+                        answers 404 from 0.5.12) or /get_weight_version (0.5.2 .. 0.5.6)
+    flattened_bytes     flattened buckets are uint8 with byte offsets (0.5.6+)
+    flush_failure_fatal a refused flush inside an update kills the scheduler (<= 0.5.21); refit
+                        never asks an update to flush, so this is only reported
+    """
+
+    version: str | None
+    session: bool
+    flush_while_paused: bool
+    pause_modes: frozenset[str]
+    version_route: str
+    flattened_bytes: bool
+    flush_failure_fatal: bool
+
+    @classmethod
+    def of(cls, version: str | None) -> Capabilities:
+        """The record for a server version; an unknown version is taken as the newest known."""
+        v = _version_tuple(version) or (0, 5, 23)
+        return cls(
+            version=version,
+            session=v >= (0, 5, 21),
+            flush_while_paused=v >= (0, 5, 21),
+            pause_modes=frozenset({"abort", "retract", "in_place"}) if v >= (0, 5, 6) else frozenset({"abort"}),
+            version_route="/model_info" if v >= (0, 5, 6) else "/get_weight_version",
+            flattened_bytes=v >= (0, 5, 6),
+            flush_failure_fatal=v <= (0, 5, 21),
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "version": self.version, "session": self.session, "flush_while_paused": self.flush_while_paused,
+            "pause_modes": sorted(self.pause_modes), "version_route": self.version_route,
+            "flattened_bytes": self.flattened_bytes, "flush_failure_fatal": self.flush_failure_fatal,
+        }  # fmt: skip
+
+
+# ---- request bodies ----------------------------------------------------------------------------
+
+
+def _b64(data: bytes | str) -> str:
+    return data if isinstance(data, str) else base64.b64encode(data).decode("ascii")
+
+
+def tensor_update_body(
+    serialized_per_tp_rank: Sequence[bytes | str], *, weight_version: str | int | None = None, flush_cache: bool = False
+) -> dict[str, Any]:
+    """`/update_weights_from_tensor` body for already-serialized flattened buckets (one per TP rank)."""
+    body: dict[str, Any] = {
+        "serialized_named_tensors": [_b64(d) for d in serialized_per_tp_rank],
+        "load_format": "flattened_bucket",
+        "flush_cache": bool(flush_cache),
+        "abort_all_requests": False,
+    }
+    if weight_version is not None:
+        body["weight_version"] = str(weight_version)
+    return body
+
+
+def update_weights_from_tensor_body(
+    per_tp_rank_named_tensors: Sequence[Sequence[tuple[str, torch.Tensor]]],
+    *,
+    weight_version: str | int | None,
+    flush_cache: bool = False,
+) -> dict[str, Any]:
+    """The JSON body of SGLang's `POST /update_weights_from_tensor` for one bucket: for each engine
+    TP rank, its named tensors flattened into one uint8 buffer (SGLang 0.5.23's `flattened_bucket`
+    layout: byte offsets, every offset aligned for its dtype) and serialized on its own (one export
+    per consumer), base64 for HTTP. CPU tensors are shared by name (any local process can open
+    them); CUDA tensors as IPC handles. `flush_cache` stays False in a refit: flushing is the
+    protocol's invalidate step."""
+    from refit.drivers.flattened import flatten, serialize
+
+    if not per_tp_rank_named_tensors:
+        raise ValueError("update_weights_from_tensor_body: give one list of named tensors per engine TP rank")
+    serialized = [serialize(flatten(list(named))) for named in per_tp_rank_named_tensors]
+    return tensor_update_body(serialized, weight_version=weight_version, flush_cache=flush_cache)
+
+
+def distributed_update_body(manifest: BucketManifest, *, group_name: str, load_format: str | None) -> dict[str, Any]:
+    """`/update_weights_from_distributed` body for one bucket, in the order the trainer broadcasts."""
+    body: dict[str, Any] = {
+        "names": [e.meta.name for e in manifest.entries],
+        "dtypes": [e.meta.dtype for e in manifest.entries],
+        "shapes": [list(e.meta.shape) for e in manifest.entries],
+        "group_name": group_name,
+        "flush_cache": False,
+        "abort_all_requests": False,
+    }
+    if load_format is not None:
+        body["load_format"] = load_format
+    return body
+
+
+# ---- the driver --------------------------------------------------------------------------------
+
+
+class SGLangEngine(EngineDriver):
+    """One SGLang server, driven over HTTP. See the module docstring for the route per state."""
+
+    supports_in_place_pause = False  # in_place keeps old-weight KV and SGLang refuses to flush it
+    transports = frozenset({"sglang_tensor", "sglang_broadcast"})
+    memory_tags = frozenset({"weights", "kv_cache", "cuda_graph"})
+
+    def __init__(
+        self,
+        name: str,
+        url: str,
+        *,
+        api_key: str | None = None,
+        tp: int = 1,
+        weights_cpu_backup: bool = False,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        """`url`: the server's base URL. `api_key`: the admin API key, if the server set one.
+        `tp`: its TP size (one payload entry per TP rank). `weights_cpu_backup`: the server runs
+        with --enable-weights-cpu-backup (released weights come back intact)."""
+        import httpx
+
+        if tp < 1:
+            raise ValueError(f"tp must be >= 1, got {tp}")
+        self.name = name
+        self.url = url.rstrip("/")
+        self._tp = tp
+        self.weights_cpu_backup = weights_cpu_backup
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.Client(base_url=self.url, headers=headers, transport=transport, timeout=DEFAULT_TIMEOUT)
+        self.capabilities: Capabilities | None = None
+        self._startup: Any = None
+        self._attached: ConnectInfo | None = None
+        self._plan: dict[int, BucketManifest] | None = None
+        self._acked: set[int] = set()
+        self._finalized = False
+        self._session_unknown = True  # until a probe closed it, or this driver opened and closed it
+        self._quarantined: str | None = None
+        self._released: set[str] = set()
+        self._dead = False
+
+    # ---- capabilities -------------------------------------------------------------------------
+
+    @property
+    def tp_size(self) -> int:
+        return self._tp
+
+    @property
+    def pause_modes(self) -> frozenset[str]:  # type: ignore[override]
+        caps = self.capabilities or Capabilities.of(None)
+        modes = set(caps.pause_modes)
+        if not caps.flush_while_paused:
+            modes.discard("retract")  # the waiting queue blocks the flush before 0.5.21
+        return frozenset(modes)
+
+    @property
+    def incarnation(self) -> str:
+        return f"{self.name}@{self.url}#{self._startup}"
+
+    @property
+    def alive(self) -> bool:
+        return not self._dead
+
+    def close(self) -> None:
+        self._http.close()
+
+    # ---- HTTP ---------------------------------------------------------------------------------
+
+    def _request(
+        self,
+        method: str,
+        route: str,
+        call: str,
+        *,
+        timeout: float,
+        body: dict[str, Any] | None = None,
+        params: dict[str, Any] | None = None,
+    ) -> tuple[int, Any]:
+        """One HTTP call bounded by `timeout` in total (however slowly the server answers).
+        Returns (status, decoded body) for any HTTP answer; raises TimeoutError / EngineDied."""
+        import httpx
+
+        where = f"engine {self.name}: {method} {route} ({call})"
+        if timeout <= 0:
+            raise TimeoutError(f"{where}: no time left to send it")
+        end = time.monotonic() + timeout
+        try:
+            with self._http.stream(
+                method, route, json=body, params=params, timeout=httpx.Timeout(timeout), headers=self._headers(call)
+            ) as response:
+                chunks = []
+                for chunk in response.iter_bytes():
+                    chunks.append(chunk)
+                    if time.monotonic() > end:
+                        raise TimeoutError(f"{where}: the answer did not finish within {timeout:.3g}s")
+                status = response.status_code
+        except httpx.TimeoutException:
+            raise TimeoutError(f"{where}: no answer within {timeout:.3g}s") from None
+        except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as exc:
+            raise EngineDied(
+                f"{where}: the server at {self.url} is unreachable ({type(exc).__name__}: {exc})"
+            ) from None
+        if time.monotonic() > end:
+            raise TimeoutError(f"{where}: answered after its {timeout:.3g}s")
+        raw = b"".join(chunks)
+        try:
+            data: Any = json.loads(raw) if raw else None
+        except ValueError:
+            data = raw.decode("utf-8", "replace")
+        return status, data
+
+    def _headers(self, call: str) -> dict[str, str] | None:
+        """Extra headers for a request serving refit call `call` (none; a test server may want some)."""
+        return None
+
+    def _call(
+        self,
+        method: str,
+        route: str,
+        call: str,
+        *,
+        timeout: float,
+        body: dict[str, Any] | None = None,
+        params: dict[str, Any] | None = None,
+        update: bool = False,
+    ) -> Any:
+        """`_request`, with any non-2xx answer (or `"success": false`) raised as an EngineError."""
+        status, data = self._request(method, route, call, timeout=timeout, body=body, params=params)
+        failed = status >= 300 or (isinstance(data, dict) and data.get("success") is False)
+        if not failed:
+            return data
+        raise self._error(method, route, call, status, data, update=update)
+
+    def _error(self, method: str, route: str, call: str, status: int, data: Any, *, update: bool) -> EngineError:
+        message = _message(data)
+        text = f"engine {self.name}: {method} {route} ({call}) -> HTTP {status}: {message}"
+        if status in (401, 403):
+            return EngineError("unauthorized", f"{text} (the admin API key is missing or wrong)")
+        if status == 404:
+            return EngineError("unsupported", f"{text} (this server has no such route)")
+        if status == 422:
+            return EngineError("bad_request", text)
+        if status >= 500:
+            return EngineError("server_error", text)
+        if WEIGHTS_UPDATED_NOT_FLUSHED in message:
+            return EngineError("state_unknown", f"{text} (the weights changed)")
+        if NO_SESSION_TEXT in message or "no active weight update session" in message.lower():
+            return EngineError("no_session", text)
+        if "already" in message.lower() and route == "/begin_weight_update":
+            return EngineError("session_open", text)
+        if route == "/flush_cache":
+            return EngineError("flush_refused", text)
+        return EngineError("refused" if update else "server_refused", text)
+
+    # ---- protocol calls -----------------------------------------------------------------------
+
+    def probe(self, target_version: int, *, timeout: float) -> dict[str, Any]:
+        end = time.monotonic() + timeout
+        left = lambda: end - time.monotonic()  # noqa: E731
+        status, info = self._request("GET", "/server_info", "probe", timeout=left())
+        if status == 404:
+            status, info = self._request("GET", "/get_server_info", "probe", timeout=left())
+        if status >= 300 or not isinstance(info, dict):
+            raise self._error("GET", "/server_info", "probe", status, info, update=False)
+        startup = info.get("startup_time")
+        if self.capabilities is None or startup != self._startup:
+            self.capabilities = Capabilities.of(info.get("version"))
+            if self._startup is not None and startup != self._startup:  # restarted: nothing of ours is there
+                self._attached, self._released = None, set()
+            self._startup = startup
+        caps = self.capabilities
+        label = self._read_version(caps, left())
+        closed = False
+        if caps.session and self._session_unknown:
+            status, data = self._request("POST", "/end_weight_update", "probe", timeout=left(), body={})
+            closed = status < 300 and not (isinstance(data, dict) and data.get("success") is False)
+            self._session_unknown = False
+        self._plan, self._finalized = None, False
+        version = _as_version(label)
+        if version is not None and version >= target_version:
+            raise EngineError(
+                "version_ahead",
+                f"engine {self.name} holds weight version {label!r}, the refit targets {target_version}",
+                {"version": version},
+            )
+        return {
+            "version": version,
+            "serving": self._quarantined is None,
+            "closed_session": closed,
+            "server_version": caps.version,
+        }
+
+    def _read_version(self, caps: Capabilities, timeout: float) -> Any:
+        data = self._call("GET", caps.version_route, "probe", timeout=timeout)
+        return data.get("weight_version") if isinstance(data, dict) else data
+
+    def resume_memory(self, tags: Sequence[str], *, timeout: float) -> dict[str, Any]:
+        self._call("POST", "/resume_memory_occupation", "resume_memory", timeout=timeout, body={"tags": list(tags)})
+        resumed = [t for t in tags if t in self._released]
+        intact = self.weights_cpu_backup or "weights" not in self._released
+        self._released -= set(tags)
+        return {"weights_intact": intact, "resumed": resumed}
+
+    def release_memory(self, tags: Sequence[str], *, timeout: float = DEFAULT_TIMEOUT) -> None:
+        self._call("POST", "/release_memory_occupation", "release_memory", timeout=timeout, body={"tags": list(tags)})
+        self._released |= set(tags)
+
+    def attach(self, info: ConnectInfo, *, timeout: float) -> None:
+        if info.kind not in self.transports:
+            raise EngineError(
+                "bad_request", f"engine {self.name}: SGLang receives {sorted(self.transports)}, not {info.kind!r}"
+            )
+        if len(info.parts) != self._tp:
+            raise EngineError(
+                "bad_request",
+                f"engine {self.name}: connect info has {len(info.parts)} TP parts, the server has {self._tp}",
+            )
+        if info.kind == "sglang_broadcast":
+            f = info.fields
+            body = {
+                "master_address": f["addr"], "master_port": int(f["port"]), "rank_offset": int(f["rank_offset"]),
+                "world_size": int(f["world"]), "group_name": f["group"], "backend": f["backend"],
+            }  # fmt: skip
+            try:
+                self._call("POST", "/init_weights_update_group", "attach", timeout=timeout, body=body)
+            except EngineError as exc:
+                raise EngineError("rendezvous", exc.message) from exc
+        self._attached = info
+
+    def detach(self, *, timeout: float) -> None:
+        info, self._attached = self._attached, None
+        if info is not None and info.kind == "sglang_broadcast":
+            self._call(
+                "POST",
+                "/destroy_weights_update_group",
+                "detach",
+                timeout=timeout,
+                body={"group_name": info.fields["group"]},
+            )
+
+    def pause(self, mode: PauseMode, *, timeout: float) -> None:
+        if mode not in self.pause_modes:
+            raise EngineError("bad_request", f"engine {self.name}: pause mode {mode!r} is not usable on this server")
+        self._call("POST", "/pause_generation", "pause", timeout=timeout, body={"mode": mode})
+
+    def flush(self, *, timeout: float) -> None:
+        self._call("POST", "/flush_cache", "flush", timeout=timeout)
+
+    def begin(self, plan: Sequence[BucketManifest], *, timeout: float) -> None:
+        caps = self._caps()
+        if caps.session:
+            self._session_unknown = True  # open (or unknown) until end_weight_update answers
+            self._call("POST", "/begin_weight_update", "begin", timeout=timeout, body={}, update=True)
+        self._plan = {m.index: m for m in plan}
+        self._acked, self._finalized = set(), False
+
+    def load(self, payload: Payload, *, timeout: float) -> None:
+        manifest = payload.manifest
+        if self._plan is None:
+            raise EngineError("no_session", f"engine {self.name}: load outside a weight-update session (begin first)")
+        if self._attached is None or payload.kind != self._attached.kind:
+            raise EngineError("not_attached", f"engine {self.name}: no {payload.kind!r} transport attached")
+        if self._plan.get(manifest.index) != manifest:
+            raise EngineError("bad_manifest", f"engine {self.name}: bucket {manifest.index} is not the planned bucket")
+        if manifest.index in self._acked:
+            raise EngineError("bad_manifest", f"engine {self.name}: bucket {manifest.index} was already loaded")
+        if len(payload.parts) != self._tp:
+            raise EngineError(
+                "bad_payload",
+                f"engine {self.name}: bucket {manifest.index} has {len(payload.parts)} parts for TP {self._tp}",
+            )
+        if payload.kind == "sglang_tensor":
+            body = tensor_update_body([p["serialized"] for p in payload.parts])
+            route = "/update_weights_from_tensor"
+        else:
+            body = distributed_update_body(
+                manifest, group_name=payload.fields["group_name"], load_format=payload.fields.get("load_format")
+            )
+            route = "/update_weights_from_distributed"
+        self._call("POST", route, "load", timeout=timeout, body=body, update=True)
+        self._acked.add(manifest.index)
+
+    def finalize(self, *, timeout: float) -> None:
+        plan = self._plan
+        if plan is None:
+            raise EngineError("no_session", f"engine {self.name}: finalize without an open weight-update session")
+        self._plan = None
+        if self._caps().session:
+            self._call("POST", "/end_weight_update", "finalize", timeout=timeout, body={}, update=True)
+            self._session_unknown = False
+        missing = sorted(set(plan) - self._acked)
+        if missing:
+            raise EngineError(
+                "incomplete",
+                f"engine {self.name}: finalize after {len(self._acked)} of {len(plan)} buckets; missing {missing}",
+            )
+        self._finalized = True
+
+    def publish(self, version: int, *, timeout: float) -> None:
+        if not self._finalized:
+            raise EngineError(
+                "not_ready",
+                f"engine {self.name}: publish without a complete, finalized update (SGLang would label any weights)",
+            )
+        body = {"new_version": str(version), "abort_all_requests": False}
+        self._call("POST", "/update_weight_version", "publish", timeout=timeout, body=body)
+        self._finalized = False
+        self._quarantined = None
+
+    def continue_generation(self, *, timeout: float) -> None:
+        if self._quarantined is not None:
+            raise EngineError("quarantined", f"engine {self.name} is quarantined ({self._quarantined}); refit it first")
+        self._call("POST", "/continue_generation", "continue_generation", timeout=timeout, body={})
+
+    def quarantine(self, reason: str, *, timeout: float) -> None:
+        self._quarantined = reason
+        self._plan, self._finalized = None, False
+        self._session_unknown = True
+        self._call("POST", "/pause_generation", "quarantine", timeout=timeout, body={"mode": "abort"})
+
+    def _caps(self) -> Capabilities:
+        if self.capabilities is None:
+            raise EngineError("not_probed", f"engine {self.name}: probe the server before any other call")
+        return self.capabilities
+
+    # ---- serving ------------------------------------------------------------------------------
+
+    def generate(
+        self, prompt: Sequence[int], max_new_tokens: int, *, timeout: float = DEFAULT_TIMEOUT
+    ) -> dict[str, Any]:
+        """Greedy generation through POST /generate: {"output", "weight_versions" (one per token)}."""
+        body = {
+            "input_ids": list(prompt),
+            "sampling_params": {"max_new_tokens": int(max_new_tokens), "temperature": 0.0},
+        }
+        data = self._call("POST", "/generate", "generate", timeout=timeout, body=body)
+        meta = data.get("meta_info") or {}
+        output = [int(t) for t in data.get("output_ids") or []]
+        out: dict[str, Any] = {"output": output, "prompt": list(prompt), "finish_reason": meta.get("finish_reason")}
+        spans = meta.get("weight_versions")
+        if spans:
+            versions: list[Any] = [None] * len(output)
+            for span in spans:
+                for i in range(int(span["start"]), min(int(span["end"]), len(output))):
+                    versions[i] = _as_version(span["version"])
+            out["weight_versions"] = versions
+        elif "weight_version" in meta:
+            out["weight_versions"] = [_as_version(meta["weight_version"])] * len(output)
+        return out
+
+    def submit(self, prompt: Sequence[int], max_new_tokens: int) -> Any:
+        """Start a request on a thread; returns a Future of `generate`'s answer."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        pool = ThreadPoolExecutor(1, thread_name_prefix=f"sglang-{self.name}")
+        fut = pool.submit(self.generate, prompt, max_new_tokens)
+        pool.shutdown(wait=False)
+        return fut
+
+    def info(self, *, timeout: float = DEFAULT_TIMEOUT) -> dict[str, Any]:
+        caps = self.capabilities or Capabilities.of(None)
+        return {"version": _as_version(self._read_version(caps, timeout)), "capabilities": caps.as_dict()}
+
+
+def _as_version(label: Any) -> int | None:
+    """refit's integer version from SGLang's weight_version label ("default": the checkpoint, 0)."""
+    if label == "default":
+        return 0
+    try:
+        return int(str(label))
+    except (TypeError, ValueError):
+        return None
+
+
+def _message(data: Any) -> str:
+    if isinstance(data, dict):
+        err = data.get("error")
+        if isinstance(err, dict) and "message" in err:
+            return str(err["message"])
+        for key in ("message", "detail"):
+            if key in data:
+                return str(data[key])
+        return json.dumps(data)[:300]
+    return str(data or "")[:300]
