@@ -277,6 +277,8 @@ def _demo_problem(args: argparse.Namespace) -> str | None:
                 f"--fail-at: fault spec {args.fail_at!r}: call={call} is not a driver call (engine calls: "
                 f"{', '.join(ENGINE_CALLS)}; trainer calls: {', '.join(TRAINER_CALLS)})"
             )
+    if args.engine != "reference" and args.ranks > 1:
+        return f"--engine {args.engine} runs with one trainer rank here; drop --ranks"
     if args.in_thread and args.ranks > 1:
         return "--ranks runs engines as processes; drop --in-thread"
     if args.in_thread and args.engine_tp != 1:
@@ -348,6 +350,13 @@ def _demo_arguments(p: argparse.ArgumentParser) -> None:
         "--engine-tp", type=_count(1), default=1, help="TP processes per engine, each with a shard (default 1)"
     )
     p.add_argument("--transport", choices=("shm", "broadcast"), default="shm", help="shm or a broadcast group")
+    p.add_argument(
+        "--engine",
+        choices=("reference", "sglang"),
+        default="reference",
+        help="reference: the reference engine's own driver; sglang: the SGLang driver against emulated SGLang "
+        "endpoints (reference engines behind SGLang's HTTP API)",
+    )
 
 
 def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:

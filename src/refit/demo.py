@@ -48,7 +48,9 @@ PHASES = (
 SHORT = ("offload", "connect", "pause", "inval", "transfer", "post", "continue", "restore")
 
 
-def make_transport(kind: str) -> Any:
+def make_transport(kind: str, engine: str = "reference") -> Any:
+    if engine in ("sglang", "vllm"):
+        return make_api_transport(kind, engine)
     if kind == "shm":
         from refit.drivers.shm import SharedMemoryTransport
 
@@ -58,6 +60,29 @@ def make_transport(kind: str) -> Any:
 
         return BroadcastTransport()
     raise ValueError(f"transport {kind!r}: use shm or broadcast")
+
+
+def make_api_transport(kind: str, engine: str) -> Any:
+    """The transport speaking an engine API's wire format: tensors by reference (shm) or a broadcast."""
+    if engine == "sglang":
+        from refit.drivers.flattened import SGLangBroadcastTransport, SGLangTensorTransport
+
+        return SGLangTensorTransport() if kind == "shm" else SGLangBroadcastTransport()
+    raise ValueError(f"engine {engine!r}: use reference or sglang")
+
+
+def start_engines(args: argparse.Namespace, names: list[str], config: ModelConfig) -> list[Any]:
+    """The demo's engines: reference engines, or reference engines behind an emulated engine API."""
+    if args.engine == "sglang":
+        from refit.testing.sglang_server import EmulatedSGLangEngine
+
+        return [
+            EmulatedSGLangEngine.start(n, config=config, seed=args.seed, tp=args.engine_tp, in_thread=args.in_thread)
+            for n in names
+        ]
+    if args.in_thread:
+        return [ReferenceEngine.in_thread(n, config, seed=args.seed) for n in names]
+    return ReferenceEngine.spawn_many(names, config, seed=args.seed, tp=args.engine_tp)
 
 
 def train(model: Any, opt: torch.optim.Optimizer, gen: torch.Generator, steps: int, vocab: int) -> float:
@@ -279,21 +304,25 @@ def run_demo(args: argparse.Namespace) -> int:
         what = f"{args.engines} reference engine threads"
     else:
         what = f"{args.engines} reference engine processes" + (f" of TP={args.engine_tp}" if args.engine_tp > 1 else "")
+    if args.engine == "sglang":
+        print(
+            "engine API: SGLang, EMULATED: each engine is a loopback HTTP server speaking SGLang's weight-update API "
+            "(refit.testing.sglang_server) in front of a reference engine, driven by refit's SGLang driver "
+            "(refit.drivers.sglang). No SGLang server runs here.",
+            flush=True,
+        )
     print(f"starting {what} ...", flush=True)
     t0 = time.perf_counter()
-    if args.in_thread:
-        engines = [ReferenceEngine.in_thread(n, config, seed=args.seed) for n in names]
-    else:
-        engines = ReferenceEngine.spawn_many(names, config, seed=args.seed, tp=args.engine_tp)
+    engines = start_engines(args, names, config)
     print(f"engines ready in {time.perf_counter() - t0:.1f}s", flush=True)
     from refit.drivers.torch_source import TorchSource
 
     trace, temporary = _trace_path(args)
     try:
         ctx = protocol.RefitContext(
-            source=TorchSource(model, optimizer=opt), transport=make_transport(args.transport), engines=engines,
-            mode=args.mode, pause_mode=args.pause_mode, bucket_bytes=args.bucket_bytes, deadline_s=args.deadline,
-            retries=args.retries, call_timeout_s=args.call_timeout, trace=trace,
+            source=TorchSource(model, optimizer=opt), transport=make_transport(args.transport, args.engine),
+            engines=engines, mode=args.mode, pause_mode=args.pause_mode, bucket_bytes=args.bucket_bytes,
+            deadline_s=args.deadline, retries=args.retries, call_timeout_s=args.call_timeout, trace=trace,
         )  # fmt: skip
     except (protocol.ConfigError, ValueError) as exc:
         for e in engines:
@@ -305,7 +334,8 @@ def run_demo(args: argparse.Namespace) -> int:
     n_params = sum(p.numel() for p in model.parameters())
     print(
         f"model: {n_params:,} fp32 params ({n_params * 4 / 2**20:.2f} MiB) | mode {args.mode} | pause "
-        f"{args.pause_mode} | transport {args.transport} | bucket {args.bucket_bytes / 1024:.0f} KiB | "
+        f"{args.pause_mode} | engine {args.engine} | transport {args.transport} | "
+        f"bucket {args.bucket_bytes / 1024:.0f} KiB | "
         f"deadline {args.deadline:g}s"
     )
     trainer = Trainer(lambda n: train(model, opt, gen, n, config.vocab_size), lambda: model)

@@ -32,8 +32,9 @@ Lifecycle, per state (each step is one HTTP call; SGLang has no batch route):
                           (its default aborts every request in flight); continue_generation():
                           POST /continue_generation {}.
   RESTORING (colocated)   resume_memory(["kv_cache", "cuda_graph"]).
-  QUARANTINING            quarantine(reason): POST /pause_generation {"mode": "abort"}: it stays
-                          paused (requests wait, none is served) until a refit completes.
+  QUARANTINING            quarantine(reason): POST /pause_generation {"mode": "abort"}, then POST
+                          /end_weight_update {} (a session left open would fail the next begin):
+                          it stays paused (requests wait, none is served) until a refit completes.
   abort before pausing    release_memory(["weights"]).
   disconnect              detach(): broadcast: POST /destroy_weights_update_group.
 
@@ -47,8 +48,10 @@ poison, never success), 5xx `server_error`.
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import re
+import socket
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -208,6 +211,8 @@ class SGLangEngine(EngineDriver):
         self._tp = tp
         self.weights_cpu_backup = weights_cpu_backup
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        if transport is None:  # small control bodies: no Nagle delay waiting for an ACK
+            transport = httpx.HTTPTransport(socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
         self._http = httpx.Client(base_url=self.url, headers=headers, transport=transport, timeout=DEFAULT_TIMEOUT)
         self.capabilities: Capabilities | None = None
         self._startup: Any = None
@@ -219,6 +224,16 @@ class SGLangEngine(EngineDriver):
         self._quarantined: str | None = None
         self._released: set[str] = set()
         self._dead = False
+        self._read_startup(min(DEFAULT_TIMEOUT, 10.0))
+
+    def _read_startup(self, timeout: float) -> None:
+        """The server's start time (its incarnation) and version, read once here so the first refit
+        connects once; a server not up yet is read by the first probe instead."""
+        with contextlib.suppress(TimeoutError, EngineDied, ValueError):
+            status, info = self._request("GET", "/server_info", "connect", timeout=timeout)
+            if status < 300 and isinstance(info, dict):
+                self._startup = info.get("startup_time")
+                self.capabilities = Capabilities.of(info.get("version"))
 
     # ---- capabilities -------------------------------------------------------------------------
 
@@ -354,6 +369,8 @@ class SGLangEngine(EngineDriver):
         closed = False
         if caps.session and self._session_unknown:
             status, data = self._request("POST", "/end_weight_update", "probe", timeout=left(), body={})
+            if status != 400 and status >= 300:  # 400: no session was open; anything else is an error
+                raise self._error("POST", "/end_weight_update", "probe", status, data, update=False)
             closed = status < 300 and not (isinstance(data, dict) and data.get("success") is False)
             self._session_unknown = False
         self._plan, self._finalized = None, False
@@ -494,10 +511,20 @@ class SGLangEngine(EngineDriver):
         self._call("POST", "/continue_generation", "continue_generation", timeout=timeout, body={})
 
     def quarantine(self, reason: str, *, timeout: float) -> None:
+        """Stop serving (pause, aborting what runs) and close any update session this run left open
+        (a later begin would fail on it); the server stays paused until a refit completes."""
+        end = time.monotonic() + timeout
         self._quarantined = reason
         self._plan, self._finalized = None, False
         self._session_unknown = True
         self._call("POST", "/pause_generation", "quarantine", timeout=timeout, body={"mode": "abort"})
+        if self._caps().session:
+            status, data = self._request(
+                "POST", "/end_weight_update", "quarantine", timeout=end - time.monotonic(), body={}
+            )
+            if status != 400 and status >= 300:
+                raise self._error("POST", "/end_weight_update", "quarantine", status, data, update=False)
+            self._session_unknown = False
 
     def _caps(self) -> Capabilities:
         if self.capabilities is None:
@@ -517,7 +544,13 @@ class SGLangEngine(EngineDriver):
         data = self._call("POST", "/generate", "generate", timeout=timeout, body=body)
         meta = data.get("meta_info") or {}
         output = [int(t) for t in data.get("output_ids") or []]
-        out: dict[str, Any] = {"output": output, "prompt": list(prompt), "finish_reason": meta.get("finish_reason")}
+        reason = meta.get("finish_reason")
+        out: dict[str, Any] = {
+            "output": output,
+            "prompt": list(prompt),
+            "finish_reason": reason.get("type") if isinstance(reason, dict) else reason,
+            "num_retractions": int(meta.get("num_retractions") or 0),
+        }
         spans = meta.get("weight_versions")
         if spans:
             versions: list[Any] = [None] * len(output)

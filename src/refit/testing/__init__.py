@@ -696,6 +696,7 @@ def check_engine_driver(
     shrink: bool = True,
     sweep_first: bool = True,
     logit_tolerance: float = LOGIT_TOLERANCE,
+    call_timeout_s: float = 0.3,
 ) -> Coverage:
     """Property-test an engine driver against every refit invariant and against what its engines
     serve; raises AssertionError (naming the invariant) with a minimal failing sequence if one
@@ -707,6 +708,8 @@ def check_engine_driver(
         steps per example. shrink: False reports the first failing sequence without minimizing it.
         sweep_first: run the deterministic sweep before exploring. logit_tolerance: how far a
         served token's logit may trail the trainer's best (raise it for low-precision models).
+        call_timeout_s: the engine-call budget in runs with a hang fault (other runs allow at
+        least 1 s); raise it for a driver whose wave takes several round trips (one per step).
     """
 
     class Machine(DriverStateMachine):
@@ -714,6 +717,7 @@ def check_engine_driver(
 
     Machine.factory = staticmethod(factory)  # type: ignore[assignment]
     Machine.logit_tolerance = logit_tolerance
+    Machine.call_timeout_s = call_timeout_s
     if model is not None:
         Machine.model_factory = staticmethod(model)  # type: ignore[assignment]
     if transport is not None:

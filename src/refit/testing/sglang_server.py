@@ -32,6 +32,8 @@ import base64
 import contextlib
 import io
 import json
+import logging
+import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -43,7 +45,7 @@ from refit.drivers.base import ConnectInfo, Payload
 from refit.drivers.buckets import BucketManifest, TensorEntry, TensorMeta, itemsize
 from refit.drivers.flattened import FLATTENED_BUCKET, manifest_from_metadata, peek_metadata
 from refit.drivers.reference import ReferenceEngine
-from refit.drivers.sglang import SGLangEngine, _version_tuple
+from refit.drivers.sglang import Capabilities, SGLangEngine, _as_version, _version_tuple
 from refit.errors import EngineDied, EngineError
 
 CALL_TIMEOUT = 120.0
@@ -89,9 +91,12 @@ class EmulatedSGLang:
         self.session_open = False
         self.groups: dict[str, dict[str, Any]] = {}
         self.bucket_count = 0  # buckets of the open session (the index a fault is armed at)
+        self._request_local = threading.local()  # per request thread: the driver's bucket index, if named
         self.armed: dict[tuple[str, int | None], tuple[str, float]] = {}
         self.received: list[tuple[str, dict[str, Any]]] = []  # every JSON body, in arrival order
         self.dead = False
+        self._hanging = 0  # requests stalled by an armed hang right now
+        self._hangs = threading.Condition()
         self._lock = threading.RLock()  # weight routes run one at a time, as SGLang's writer lock does
         self.engine.client.call(
             "attach",
@@ -103,7 +108,7 @@ class EmulatedSGLang:
             ),
             timeout=CALL_TIMEOUT,
         )
-        self._server = ThreadingHTTPServer((host, port), _handler_for(self))
+        self._server = _Server((host, port), _handler_for(self))
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, name="emulated-sglang", daemon=True)
         self._thread.start()
@@ -150,7 +155,14 @@ class EmulatedSGLang:
             return
         kind, seconds = fault
         if kind == "hang":
-            time.sleep(seconds)
+            with self._hangs:
+                self._hanging += 1
+            try:
+                time.sleep(seconds)
+            finally:
+                with self._hangs:
+                    self._hanging -= 1
+                    self._hangs.notify_all()
         elif kind == "kill":
             with contextlib.suppress(Exception):
                 self.engine.client.call("arm_fault", "kill", "ping", None, 0.0, timeout=5.0)
@@ -276,7 +288,8 @@ class EmulatedSGLang:
                         "message": f"{name} must run between begin_weight_update() and end_weight_update().",
                     },
                 )
-            index = self.bucket_count
+            hint = getattr(self._request_local, "bucket", None)
+            index = self.bucket_count if hint is None else hint
             try:
                 payload = payload_of(index)
             except ValueError as exc:
@@ -456,6 +469,7 @@ class EmulatedSGLang:
             "finish_reason": {"type": out.get("finish_reason")},
             "prompt_tokens": len(ids),
             "completion_tokens": len(tokens),
+            "num_retractions": int(out.get("num_retractions") or 0),
             "weight_version": str(versions[-1]) if versions else self.label,
         }
         if len(set(versions)) > 1:
@@ -483,21 +497,35 @@ class EmulatedSGLang:
         return {"audit": self._engine("audit")}
 
     def r__refit__info(self, method: str, query: Any, body: Any, call: str | None) -> Any:
-        return {
-            **self._engine("info"),
-            "label": self.label,
-            "session_open": self.session_open,
-            "groups": list(self.groups),
-        }
+        """The engine's own account, once no request is stalled by an armed hang (the kit waits
+        for a hung engine to come back before it checks what it serves)."""
+        with self._hangs:
+            self._hangs.wait_for(lambda: self._hanging == 0, timeout=float((body or {}).get("wait_s", 30.0)))
+        with self._lock:
+            info = self._engine("info")
+        return {**info, "label": self.label, "session_open": self.session_open, "groups": list(self.groups)}
 
     def r__refit__arm_fault(self, method: str, query: Any, body: Any, call: str | None) -> Any:
         self.armed[(body["call"], body.get("bucket"))] = (body["kind"], float(body.get("seconds", 0.0)))
         return {"armed": True}
 
 
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """Logged, never printed: a client that hung up (a driver past its timeout) or a server torn
+        down under a request is the emulator's business, not the test output's."""
+        logging.getLogger(__name__).debug("emulated SGLang: request from %s failed", client_address, exc_info=True)
+
+
 def _handler_for(emu: EmulatedSGLang) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+
+        def setup(self) -> None:
+            super().setup()
+            self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # no 40 ms Nagle stalls
 
         def log_message(self, format: str, *args: Any) -> None:
             pass
@@ -520,6 +548,8 @@ def _handler_for(emu: EmulatedSGLang) -> type[BaseHTTPRequestHandler]:
                     body = json.loads(raw) if raw else None
                 except ValueError:
                     raise _Reply(422, {"detail": "body is not JSON"}) from None
+                bucket = self.headers.get("x-refit-bucket")
+                emu._request_local.bucket = int(bucket) if bucket is not None else None
                 result = emu.handle(method, parsed.path, parse_qs(parsed.query), body, self.headers.get("x-refit-call"))
                 self._send(200, result)
             except _Reply as reply:
@@ -536,11 +566,12 @@ def _handler_for(emu: EmulatedSGLang) -> type[BaseHTTPRequestHandler]:
                 data, ctype = body.encode(), "text/plain; charset=utf-8"
             else:
                 data, ctype = json.dumps(body).encode(), "application/json"
-            self.send_response(status)
-            self.send_header("Content-Type", ctype)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # the client gave up waiting
+                self.send_response(status)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
 
     return Handler
 
@@ -551,8 +582,9 @@ class EmulatedSGLangEngine(SGLangEngine):
     hangs or dies on the call it is armed for). The protocol calls are the production driver's."""
 
     def __init__(self, name: str, server: EmulatedSGLang, **kwargs: Any) -> None:
-        super().__init__(name, server.url, api_key=server.api_key, tp=server.tp, **kwargs)
         self.server = server
+        self._bucket = threading.local()
+        super().__init__(name, server.url, api_key=server.api_key, tp=server.tp, **kwargs)
 
     @classmethod
     def start(
@@ -577,7 +609,20 @@ class EmulatedSGLangEngine(SGLangEngine):
         return cls(name, server)
 
     def _headers(self, call: str) -> dict[str, str]:
-        return {"x-refit-call": call}  # which refit call a route serves (the emulator arms faults by call)
+        # which refit call (and bucket) a route serves: the emulator arms faults by call, and its
+        # engine records buckets under the driver's index (SGLang's body carries none)
+        headers = {"x-refit-call": call}
+        bucket = getattr(self._bucket, "index", None)
+        if call == "load" and bucket is not None:
+            headers["x-refit-bucket"] = str(bucket)
+        return headers
+
+    def load(self, payload: Payload, *, timeout: float) -> None:
+        self._bucket.index = payload.manifest.index
+        try:
+            super().load(payload, timeout=timeout)
+        finally:
+            self._bucket.index = None
 
     @property
     def alive(self) -> bool:
@@ -609,6 +654,12 @@ class EmulatedSGLangEngine(SGLangEngine):
         import torch
 
         return torch.tensor(self._emu("/_refit/score", {"tokens": list(tokens)}, timeout)["logits"])
+
+    def info(self, *, timeout: float = CALL_TIMEOUT) -> dict[str, Any]:
+        """The label SGLang reports (its /model_info), read once no request is stalled by a hang."""
+        data = self._emu("/_refit/info", {"wait_s": max(timeout - 1.0, 0.0)}, timeout)
+        caps = self.capabilities or Capabilities.of(None)
+        return {"version": _as_version(data["label"]), "engine": data, "capabilities": caps.as_dict()}
 
     def audit(self, *, timeout: float = CALL_TIMEOUT) -> list[dict[str, Any]] | None:
         return self._emu("/_refit/audit", None, timeout)["audit"]

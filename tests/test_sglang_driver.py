@@ -1,0 +1,385 @@
+"""The SGLang driver end to end over real HTTP: full refits (colocated, disaggregated over gloo) into
+reference engines behind an emulated SGLang server, with the weights and logits checked; SGLang's
+version traps; error mapping; and the regressions that cite SGLang and miles bugs, run through the
+SGLang driver. The emulated server is `refit.testing.sglang_server` (not SGLang: no SGLang GPU
+server runs in CI); SGLang's own code validates every body and decodes tensor payloads here."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+import httpx
+import pytest
+import torch
+
+from refit import protocol
+from refit.drivers.flattened import SGLangBroadcastTransport, SGLangTensorTransport
+from refit.drivers.sglang import SGLangEngine
+from refit.drivers.torch_source import TorchSource
+from refit.errors import EngineDied, EngineError
+from refit.reference.model import TinyLlama, greedy, prompt_logits
+from refit.testing.sglang_server import EmulatedSGLangEngine
+
+from .conftest import CONFIG, SMALL_BUCKET, matches, perturbed
+from .sglang_support import validate_body
+
+pytestmark = pytest.mark.e2e
+PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
+
+
+@pytest.fixture
+def sglang_engines() -> Iterator[Callable[..., list[EmulatedSGLangEngine]]]:
+    made: list[EmulatedSGLangEngine] = []
+
+    def make(n: int = 2, **kw: object) -> list[EmulatedSGLangEngine]:
+        engines = [EmulatedSGLangEngine.start(f"sg{len(made) + i}", config=CONFIG, **kw) for i in range(n)]  # type: ignore[arg-type]
+        made.extend(engines)
+        return engines
+
+    yield make
+    for e in made:
+        e.close()
+
+
+@pytest.fixture
+def sglang_ctx() -> Iterator[Callable[..., protocol.RefitContext]]:
+    made: list[protocol.RefitContext] = []
+
+    def make(model: TinyLlama, engines: list[SGLangEngine], **kw: object) -> protocol.RefitContext:
+        mode = kw.setdefault("mode", "colocated")
+        if "transport" not in kw:
+            kw["transport"] = SGLangTensorTransport() if mode == "colocated" else SGLangBroadcastTransport()
+        kw.setdefault("bucket_bytes", SMALL_BUCKET)
+        kw.setdefault("deadline_s", 60.0)
+        ctx = protocol.RefitContext(source=TorchSource(model), engines=engines, **kw)  # type: ignore[arg-type]
+        made.append(ctx)
+        return ctx
+
+    yield make
+    for ctx in made:
+        ctx.close()
+
+
+def serves(engine: SGLangEngine, model: TinyLlama, version: int) -> None:
+    """Weights read back bit-exact, fresh logits equal to the trainer's, greedy tokens equal, and
+    every token labelled with the version."""
+    assert matches(engine, model)
+    logits = engine.score(PROMPT)
+    assert float((logits - prompt_logits(model, PROMPT)).abs().max()) <= 1e-5
+    out = engine.generate(PROMPT, 6)
+    assert out["output"] == greedy(model, PROMPT, 6)
+    assert out["weight_versions"] == [version] * 6
+    assert engine.info()["version"] == version
+
+
+@pytest.mark.parametrize(
+    ("mode", "tp", "flattened"),
+    [("colocated", 1, None), ("colocated", 2, None), ("disaggregated", 2, True), ("disaggregated", 1, False)],
+    ids=["colocated-tp1", "colocated-tp2", "disagg-flattened-tp2", "disagg-per-tensor"],
+)
+def test_full_refits_over_http(trainer, sglang_engines, sglang_ctx, mode, tp, flattened) -> None:
+    engines = sglang_engines(2, tp=tp)
+    transport = SGLangTensorTransport() if mode == "colocated" else SGLangBroadcastTransport(flattened=bool(flattened))
+    ctx = sglang_ctx(trainer, engines, mode=mode, transport=transport)
+    for version in (1, 2):
+        result = protocol.run(ctx)
+        assert result.ok, result.error
+        assert all(r.status == "updated" for r in result.engines.values())
+        for e in engines:
+            serves(e, trainer, version)
+        perturbed(trainer, seed=version)
+    routes = [r for r, _ in engines[0].server.received]
+    assert routes.count("/begin_weight_update") == 2
+    assert routes.count("/end_weight_update") == 3  # the first probe closes any session left open, then one per refit
+    if mode == "disaggregated":
+        assert routes.count("/init_weights_update_group") == 1  # one group across refits
+    ctx.close()
+    if mode == "disaggregated":
+        assert [r for r, _ in engines[0].server.received][-1] == "/destroy_weights_update_group"
+        assert engines[0].server.groups == {}
+
+
+@pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
+def test_every_body_validates_and_sglang_decodes_every_payload(trainer, sglang_engines, sglang_ctx, mode) -> None:
+    """SGLang's request types validate every body the driver sends (the emulator answers 422
+    otherwise, and the refit would fail), and SGLang's own MultiprocessingSerializer and
+    FlattenedTensorBucket decode every tensor payload inside the engine."""
+    engines = sglang_engines(2, in_thread=True, decoder="sglang", validate=validate_body)
+    futures = [e.submit(PROMPT, 40) for e in engines]
+    time.sleep(0.05)
+    ctx = sglang_ctx(trainer, engines, mode=mode)
+    result = protocol.run(ctx)
+    assert result.ok, result.error
+    for e in engines:
+        serves(e, trainer, 1)
+    for f in futures:
+        assert f.result(timeout=30)["output"]
+    routes = {r for e in engines for r, _ in e.server.received}
+    updates = (
+        {"/update_weights_from_tensor"}
+        if mode == "colocated"
+        else {"/init_weights_update_group", "/update_weights_from_distributed"}
+    )
+    assert (
+        routes
+        >= {
+            "/pause_generation",
+            "/begin_weight_update",
+            "/end_weight_update",
+            "/update_weight_version",
+            "/continue_generation",
+            "/generate",
+        }
+        | updates
+    )
+    if mode == "colocated":
+        assert "/resume_memory_occupation" in routes
+    for e in engines:
+        for route, body in e.server.received:
+            validate_body(route, body)  # already checked on arrival; asserted here too
+            if route == "/update_weights_from_tensor":
+                assert body["flush_cache"] is False and body["load_format"] == "flattened_bucket"
+            if route == "/update_weight_version":
+                assert body["abort_all_requests"] is False
+
+
+# ---- version traps -------------------------------------------------------------------------------
+
+
+def test_sglang_0_5_20_has_no_session_and_no_usable_retract(trainer, sglang_engines, sglang_ctx) -> None:
+    """Before 0.5.21 there is no begin/end session (each update applies on its own) and a flush
+    fails while retracted requests wait, so retract is not offered; abort works."""
+    engines = sglang_engines(1, version="0.5.20")
+    assert engines[0].capabilities is not None and not engines[0].capabilities.session  # read when it connected
+    with pytest.raises(ValueError, match="retract"):
+        sglang_ctx(trainer, engines, pause_mode="retract")
+    result = protocol.run(sglang_ctx(trainer, engines, pause_mode="abort"))
+    assert result.ok, result.error
+    serves(engines[0], trainer, 1)
+    routes = [r for r, _ in engines[0].server.received]
+    assert "/begin_weight_update" not in routes and "/end_weight_update" not in routes
+
+
+def test_sglang_dangling_session_from_a_crashed_run_is_closed_by_the_probe(trainer, sglang_engines, sglang_ctx) -> None:
+    """sgl-project/sglang PR#28001: the update session lives in the scheduler and survives a
+    crashed trainer, so the next begin_weight_update fails "already open". The probe of a driver
+    that cannot know the session is closed ends it first."""
+    (engine,) = sglang_engines(1)
+    crashed = httpx.post(f"{engine.url}/begin_weight_update", json={})
+    assert crashed.status_code == 200 and engine.server.session_open
+    ctx = sglang_ctx(trainer, [engine])
+    result = protocol.run(ctx)
+    assert result.ok, result.error
+    probe = [e for e in ctx.recorder.events if e["kind"] == "call" and e["event"] == "probe"]
+    assert probe[0]["outcome"] == "ok"
+    serves(engine, trainer, 1)
+
+
+def test_miles_2589_sglang_version_update_does_not_abort_in_flight_requests(
+    trainer, sglang_engines, sglang_ctx
+) -> None:
+    """radixark/miles#2589/#2296: /update_weight_version aborts every request in flight unless told
+    not to. Through the SGLang driver, retract-paused requests finish on the new version; the same
+    route with SGLang's default aborts them."""
+    engines = sglang_engines(1)
+    ctx = sglang_ctx(trainer, engines, pause_mode="retract")
+    futures = [engines[0].submit(PROMPT, 240) for _ in range(3)]
+    while not engines[0].server._engine("info")["running"]:
+        time.sleep(0.005)
+    assert protocol.run(ctx).ok
+    outs = [f.result(timeout=30) for f in futures]
+    assert all(out["finish_reason"] == "length" and len(out["output"]) == 240 for out in outs)
+    assert any(out["weight_versions"][0] == 0 and out["weight_versions"][-1] == 1 for out in outs)  # straddled
+    doomed = engines[0].submit(PROMPT, 240)
+    while not engines[0].server._engine("info")["running"]:
+        time.sleep(0.005)
+    assert httpx.post(f"{engines[0].url}/update_weight_version", json={"new_version": "9"}).status_code == 200
+    assert doomed.result(timeout=30)["finish_reason"] == "abort"
+
+
+@pytest.mark.parametrize("version", ["0.5.23", "0.5.21"])
+def test_sglang_flush_inside_an_update_is_why_refit_never_asks_for_it(trainer, sglang_engines, version) -> None:
+    """sgl-project/sglang#14062/#12099, AReaL#140: an update asked to flush while requests hold KV.
+    0.5.22+ answers HTTP 400 "Weights were updated, but the cache was not flushed" although the
+    weights changed: the driver reports `state_unknown` (poison, never success or no-effect). Up to
+    0.5.21 the scheduler dies. refit's own updates always send flush_cache=false."""
+    from refit.drivers.sglang import update_weights_from_tensor_body
+
+    (engine,) = sglang_engines(1, version=version)
+    engine.probe(1, timeout=10)
+    running = engine.submit(PROMPT, 240)
+    while not engine.server._engine("info")["running"]:
+        time.sleep(0.005)
+    assert httpx.post(f"{engine.url}/pause_generation", json={"mode": "in_place"}).status_code == 200
+    assert httpx.post(f"{engine.url}/begin_weight_update", json={}).status_code == 200
+    before = engine.state_dict()
+    name = "model.norm.weight"
+    body = update_weights_from_tensor_body(
+        [[(name, torch.full_like(before[name], 2.0))]], weight_version=None, flush_cache=True
+    )
+    if version == "0.5.21":
+        with pytest.raises(EngineDied, match=r"sg0.*update_weights_from_tensor.*load"):
+            engine._call("POST", "/update_weights_from_tensor", "load", timeout=30, body=body, update=True)
+        with pytest.raises(EngineDied, match="unreachable"):
+            engine.probe(1, timeout=5)
+        return
+    with pytest.raises(EngineError) as err:
+        engine._call("POST", "/update_weights_from_tensor", "load", timeout=30, body=body, update=True)
+    assert err.value.kind == "state_unknown" and not err.value.no_effect
+    assert "HTTP 400" in str(err.value) and "sg0" in str(err.value) and "(load)" in str(err.value)
+    assert bool((engine.state_dict()[name] == 2.0).all())  # the weights did change
+    httpx.post(f"{engine.url}/continue_generation", json={})
+    running.result(timeout=30)
+
+
+def test_miles_2782_in_place_pause_is_refused_for_sglang(trainer, sglang_engines, sglang_ctx) -> None:
+    """radixark/miles#2782: in_place keeps KV computed by the old weights and SGLang cannot flush it."""
+    engines = sglang_engines(1)
+    with pytest.raises(ValueError, match="in_place"):
+        sglang_ctx(trainer, engines, pause_mode="in_place")
+
+
+def test_sglang_session_left_open_by_a_hang_does_not_block_the_next_refit(trainer, sglang_engines, sglang_ctx) -> None:
+    """A driver that gave up mid-update (hung server) leaves SGLang's session open; the hung engine
+    is quarantined (kept paused, not served) and the next refit closes the session and updates it."""
+    engines = sglang_engines(2)
+    ctx = sglang_ctx(
+        trainer,
+        engines,
+        call_timeout_s=0.5,
+        faults=protocol.FaultPlan().fail_at("transferring", engine=1, bucket=3, kind="hang"),
+    )
+    first = protocol.run(ctx)
+    assert first.engines["sg0"].status == "updated" and first.engines["sg1"].status == "failed"
+    with pytest.raises(TimeoutError):
+        engines[1].generate(PROMPT, 2, timeout=0.5)  # quarantined: paused, nothing served
+    time.sleep(2.5)  # the hung call completes on the server
+    ctx.faults = None
+    perturbed(trainer, seed=5)
+    second = protocol.run(ctx)
+    assert second.ok, second.error
+    for e in engines:
+        serves(e, trainer, 2)
+
+
+def test_an_engine_killed_mid_bucket_is_reported_and_the_other_updated(trainer, sglang_engines, sglang_ctx) -> None:
+    engines = sglang_engines(2)
+    ctx = sglang_ctx(
+        trainer,
+        engines,
+        retries=0,
+        faults=protocol.FaultPlan().fail_at("transferring", engine=1, bucket=2, kind="kill"),
+    )
+    t0 = time.monotonic()
+    result = protocol.run(ctx)
+    assert time.monotonic() - t0 < 60
+    assert result.engines["sg0"].status == "updated" and result.engines["sg1"].status == "failed"
+    assert "EngineDied" in str(result.engines["sg1"].error) or "unreachable" in str(result.engines["sg1"].error)
+    serves(engines[0], trainer, 1)
+    assert ctx.lock is not None and ctx.lock.holder is None
+
+
+# ---- error mapping -------------------------------------------------------------------------------
+
+
+def test_errors_name_the_engine_the_call_and_the_status(trainer, sglang_engines) -> None:
+    (engine,) = sglang_engines(1, api_key="sesame")
+    keyless = SGLangEngine("nokey", engine.url)
+    with pytest.raises(EngineError) as err:  # the probe's session check is an admin route
+        keyless.probe(1, timeout=5)
+    assert err.value.kind == "unauthorized" and err.value.no_effect
+    assert "nokey" in str(err.value) and "(probe)" in str(err.value) and "HTTP 401" in str(err.value)
+    keyless.close()
+
+    engine.probe(1, timeout=10)
+    with pytest.raises(EngineError) as err:  # 400 outside a session: SGLang refused before any byte
+        engine._call("POST", "/update_weights_from_distributed", "load", timeout=5, update=True,
+                     body={"names": ["x"], "dtypes": ["float32"], "shapes": [[1]]})  # fmt: skip
+    assert err.value.kind == "no_session" and err.value.no_effect and "HTTP 400" in str(err.value)
+    with pytest.raises(EngineError) as err:
+        engine._call("POST", "/no_such_route", "probe", timeout=5, body={})
+    assert err.value.kind == "unsupported" and "HTTP 404" in str(err.value)
+    with pytest.raises(EngineError) as err:  # a POST without a JSON body: 422, as SGLang
+        engine._call("POST", "/pause_generation", "pause", timeout=5)
+    assert err.value.kind == "bad_request" and "HTTP 422" in str(err.value)
+
+    def boom(*a: object) -> None:
+        raise RuntimeError("scheduler exploded")
+
+    engine.server.r_flush_cache = boom  # type: ignore[method-assign]
+    with pytest.raises(EngineError) as err:
+        engine.flush(timeout=5)
+    assert err.value.kind == "server_error" and "HTTP 500" in str(err.value) and "scheduler exploded" in str(err.value)
+
+    engine.server.armed[("pause", None)] = ("hang", 3.0)
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"sg0: POST /pause_generation \(pause\)"):
+        engine.pause("abort", timeout=0.5)
+    assert time.monotonic() - t0 < 1.5  # bounded by the timeout, not by the server
+
+    engine.server.close()
+    with pytest.raises(EngineDied, match=r"sg0: POST /continue_generation \(continue_generation\).*unreachable"):
+        engine.continue_generation(timeout=5)
+
+
+def test_a_server_trickling_its_answer_is_bounded_by_the_timeout() -> None:
+    """httpx bounds each read, not the whole answer: the driver bounds the whole call."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Slow(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Length", "100")
+            self.end_headers()
+            for _ in range(100):
+                self.wfile.write(b" ")
+                self.wfile.flush()
+                time.sleep(0.05)
+
+        def log_message(self, *a: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Slow)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    driver = SGLangEngine("slow", f"http://127.0.0.1:{server.server_address[1]}")
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match="slow"):
+            driver.continue_generation(timeout=0.5)
+        assert time.monotonic() - t0 < 1.5
+    finally:
+        driver.close()
+        server.shutdown()
+
+
+# ---- the conformance kit and the demo ------------------------------------------------------------
+
+
+def test_sglang_driver_passes_the_conformance_kit() -> None:
+    """The production SGLang driver, against emulated SGLang servers: every fault kind in every
+    state (hangs and kills really happen in the server), then the Hypothesis state machine; what
+    each engine serves is checked, not what the driver says. SGLang's update carries no checksum,
+    so a corrupted bucket is simulated at the driver boundary."""
+    from refit.testing import check_engine_driver
+
+    coverage = check_engine_driver(
+        EmulatedSGLangEngine.start, transport=SGLangTensorTransport, max_examples=4, steps=5,
+        call_timeout_s=1.0,  # one HTTP round trip per step: a control wave is several
+    )  # fmt: skip
+    assert coverage.checks["weights read back"] > 50 and coverage.checks["quarantined refused"] > 10
+    assert {"hang", "kill", "raise", "corrupt"} <= set(coverage.kinds)
+
+
+def test_demo_runs_through_the_sglang_driver_and_says_it_is_emulated() -> None:
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "refit.cli", "demo", "--engine", "sglang", "--refits", "2"],
+        capture_output=True, text=True, timeout=240, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "EMULATED" in proc.stdout and "No SGLang server runs here" in proc.stdout
+    assert "all 2 refits matched the trainer" in proc.stdout
