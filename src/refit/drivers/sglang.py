@@ -49,16 +49,15 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import json
 import re
-import socket
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from refit.drivers.base import ConnectInfo, EngineDriver, PauseMode, Payload
+from refit.drivers.base import ConnectInfo, PauseMode, Payload
 from refit.drivers.buckets import BucketManifest
+from refit.drivers.http import HttpEngineDriver, message_of
 from refit.errors import EngineDied, EngineError
 
 if TYPE_CHECKING:
@@ -182,7 +181,7 @@ def distributed_update_body(manifest: BucketManifest, *, group_name: str, load_f
 # ---- the driver --------------------------------------------------------------------------------
 
 
-class SGLangEngine(EngineDriver):
+class SGLangEngine(HttpEngineDriver):
     """One SGLang server, driven over HTTP. See the module docstring for the route per state."""
 
     supports_in_place_pause = False  # in_place keeps old-weight KV and SGLang refuses to flush it
@@ -202,18 +201,8 @@ class SGLangEngine(EngineDriver):
         """`url`: the server's base URL. `api_key`: the admin API key, if the server set one.
         `tp`: its TP size (one payload entry per TP rank). `weights_cpu_backup`: the server runs
         with --enable-weights-cpu-backup (released weights come back intact)."""
-        import httpx
-
-        if tp < 1:
-            raise ValueError(f"tp must be >= 1, got {tp}")
-        self.name = name
-        self.url = url.rstrip("/")
-        self._tp = tp
+        super().__init__(name, url, api_key=api_key, tp=tp, transport=transport)
         self.weights_cpu_backup = weights_cpu_backup
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        if transport is None:  # small control bodies: no Nagle delay waiting for an ACK
-            transport = httpx.HTTPTransport(socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
-        self._http = httpx.Client(base_url=self.url, headers=headers, transport=transport, timeout=DEFAULT_TIMEOUT)
         self.capabilities: Capabilities | None = None
         self._startup: Any = None
         self._attached: ConnectInfo | None = None
@@ -223,7 +212,6 @@ class SGLangEngine(EngineDriver):
         self._session_unknown = True  # until a probe closed it, or this driver opened and closed it
         self._quarantined: str | None = None
         self._released: set[str] = set()
-        self._dead = False
         self._read_startup(min(DEFAULT_TIMEOUT, 10.0))
 
     def _read_startup(self, timeout: float) -> None:
@@ -238,10 +226,6 @@ class SGLangEngine(EngineDriver):
     # ---- capabilities -------------------------------------------------------------------------
 
     @property
-    def tp_size(self) -> int:
-        return self._tp
-
-    @property
     def pause_modes(self) -> frozenset[str]:  # type: ignore[override]
         caps = self.capabilities or Capabilities.of(None)
         modes = set(caps.pause_modes)
@@ -253,82 +237,10 @@ class SGLangEngine(EngineDriver):
     def incarnation(self) -> str:
         return f"{self.name}@{self.url}#{self._startup}"
 
-    @property
-    def alive(self) -> bool:
-        return not self._dead
-
-    def close(self) -> None:
-        self._http.close()
-
-    # ---- HTTP ---------------------------------------------------------------------------------
-
-    def _request(
-        self,
-        method: str,
-        route: str,
-        call: str,
-        *,
-        timeout: float,
-        body: dict[str, Any] | None = None,
-        params: dict[str, Any] | None = None,
-    ) -> tuple[int, Any]:
-        """One HTTP call bounded by `timeout` in total (however slowly the server answers).
-        Returns (status, decoded body) for any HTTP answer; raises TimeoutError / EngineDied."""
-        import httpx
-
-        where = f"engine {self.name}: {method} {route} ({call})"
-        if timeout <= 0:
-            raise TimeoutError(f"{where}: no time left to send it")
-        end = time.monotonic() + timeout
-        try:
-            with self._http.stream(
-                method, route, json=body, params=params, timeout=httpx.Timeout(timeout), headers=self._headers(call)
-            ) as response:
-                chunks = []
-                for chunk in response.iter_bytes():
-                    chunks.append(chunk)
-                    if time.monotonic() > end:
-                        raise TimeoutError(f"{where}: the answer did not finish within {timeout:.3g}s")
-                status = response.status_code
-        except httpx.TimeoutException:
-            raise TimeoutError(f"{where}: no answer within {timeout:.3g}s") from None
-        except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as exc:
-            raise EngineDied(
-                f"{where}: the server at {self.url} is unreachable ({type(exc).__name__}: {exc})"
-            ) from None
-        if time.monotonic() > end:
-            raise TimeoutError(f"{where}: answered after its {timeout:.3g}s")
-        raw = b"".join(chunks)
-        try:
-            data: Any = json.loads(raw) if raw else None
-        except ValueError:
-            data = raw.decode("utf-8", "replace")
-        return status, data
-
-    def _headers(self, call: str) -> dict[str, str] | None:
-        """Extra headers for a request serving refit call `call` (none; a test server may want some)."""
-        return None
-
-    def _call(
-        self,
-        method: str,
-        route: str,
-        call: str,
-        *,
-        timeout: float,
-        body: dict[str, Any] | None = None,
-        params: dict[str, Any] | None = None,
-        update: bool = False,
-    ) -> Any:
-        """`_request`, with any non-2xx answer (or `"success": false`) raised as an EngineError."""
-        status, data = self._request(method, route, call, timeout=timeout, body=body, params=params)
-        failed = status >= 300 or (isinstance(data, dict) and data.get("success") is False)
-        if not failed:
-            return data
-        raise self._error(method, route, call, status, data, update=update)
+    # ---- HTTP errors --------------------------------------------------------------------------
 
     def _error(self, method: str, route: str, call: str, status: int, data: Any, *, update: bool) -> EngineError:
-        message = _message(data)
+        message = message_of(data)
         text = f"engine {self.name}: {method} {route} ({call}) -> HTTP {status}: {message}"
         if status in (401, 403):
             return EngineError("unauthorized", f"{text} (the admin API key is missing or wrong)")
@@ -584,15 +496,3 @@ def _as_version(label: Any) -> int | None:
         return int(str(label))
     except (TypeError, ValueError):
         return None
-
-
-def _message(data: Any) -> str:
-    if isinstance(data, dict):
-        err = data.get("error")
-        if isinstance(err, dict) and "message" in err:
-            return str(err["message"])
-        for key in ("message", "detail"):
-            if key in data:
-                return str(data[key])
-        return json.dumps(data)[:300]
-    return str(data or "")[:300]
