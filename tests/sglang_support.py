@@ -140,7 +140,7 @@ def fields_of(cls: Any) -> set[str]:
     return {f.name for f in dataclasses.fields(cls)}
 
 
-def validate_body(route: str, body: dict[str, Any]) -> Any:
+def validate_body(route: str, body: dict[str, Any], query: dict[str, list[str]] | None = None) -> Any:
     """Validate a JSON body as SGLang 0.5.23's HTTP server does (pydantic over its request type),
     and also refuse keys the type does not have: SGLang would silently ignore a misspelt field."""
     from pydantic import TypeAdapter

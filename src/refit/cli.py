@@ -352,10 +352,10 @@ def _demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--transport", choices=("shm", "broadcast"), default="shm", help="shm or a broadcast group")
     p.add_argument(
         "--engine",
-        choices=("reference", "sglang"),
+        choices=("reference", "sglang", "vllm"),
         default="reference",
-        help="reference: the reference engine's own driver; sglang: the SGLang driver against emulated SGLang "
-        "endpoints (reference engines behind SGLang's HTTP API)",
+        help="reference: the reference engine's own driver; sglang / vllm: refit's SGLang or vLLM driver against "
+        "emulated endpoints (reference engines behind that engine's HTTP API)",
     )
 
 

@@ -68,7 +68,11 @@ def make_api_transport(kind: str, engine: str) -> Any:
         from refit.drivers.flattened import SGLangBroadcastTransport, SGLangTensorTransport
 
         return SGLangTensorTransport() if kind == "shm" else SGLangBroadcastTransport()
-    raise ValueError(f"engine {engine!r}: use reference or sglang")
+    if engine == "vllm":
+        from refit.drivers.flattened import VLLMBroadcastTransport, VLLMIPCTransport
+
+        return VLLMIPCTransport() if kind == "shm" else VLLMBroadcastTransport()
+    raise ValueError(f"engine {engine!r}: use reference, sglang or vllm")
 
 
 def start_engines(args: argparse.Namespace, names: list[str], config: ModelConfig) -> list[Any]:
@@ -78,6 +82,16 @@ def start_engines(args: argparse.Namespace, names: list[str], config: ModelConfi
 
         return [
             EmulatedSGLangEngine.start(n, config=config, seed=args.seed, tp=args.engine_tp, in_thread=args.in_thread)
+            for n in names
+        ]
+    if args.engine == "vllm":
+        from refit.testing.vllm_server import EmulatedVLLMEngine
+
+        backend = "ipc" if args.transport == "shm" else "nccl"
+        return [
+            EmulatedVLLMEngine.start(
+                n, config=config, seed=args.seed, tp=args.engine_tp, in_thread=args.in_thread, backend=backend
+            )
             for n in names
         ]
     if args.in_thread:
@@ -304,11 +318,12 @@ def run_demo(args: argparse.Namespace) -> int:
         what = f"{args.engines} reference engine threads"
     else:
         what = f"{args.engines} reference engine processes" + (f" of TP={args.engine_tp}" if args.engine_tp > 1 else "")
-    if args.engine == "sglang":
+    if args.engine != "reference":
+        api = {"sglang": "SGLang", "vllm": "vLLM"}[args.engine]
         print(
-            "engine API: SGLang, EMULATED: each engine is a loopback HTTP server speaking SGLang's weight-update API "
-            "(refit.testing.sglang_server) in front of a reference engine, driven by refit's SGLang driver "
-            "(refit.drivers.sglang). No SGLang server runs here.",
+            f"engine API: {api}, EMULATED: each engine is a loopback HTTP server speaking {api}'s weight-update API "
+            f"(refit.testing.{args.engine}_server) in front of a reference engine, driven by refit's {api} driver "
+            f"(refit.drivers.{args.engine}). No {api} server runs here.",
             flush=True,
         )
     print(f"starting {what} ...", flush=True)

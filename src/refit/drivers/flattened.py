@@ -620,3 +620,122 @@ class SGLangBroadcastReceiver(Receiver):
     def close(self) -> None:
         self._group = None
         self._store = None
+
+
+# ---- vLLM's packed layout: the same bytes ------------------------------------------------------
+#
+# vLLM 0.33's packed weight transfer concatenates tensors as raw uint8 with no padding, exactly as
+# above; its consumer rebuilds the boundaries from names/dtype_names/shapes (NCCL: a chunk closes
+# once its size exceeds packed_buffer_size_bytes, which refit sets to its largest bucket, so one
+# bucket is one chunk) or from tensor_sizes (IPC). Offsets must be aligned for each dtype (vLLM's
+# consumer fails otherwise, and its producer does not notice): plan_flattened's ordering does it.
+
+
+class VLLMBroadcastTransport(SGLangBroadcastTransport):
+    """Disaggregated transport for vLLM's NCCL weight transfer (`init_weight_transfer_engine` with
+    master_address/master_port, then `update_weights` while trainer rank 0 broadcasts): packed, one
+    uint8 broadcast per bucket; unpacked, one per tensor in `names` order. Engine i's workers are
+    ranks 1 + rank_offset_i + j.
+
+    Backend ``gloo`` is the CPU stand-in that refit's emulated vLLM server joins (vLLM's own
+    receiver is NCCL-only). A real vLLM server needs vLLM's own rendezvous (its
+    StatelessProcessGroup TCPStore and PyNccl communicator, with a warm-up all-reduce), which this
+    build does not speak yet: backend ``nccl`` is refused."""
+
+    kind = "vllm_nccl"
+
+    def __init__(self, slots: int = 2, *, backend: str = "gloo", host: str | None = None, packed: bool = True) -> None:
+        if backend != "gloo":
+            raise ValueError(
+                "VLLMBroadcastTransport: vLLM's NCCL rendezvous (StatelessProcessGroup + PyNccl) is not implemented "
+                "in this build; backend='gloo' serves refit's emulated vLLM server"
+            )
+        super().__init__(slots, backend=backend, host=host, flattened=packed, group_name="vllm_weight_transfer")
+
+    def attach_infos(self, rank_infos: Sequence[dict[str, Any]], topology: Topology) -> dict[str, ConnectInfo]:
+        infos = super().attach_infos(rank_infos, topology)
+        extra = {
+            "packed": self.flattened,
+            "packed_buffer_size_bytes": max(int(rank_infos[SOURCE_RANK].get("slot_bytes", 1)), 1),
+            "packed_num_buffers": self.slots,
+        }
+        return {name: ConnectInfo(i.kind, i.receiver, {**i.fields, **extra}, i.parts) for name, i in infos.items()}
+
+
+def device_key(tensor: torch.Tensor, tp_rank: int) -> str:
+    """The key vLLM's IPC receiver looks its handle up by: the physical GPU's UUID (CUDA), or, for
+    a CPU buffer (refit's emulated server only), ``cpu:<TP rank>``."""
+    import torch
+
+    if tensor.device.type == "cuda":
+        return str(torch.cuda.get_device_properties(tensor.device).uuid)
+    return f"cpu:{tp_rank}"
+
+
+def ipc_args(buffer: torch.Tensor) -> Any:
+    """What vLLM rebuilds a shared buffer from: CUDA, `reduce_tensor`'s rebuild_cuda_tensor args
+    (vLLM overwrites the device index); CPU, the buffer serialized by shared-memory name (vLLM
+    itself cannot open those: they serve refit's emulated server)."""
+    if buffer.device.type == "cuda":
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        return reduce_tensor(buffer)[1]
+    return serialize(buffer)
+
+
+class VLLMIPCTransport(SGLangTensorTransport):
+    """Colocated transport for vLLM's IPC weight transfer, packed: each bucket is one shared uint8
+    buffer; `update_weights` carries names/dtype_names/shapes, `tensor_sizes` and one handle per
+    engine TP rank's device (`ipc_handles_pickled`)."""
+
+    kind = "vllm_ipc"
+
+    def attach_infos(self, rank_infos: Sequence[dict[str, Any]], topology: Topology) -> dict[str, ConnectInfo]:
+        return {
+            e.name: ConnectInfo(self.kind, f"{__name__}:VLLMIPCReceiver", fields={"packed": True}, parts=({},) * e.tp)
+            for e in topology.engines
+        }
+
+    def pack(self, manifest: BucketManifest, tensors: LazyTensors) -> dict[str, Any] | None:
+        if not self._connected:
+            raise RuntimeError("vllm ipc transport: pack() before connect()")
+        if not self._consumers:
+            self.temp_bytes = pack_into(None, manifest, tensors).temp_bytes
+            return None
+        buffer = self._buffer_for(manifest)
+        try:
+            packed = pack_into(buffer, manifest, tensors)
+            view = buffer[: manifest.nbytes]
+            handles = {f"{name}/{j}": (device_key(view, j), ipc_args(view)) for name, j in self._consumers}
+        except BaseException:
+            self.release(manifest.index)
+            raise
+        self.temp_bytes = packed.temp_bytes
+        return {"handles": handles}
+
+    def payloads(
+        self, manifest: BucketManifest, parts: Sequence[dict[str, Any] | None], topology: Topology
+    ) -> dict[str, Payload]:
+        out = {}
+        for e in topology.engines:
+            per_rank = []
+            for j in range(e.tp):
+                key, args = (parts[self.route(topology, e, j)] or {})["handles"][f"{e.name}/{j}"]
+                per_rank.append({"device": key, "args": args})
+            out[e.name] = Payload(self.kind, manifest, {"packed": True}, tuple(per_rank))
+        return out
+
+
+class VLLMIPCReceiver(Receiver):
+    """Engine side of `VLLMIPCTransport` in refit's emulated vLLM server (one TP rank): looks its
+    handle up by its device key and returns views of the bucket, as vLLM's packed IPC consumer
+    splits it by `tensor_sizes`."""
+
+    def read(self, payload: Payload) -> list[tuple[str, torch.Tensor]]:
+        handles = payload.fields.get("handles") or {}
+        key = f"cpu:{self.tp_rank}"
+        if key not in handles:
+            raise ValueError(f"IPC handle not found for device {key}. Available: {sorted(handles)}")
+        buffer = deserialize(handles[key])
+        check_flattened(payload.manifest)
+        return reconstruct({"flattened_tensor": buffer, "metadata": metadata_of(payload.manifest)}, payload.manifest)

@@ -144,3 +144,14 @@ def message_of(data: Any) -> str:
                 return str(data[key])
         return json.dumps(data)[:300]
     return str(data or "")[:300]
+
+
+def label_version(label: Any) -> int | None:
+    """refit's integer version from an engine's weight-version label ("default", the label both
+    SGLang and vLLM start with: the checkpoint, version 0; a label that is not an integer: None)."""
+    if label == "default":
+        return 0
+    try:
+        return int(str(label))
+    except (TypeError, ValueError):
+        return None

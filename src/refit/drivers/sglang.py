@@ -57,7 +57,7 @@ from typing import TYPE_CHECKING, Any
 
 from refit.drivers.base import ConnectInfo, PauseMode, Payload
 from refit.drivers.buckets import BucketManifest
-from refit.drivers.http import HttpEngineDriver, message_of
+from refit.drivers.http import HttpEngineDriver, label_version, message_of
 from refit.errors import EngineDied, EngineError
 
 if TYPE_CHECKING:
@@ -286,7 +286,7 @@ class SGLangEngine(HttpEngineDriver):
             closed = status < 300 and not (isinstance(data, dict) and data.get("success") is False)
             self._session_unknown = False
         self._plan, self._finalized = None, False
-        version = _as_version(label)
+        version = label_version(label)
         if version is not None and version >= target_version:
             raise EngineError(
                 "version_ahead",
@@ -468,10 +468,10 @@ class SGLangEngine(HttpEngineDriver):
             versions: list[Any] = [None] * len(output)
             for span in spans:
                 for i in range(int(span["start"]), min(int(span["end"]), len(output))):
-                    versions[i] = _as_version(span["version"])
+                    versions[i] = label_version(span["version"])
             out["weight_versions"] = versions
         elif "weight_version" in meta:
-            out["weight_versions"] = [_as_version(meta["weight_version"])] * len(output)
+            out["weight_versions"] = [label_version(meta["weight_version"])] * len(output)
         return out
 
     def submit(self, prompt: Sequence[int], max_new_tokens: int) -> Any:
@@ -485,14 +485,4 @@ class SGLangEngine(HttpEngineDriver):
 
     def info(self, *, timeout: float = DEFAULT_TIMEOUT) -> dict[str, Any]:
         caps = self.capabilities or Capabilities.of(None)
-        return {"version": _as_version(self._read_version(caps, timeout)), "capabilities": caps.as_dict()}
-
-
-def _as_version(label: Any) -> int | None:
-    """refit's integer version from SGLang's weight_version label ("default": the checkpoint, 0)."""
-    if label == "default":
-        return 0
-    try:
-        return int(str(label))
-    except (TypeError, ValueError):
-        return None
+        return {"version": label_version(self._read_version(caps, timeout)), "capabilities": caps.as_dict()}

@@ -28,20 +28,11 @@ from typing import Any
 from urllib.parse import parse_qs, urlparse
 
 from refit.drivers.base import Payload
+from refit.drivers.http import label_version
 from refit.drivers.reference import ReferenceEngine
 from refit.errors import EngineDied, EngineError
 
 CALL_TIMEOUT = 120.0
-
-
-def label_version(label: Any) -> int | None:
-    """refit's integer version from an engine's weight-version label ("default": the checkpoint, 0)."""
-    if label == "default":
-        return 0
-    try:
-        return int(str(label))
-    except (TypeError, ValueError):
-        return None
 
 
 class _Reply(Exception):
@@ -67,7 +58,7 @@ class EmulatedServer:
         *,
         version: str,
         api_key: str | None = None,
-        validate: Callable[[str, dict[str, Any]], None] | None = None,
+        validate: Callable[..., None] | None = None,
         host: str = "127.0.0.1",
         port: int = 0,
     ) -> None:
@@ -170,13 +161,14 @@ class EmulatedServer:
         self._check(route, body)
         return body
 
-    def _check(self, route: str, body: Any) -> None:
+    def _check(self, route: str, body: Any, query: dict[str, list[str]] | None = None) -> None:
+        """Hand the request to `validate(route, body, query)` (a 422 if it refuses), and keep it."""
         if self.validate is not None:
             try:
-                self.validate(route, body)
+                self.validate(route, body, query)
             except Exception as exc:
                 raise _Reply(422, {"detail": f"{type(exc).__name__}: {exc}"}) from None
-        self.received.append((route, body))
+        self.received.append((route, body if query is None else {"query": query}))
 
     def _generate(self, ids: Any, max_tokens: int) -> dict[str, Any]:
         """Run a request on the engine (waits while it is paused)."""

@@ -59,7 +59,7 @@ class EmulatedSGLang(EmulatedServer):
         version: str = "0.5.23",
         api_key: str | None = None,
         decoder: str = "refit",
-        validate: Callable[[str, dict[str, Any]], None] | None = None,
+        validate: Callable[..., None] | None = None,
         host: str = "127.0.0.1",
         port: int = 0,
     ) -> None:
@@ -370,7 +370,7 @@ class EmulatedSGLangEngine(EmulatorClient, SGLangEngine):
         config: Any = None,
         in_thread: bool = False,
         decoder: str = "refit",
-        validate: Callable[[str, dict[str, Any]], None] | None = None,
+        validate: Callable[..., None] | None = None,
     ) -> EmulatedSGLangEngine:
         """A fresh reference engine (own processes, or a thread) behind a new emulated server."""
         if in_thread:

@@ -1,0 +1,429 @@
+"""Engine driver for a vLLM server's weight-transfer API (vLLM 0.33; `VLLM_SERVER_DEV_MODE=1`).
+
+One driver per server (one engine, however many workers). The server's version is read once
+(`GET /version`) into a `Capabilities` record; every version difference is read from it.
+
+Lifecycle, per state (each step is one HTTP call; vLLM has no batch route):
+  first engine call       probe(target): the weight version (GET /weight_info); a label back at
+                          "default" after this driver published one means the server restarted
+                          (refused as `restarted`: the next refit reconnects); `version_ahead`
+                          when it already holds the target.
+  OFFLOADING (colocated)  resume_memory(["weights"]): POST /wake_up?tags=weights.
+  CONNECTING              attach(info): POST /init_weight_transfer_engine {"init_info"} (NCCL:
+                          while the trainer's group forms; IPC: {"packed": true}).
+  PAUSING                 pause(mode): abort -> POST /pause?mode=abort; retract -> mode=keep with
+                          clear_cache=true (frozen requests lose their KV and recompute it after
+                          the resume, under the new weights). vLLM's keep without clearing keeps
+                          old-weight KV (refused, as in_place is); wait drains instead of pausing.
+  INVALIDATING            flush(): POST /reset_prefix_cache?reset_running_requests=true ({"success"});
+                          begin(plan): POST /start_weight_update; a session a crashed run left open
+                          ("already active") is finished first, then started again.
+  TRANSFERRING            load(payload): POST /update_weights {"update_info": names, dtype_names,
+                          shapes (+ IPC handles and tensor_sizes)}, always full metadata (an empty
+                          list means "reuse the last", which a restarted server does not have).
+  POST_PROCESSING         finalize(): POST /finish_weight_update {} (no version: publishing is its
+                          own step); refused as `incomplete` unless every planned bucket was acked.
+  CONTINUING              publish(v): refused here unless the session acked every bucket and
+                          finished, then POST /update_weight_version {"new_version"};
+                          continue_generation(): POST /resume.
+  RESTORING (colocated)   resume_memory(["kv_cache"]): POST /wake_up?tags=kv_cache&tags=scheduling.
+  QUARANTINING            quarantine(reason): POST /pause?mode=abort&clear_cache=true (new
+                          requests get 503 until a refit completes), and finish any open session.
+  abort before pausing    release_memory(["weights"]): POST /sleep?level=2 (level=1 when the
+                          server keeps a CPU copy of its weights).
+  disconnect              detach(): POST /shutdown_weight_transfer_engine.
+
+vLLM reports every worker-side failure as HTTP 500 with `error.message` "Call to collective_rpc
+method failed: <why>"; the driver maps the known reasons: "must be called before" and "without a
+matching start" (`no_session`), "already active" (`session_open`), "Invalid update_info" /
+"Invalid init_info" (`bad_payload`), all refused before anything changed; any other 500 is
+`server_error` (effect unknown). 400 is `bad_request`, 503 `paused`, a timeout `TimeoutError`, a
+refused or dropped connection `EngineDied`.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import pickle
+import re
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from refit.drivers.base import ConnectInfo, PauseMode, Payload
+from refit.drivers.buckets import BucketManifest
+from refit.drivers.http import DEFAULT_TIMEOUT, HttpEngineDriver, label_version, message_of
+from refit.errors import EngineDied, EngineError
+
+if TYPE_CHECKING:
+    import httpx
+
+
+def _version_tuple(text: str | None) -> tuple[int, ...] | None:
+    m = re.match(r"(\d+)\.(\d+)\.(\d+)", text or "")
+    return tuple(int(x) for x in m.groups()) if m else None
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What one vLLM server's weight-transfer API offers, read once from its version
+    (anchor-engine-apis.md, 2.1).
+
+    session          start/finish_weight_update exist (0.22+)
+    start_body       start_weight_update's body: {"is_checkpoint_format": true} in 0.22-0.27, none after
+    packed_in_init   packed and its buffer sizes travel in init_info (0.28+; update_info before)
+    weight_version   /weight_info and /update_weight_version exist (0.28+)
+    """
+
+    version: str | None
+    session: bool
+    start_body: dict[str, Any] | None
+    packed_in_init: bool
+    weight_version: bool
+
+    @classmethod
+    def of(cls, version: str | None) -> Capabilities:
+        v = _version_tuple(version) or (0, 33, 0)
+        return cls(
+            version=version,
+            session=v >= (0, 22, 0),
+            start_body={"is_checkpoint_format": True} if (0, 22, 0) <= v < (0, 28, 0) else None,
+            packed_in_init=v >= (0, 28, 0),
+            weight_version=v >= (0, 28, 0),
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "version": self.version, "session": self.session, "start_body": self.start_body,
+            "packed_in_init": self.packed_in_init, "weight_version": self.weight_version,
+        }  # fmt: skip
+
+
+# ---- request bodies ----------------------------------------------------------------------------
+
+
+def nccl_init_info(fields: dict[str, Any]) -> dict[str, Any]:
+    """`init_info` for vLLM's NCCL engine (exactly its 8 keys; any other key is an HTTP 500)."""
+    return {
+        "master_address": fields["addr"],
+        "master_port": int(fields["port"]),
+        "rank_offset": int(fields["rank_offset"]),
+        "world_size": int(fields["world"]),
+        "packed": bool(fields["packed"]),
+        "packed_buffer_size_bytes": int(fields["packed_buffer_size_bytes"]),
+        "packed_num_buffers": int(fields["packed_num_buffers"]),
+    }
+
+
+def update_info(manifest: BucketManifest, parts: Sequence[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """`update_info` for one bucket, with full metadata; with `parts` (IPC, packed) one handle per
+    engine TP rank's device, pickled and base64 as vLLM's HTTP client sends them, and the byte size
+    of each tensor in the buffer."""
+    info: dict[str, Any] = {
+        "names": [e.meta.name for e in manifest.entries],
+        "dtype_names": [e.meta.dtype for e in manifest.entries],
+        "shapes": [list(e.meta.shape) for e in manifest.entries],
+    }
+    if parts is not None:
+        handles = {p["device"]: p["args"] for p in parts}
+        info["ipc_handles_pickled"] = base64.b64encode(pickle.dumps(handles)).decode("ascii")
+        info["tensor_sizes"] = [e.meta.nbytes for e in manifest.entries]
+    return info
+
+
+# ---- the driver --------------------------------------------------------------------------------
+
+
+class VLLMEngine(HttpEngineDriver):
+    """One vLLM server, driven over HTTP. See the module docstring for the route per state."""
+
+    supports_in_place_pause = False  # keep without clearing the cache serves old-weight KV
+    pause_modes = frozenset({"abort", "retract"})
+    transports = frozenset({"vllm_nccl", "vllm_ipc"})
+    memory_tags = frozenset({"weights", "kv_cache"})
+
+    def __init__(
+        self,
+        name: str,
+        url: str,
+        *,
+        api_key: str | None = None,
+        tp: int = 1,
+        model: str | None = None,
+        weights_cpu_backup: bool = False,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        """`url`: the server's base URL (started with VLLM_SERVER_DEV_MODE=1 and a
+        --weight-transfer-config). `api_key`: for /v1 routes. `tp`: its worker count (TP x PP).
+        `model`: the served model name for /v1/completions (default: the first /v1/models entry).
+        `weights_cpu_backup`: released weights are kept on the CPU (sleep level 1)."""
+        super().__init__(name, url, api_key=api_key, tp=tp, transport=transport)
+        self.model = model
+        self.weights_cpu_backup = weights_cpu_backup
+        self.capabilities: Capabilities | None = None
+        self._restarts = 0
+        self._published: str | None = None
+        self._attached: ConnectInfo | None = None
+        self._plan: dict[int, BucketManifest] | None = None
+        self._acked: set[int] = set()
+        self._finalized = False
+        self._session_unknown = False
+        self._quarantined: str | None = None
+        self._released: set[str] = set()
+        with contextlib.suppress(TimeoutError, EngineDied, EngineError):
+            self._read_capabilities(10.0)
+
+    def _read_capabilities(self, timeout: float) -> Capabilities:
+        data = self._call("GET", "/version", "connect", timeout=timeout)
+        self.capabilities = Capabilities.of(data.get("version") if isinstance(data, dict) else None)
+        return self.capabilities
+
+    @property
+    def incarnation(self) -> str:
+        return f"{self.name}@{self.url}#{self._restarts}"
+
+    # ---- HTTP errors --------------------------------------------------------------------------
+
+    def _error(self, method: str, route: str, call: str, status: int, data: Any, *, update: bool) -> EngineError:
+        message = message_of(data)
+        text = f"engine {self.name}: {method} {route} ({call}) -> HTTP {status}: {message}"
+        low = message.lower()
+        if status in (401, 403):
+            return EngineError("unauthorized", f"{text} (the API key is missing or wrong)")
+        if status == 404:
+            return EngineError("unsupported", f"{text} (no such route: is VLLM_SERVER_DEV_MODE=1 set?)")
+        if status == 503:
+            return EngineError("paused", text)
+        if status in (400, 422):
+            return EngineError("bad_request", text)
+        if "must be called before" in low or "without a matching start" in low:
+            return EngineError("no_session", text)
+        if "already active" in low:
+            return EngineError("session_open", text)
+        if "invalid update_info" in low or "invalid init_info" in low:
+            return EngineError("bad_payload", text)
+        return EngineError("server_error", text)
+
+    def _caps(self, timeout: float) -> Capabilities:
+        return self.capabilities or self._read_capabilities(timeout)
+
+    # ---- protocol calls -----------------------------------------------------------------------
+
+    def probe(self, target_version: int, *, timeout: float) -> dict[str, Any]:
+        end = time.monotonic() + timeout
+        caps = self._caps(timeout)
+        label = None
+        if caps.weight_version:
+            label = (self._call("GET", "/weight_info", "probe", timeout=end - time.monotonic()) or {}).get(
+                "weight_version"
+            )
+        if label == "default" and self._published not in (None, "default"):
+            self._restarts += 1  # the next run sees a new incarnation and reconnects
+            self._attached, self._released, self._published = None, set(), None
+            raise EngineError(
+                "restarted",
+                f"engine {self.name}: the server's weight version is back at 'default' after {self.name} was "
+                "published: it restarted and lost its weight-transfer setup; the next refit reconnects it",
+            )
+        self._plan, self._finalized = None, False
+        version = label_version(label)
+        if version is not None and version >= target_version:
+            raise EngineError(
+                "version_ahead",
+                f"engine {self.name} holds weight version {label!r}, the refit targets {target_version}",
+                {"version": version},
+            )
+        return {"version": version, "serving": self._quarantined is None, "server_version": caps.version}
+
+    def release_memory(self, tags: Sequence[str], *, timeout: float = DEFAULT_TIMEOUT) -> None:
+        if "weights" in tags:
+            level = 1 if self.weights_cpu_backup else 2
+            self._call("POST", "/sleep", "release_memory", timeout=timeout, params={"level": level, "mode": "abort"})
+            self._released |= {"weights", "kv_cache"}
+        elif "kv_cache" in tags:
+            self._call("POST", "/release_kv_cache_memory", "release_memory", timeout=timeout)
+            self._released.add("kv_cache")
+
+    def resume_memory(self, tags: Sequence[str], *, timeout: float) -> dict[str, Any]:
+        wake = [t for t in tags if t in self.memory_tags]
+        if "kv_cache" in wake:
+            wake.append("scheduling")  # a sleeping vLLM schedules again only once fully awake
+        self._call("POST", "/wake_up", "resume_memory", timeout=timeout, params={"tags": wake})
+        resumed = [t for t in tags if t in self._released]
+        intact = self.weights_cpu_backup or "weights" not in self._released
+        self._released -= set(tags)
+        return {"weights_intact": intact, "resumed": resumed}
+
+    def attach(self, info: ConnectInfo, *, timeout: float) -> None:
+        if info.kind not in self.transports:
+            raise EngineError(
+                "bad_request", f"engine {self.name}: vLLM receives {sorted(self.transports)}, not {info.kind!r}"
+            )
+        if len(info.parts) != self._tp:
+            raise EngineError(
+                "bad_request",
+                f"engine {self.name}: connect info has {len(info.parts)} parts, the server has {self._tp}",
+            )
+        init = nccl_init_info(info.fields) if info.kind == "vllm_nccl" else {"packed": True}
+        try:
+            self._call("POST", "/init_weight_transfer_engine", "attach", timeout=timeout, body={"init_info": init})
+        except EngineError as exc:
+            if info.kind == "vllm_nccl" and exc.kind == "server_error":
+                raise EngineError("rendezvous", exc.message) from exc
+            raise
+        self._attached = info
+
+    def detach(self, *, timeout: float) -> None:
+        if self._attached is not None:
+            self._attached = None
+            self._call("POST", "/shutdown_weight_transfer_engine", "detach", timeout=timeout)
+
+    def pause(self, mode: PauseMode, *, timeout: float) -> None:
+        if mode not in self.pause_modes:
+            raise EngineError(
+                "bad_request", f"engine {self.name}: pause mode {mode!r}; vLLM takes {sorted(self.pause_modes)}"
+            )
+        params = (
+            {"mode": "abort", "clear_cache": "false"} if mode == "abort" else {"mode": "keep", "clear_cache": "true"}
+        )
+        self._call("POST", "/pause", "pause", timeout=timeout, params=params)
+
+    def flush(self, *, timeout: float) -> None:
+        data = self._call(
+            "POST", "/reset_prefix_cache", "flush", timeout=timeout, params={"reset_running_requests": "true"}
+        )
+        if not (isinstance(data, dict) and data.get("success")):
+            raise EngineError("flush_refused", f"engine {self.name}: POST /reset_prefix_cache (flush) -> {data}")
+
+    def begin(self, plan: Sequence[BucketManifest], *, timeout: float) -> None:
+        end = time.monotonic() + timeout
+        caps = self._caps(timeout)
+        if caps.session:
+            try:
+                self._start(caps, end - time.monotonic())
+            except EngineError as exc:
+                if exc.kind != "session_open":
+                    raise
+                # a session a crashed run left open: finish it (its weights are replaced below), start again
+                self._call("POST", "/finish_weight_update", "begin", timeout=end - time.monotonic(), body={})
+                self._start(caps, end - time.monotonic())
+        self._plan = {m.index: m for m in plan}
+        self._acked, self._finalized = set(), False
+
+    def _start(self, caps: Capabilities, timeout: float) -> None:
+        self._session_unknown = True
+        self._call("POST", "/start_weight_update", "begin", timeout=timeout, body=caps.start_body, update=True)
+
+    def load(self, payload: Payload, *, timeout: float) -> None:
+        manifest = payload.manifest
+        if self._plan is None:
+            raise EngineError("no_session", f"engine {self.name}: load outside a weight-update session (begin first)")
+        if self._attached is None or payload.kind != self._attached.kind:
+            raise EngineError("not_attached", f"engine {self.name}: no {payload.kind!r} transport attached")
+        if self._plan.get(manifest.index) != manifest:
+            raise EngineError("bad_manifest", f"engine {self.name}: bucket {manifest.index} is not the planned bucket")
+        if manifest.index in self._acked:
+            raise EngineError("bad_manifest", f"engine {self.name}: bucket {manifest.index} was already loaded")
+        if len(payload.parts) != self._tp:
+            raise EngineError(
+                "bad_payload",
+                f"engine {self.name}: bucket {manifest.index} has {len(payload.parts)} parts for {self._tp}",
+            )
+        info = update_info(manifest, payload.parts if payload.kind == "vllm_ipc" else None)
+        self._call("POST", "/update_weights", "load", timeout=timeout, body={"update_info": info}, update=True)
+        self._acked.add(manifest.index)
+
+    def finalize(self, *, timeout: float) -> None:
+        plan = self._plan
+        if plan is None:
+            raise EngineError("no_session", f"engine {self.name}: finalize without an open weight-update session")
+        self._plan = None
+        if self._caps(timeout).session:
+            self._call("POST", "/finish_weight_update", "finalize", timeout=timeout, body={}, update=True)
+            self._session_unknown = False
+        missing = sorted(set(plan) - self._acked)
+        if missing:
+            raise EngineError(
+                "incomplete",
+                f"engine {self.name}: finalize after {len(self._acked)} of {len(plan)} buckets; missing {missing}",
+            )
+        self._finalized = True
+
+    def publish(self, version: int, *, timeout: float) -> None:
+        if not self._finalized:
+            raise EngineError(
+                "not_ready",
+                f"engine {self.name}: publish without a complete, finished update (vLLM labels any weights)",
+            )
+        self._call("POST", "/update_weight_version", "publish", timeout=timeout, body={"new_version": str(version)})
+        self._finalized = False
+        self._published = str(version)
+        self._quarantined = None
+
+    def continue_generation(self, *, timeout: float) -> None:
+        if self._quarantined is not None:
+            raise EngineError("quarantined", f"engine {self.name} is quarantined ({self._quarantined}); refit it first")
+        self._call("POST", "/resume", "continue_generation", timeout=timeout)
+
+    def quarantine(self, reason: str, *, timeout: float) -> None:
+        """Stop serving (new requests get 503) and finish a session this run may have left open."""
+        end = time.monotonic() + timeout
+        self._quarantined = reason
+        self._plan, self._finalized = None, False
+        self._call("POST", "/pause", "quarantine", timeout=timeout, params={"mode": "abort", "clear_cache": "true"})
+        if self._session_unknown:
+            status, data = self._request(
+                "POST", "/finish_weight_update", "quarantine", timeout=end - time.monotonic(), body={}
+            )
+            err = self._error("POST", "/finish_weight_update", "quarantine", status, data, update=False)
+            if status >= 300 and err.kind != "no_session":
+                raise err
+            self._session_unknown = False
+
+    # ---- serving ------------------------------------------------------------------------------
+
+    def _model(self, timeout: float) -> str:
+        if self.model is None:
+            data = self._call("GET", "/v1/models", "generate", timeout=timeout)
+            self.model = str(data["data"][0]["id"])
+        return self.model
+
+    def generate(
+        self, prompt: Sequence[int], max_new_tokens: int, *, timeout: float = DEFAULT_TIMEOUT
+    ) -> dict[str, Any]:
+        """Greedy completion of token ids through POST /v1/completions, with the token ids and the
+        weight version of each token: {"output", "weight_versions", "finish_reason"}."""
+        end = time.monotonic() + timeout
+        body = {
+            "model": self._model(timeout), "prompt": list(prompt), "max_tokens": int(max_new_tokens),
+            "temperature": 0.0, "return_token_ids": True, "return_weight_versions": True,
+        }  # fmt: skip
+        data = self._call("POST", "/v1/completions", "generate", timeout=end - time.monotonic(), body=body)
+        choice = data["choices"][0]
+        output = [int(t) for t in choice.get("token_ids") or []]
+        out: dict[str, Any] = {"output": output, "prompt": list(prompt), "finish_reason": choice.get("finish_reason")}
+        spans = choice.get("weight_versions")
+        if spans:
+            versions: list[Any] = [None] * len(output)
+            for span in spans:
+                for i in range(int(span["start"]), min(int(span["end"]), len(output))):
+                    versions[i] = label_version(span["version"])
+            out["weight_versions"] = versions
+        out["num_retractions"] = 0
+        return out
+
+    def submit(self, prompt: Sequence[int], max_new_tokens: int) -> Any:
+        """Start a request on a thread; returns a Future of `generate`'s answer."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        pool = ThreadPoolExecutor(1, thread_name_prefix=f"vllm-{self.name}")
+        fut = pool.submit(self.generate, prompt, max_new_tokens)
+        pool.shutdown(wait=False)
+        return fut
+
+    def info(self, *, timeout: float = DEFAULT_TIMEOUT) -> dict[str, Any]:
+        data = self._call("GET", "/weight_info", "info", timeout=timeout) or {}
+        caps = self.capabilities or Capabilities.of(None)
+        return {"version": label_version(data.get("weight_version")), "capabilities": caps.as_dict()}

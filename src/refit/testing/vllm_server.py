@@ -1,0 +1,440 @@
+"""An emulated vLLM server: vLLM 0.33's weight-transfer HTTP API in front of a reference engine.
+
+Not vLLM. It serves the reference engine (`refit.reference`) behind the routes vLLM registers with
+VLLM_SERVER_DEV_MODE=1 (`vllm/entrypoints/rl/online/api_router.py`, the dev sleep and cache
+routers, `/version`, `/v1/models`, `/v1/completions`), with their bodies, status codes, answers and
+error envelopes, so the vLLM driver runs unchanged in CI where no vLLM GPU server can:
+
+  * every worker-side failure is HTTP 500 {"error": {"message": "Call to collective_rpc method
+    failed: <why>", ...}}, whatever the cause: update without start, start twice ("already active"),
+    finish without start, unknown init/update keys ("Invalid init_info/update_info ..."), a packed
+    tensor at an offset its dtype cannot view; a failed update clears the session; request
+    validation errors are HTTP 400;
+  * `/pause?mode=abort` rejects new requests with 503 until `/resume`; `keep` freezes them (with
+    `clear_cache=true` their KV is dropped and recomputed after the resume; without, it is kept);
+    `wait` is not emulated;
+  * `/update_weight_version` and `finish_weight_update(weight_version)` label whatever the engine
+    holds; the label starts at "default";
+  * the weight routes are not guarded by the API key (only /v1 routes are), as in vLLM.
+
+`backend`: what the server was started with (`--weight-transfer-config '{"backend": ...}'`):
+``nccl`` (the group is formed over gloo here: vLLM's own receiver is NCCL-only) or ``ipc`` (packed;
+CPU buffers travel by shared-memory name, which vLLM itself cannot open). The server machinery,
+fault arming and `/_refit/` routes are `refit.testing.emulated`'s.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import pickle
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from refit.drivers.base import ConnectInfo, Payload
+from refit.drivers.buckets import ITEMSIZE, BucketManifest, TensorEntry, TensorMeta
+from refit.drivers.flattened import FLATTENED_BUCKET
+from refit.drivers.reference import ReferenceEngine
+from refit.drivers.vllm import VLLMEngine
+from refit.errors import EngineError
+from refit.testing.emulated import EmulatedServer, EmulatorClient, _Reply
+
+GROUP_TIMEOUT_S = 60.0
+NCCL_INIT_KEYS = frozenset(
+    {"master_address", "master_port", "rank_offset", "world_size", "nccl_unique_id_b64", "packed",
+     "packed_buffer_size_bytes", "packed_num_buffers"}
+)  # fmt: skip
+UPDATE_KEYS = {
+    "nccl": frozenset({"names", "dtype_names", "shapes"}),
+    "ipc": frozenset({"names", "dtype_names", "shapes", "ipc_handles", "ipc_handles_pickled", "tensor_sizes"}),
+}
+MODEL_ID = "refit-reference"
+
+
+def _rpc_error(message: str) -> _Reply:
+    """How vLLM answers a worker-side failure: HTTP 500, whatever the worker raised."""
+    return _Reply(
+        500,
+        {"error": {"message": f"Call to collective_rpc method failed: {message}", "type": "InternalServerError",
+                   "param": None, "code": 500}},
+    )  # fmt: skip
+
+
+def _bad_request(message: str, param: str | None = None) -> _Reply:
+    return _Reply(400, {"error": {"message": message, "type": "Bad Request", "param": param, "code": 400}})
+
+
+def _flag(query: dict[str, list[str]], key: str, default: bool) -> bool:
+    values = query.get(key)
+    if not values:
+        return default
+    value = values[-1].lower()
+    if value not in ("true", "false", "1", "0"):
+        raise _bad_request(f"{key} must be a boolean", f"query.{key}")
+    return value in ("true", "1")
+
+
+class EmulatedVLLM(EmulatedServer):
+    """A loopback HTTP server emulating vLLM `version`'s weight-transfer API in front of `engine`."""
+
+    def __init__(
+        self,
+        engine: ReferenceEngine,
+        *,
+        version: str = "0.33.0",
+        backend: str = "nccl",
+        api_key: str | None = None,
+        validate: Callable[..., None] | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+    ) -> None:
+        if backend not in ("nccl", "ipc"):
+            raise ValueError(f"backend {backend!r}: nccl or ipc")
+        self.backend = backend
+        self.initialized: dict[str, Any] | None = None  # the init_info the transfer engine was set up with
+        self.session_open = False
+        self.rejecting = False  # abort/wait pauses reject new requests (503) until /resume
+        self.last_update: dict[str, Any] | None = None
+        self.bucket_count = 0
+        super().__init__(engine, version=version, api_key=api_key, validate=validate, host=host, port=port)
+
+    def requires_key(self, path: str) -> bool:
+        return path.startswith("/v1")  # vLLM guards /v1 (and a few other prefixes), not the RL routes
+
+    # ---- generation control ------------------------------------------------------------------
+
+    def r_version(self, method: str, query: Any, body: Any, call: str | None) -> Any:
+        self._fault(call)
+        return {"version": self.version}
+
+    def r_v1__models(self, method: str, query: Any, body: Any, call: str | None) -> Any:
+        return {"object": "list", "data": [{"id": MODEL_ID, "object": "model", "owned_by": "refit"}]}
+
+    def r_pause(self, method: str, query: dict[str, list[str]], body: Any, call: str | None) -> Any:
+        mode = (query.get("mode") or ["abort"])[-1]
+        if mode not in ("abort", "wait", "keep"):
+            raise _bad_request(f"Input should be 'abort', 'wait' or 'keep' (got {mode!r})", "query.mode")
+        clear = _flag(query, "clear_cache", True)
+        self._check("/pause", None, query)
+        self._fault(call)
+        if mode == "wait":
+            raise _Reply(501, {"error": {"message": "mode=wait is not emulated", "code": 501}})
+        if mode == "abort":
+            self._engine("pause", "abort")
+            self.rejecting = True
+        else:  # keep: frozen; clearing the cache drops their KV (recomputed after the resume)
+            self._engine("pause", "retract" if clear else "in_place")
+        if clear:
+            self._reset_cache()
+        return {"status": "paused"}
+
+    def r_resume(self, method: str, query: Any, body: Any, call: str | None) -> Any:
+        self._check("/resume", body)
+        self._fault(call)
+        self._engine("continue_generation")
+        self.rejecting = False
+        return {"status": "resumed"}
+
+    def r_is_paused(self, method: str, query: Any, body: Any, call: str | None) -> Any:
+        return {"is_paused": bool(self._engine("info")["paused"])}
+
+    def _reset_cache(self) -> bool:
+        try:
+            self._engine("flush")
+        except EngineError:
+            return False
+        return True
+
+    def r_reset_prefix_cache(self, method: str, query: dict[str, list[str]], body: Any, call: str | None) -> Any:
+        running = _flag(query, "reset_running_requests", False)
+        _flag(query, "reset_external", False)
+        self._check("/reset_prefix_cache", None, query)
+        self._fault(call)
+        ok = self._reset_cache()
+        if not ok and running:  # blocks held by running requests: preempt them (KV dropped), then reset
+            self._engine("pause", "retract")
+            ok = self._reset_cache()
+        return {"success": ok}
+
+    def r_get_world_size(self, method: str, query: Any, body: Any, call: str | None) -> Any:
+        return {"world_size": self.tp}
+
+    # ---- memory --------------------------------------------------------------------------------
+
+    def r_sleep(self, method: str, query: dict[str, list[str]], body: Any, call: str | None) -> Any:
+        level = int((query.get("level") or ["1"])[-1])
+        mode = (query.get("mode") or ["abort"])[-1]
+        if level not in (0, 1, 2):
+            raise _bad_request("level must be 0, 1 or 2", "query.level")
+        self._check("/sleep", None, query)
+        self._fault(call)
+        self._engine("pause", "abort" if mode == "abort" else "retract")
+        if level:
+            try:
+                self._engine("release_memory", ["kv_cache", "weights"], cpu_backup=level == 1)
+            except EngineError as exc:
+                raise _Reply(500, {"error": {"message": exc.message, "code": 500}}) from None
+        return {"status": "sleeping", "level": level}
+
+    def r_release_kv_cache_memory(self, method: str, query: Any, body: Any, call: str | None) -> Any:
+        self._check("/release_kv_cache_memory", body)
+        self._fault(call)
+        try:
+            self._engine("release_memory", ["kv_cache"])
+        except EngineError as exc:
+            raise _Reply(500, {"error": {"message": exc.message, "code": 500}}) from None
+        return {"status": "kv_cache_released"}
+
+    def r_wake_up(self, method: str, query: dict[str, list[str]], body: Any, call: str | None) -> Any:
+        tags = query.get("tags") or ["weights", "kv_cache", "scheduling"]
+        self._check("/wake_up", None, query)
+        self._fault(call)
+        self._engine("resume_memory", [t for t in tags if t in ("weights", "kv_cache")])
+        return {"status": "awake", "tags": tags}
+
+    # ---- weight transfer -----------------------------------------------------------------------
+
+    def r_init_weight_transfer_engine(self, method: str, query: Any, body: Any, call: str | None) -> Any:
+        obj = self._obj(body, "/init_weight_transfer_engine", ["init_info"])
+        init = obj["init_info"]
+        if not isinstance(init, dict):
+            raise _bad_request("init_info: Input should be a valid dictionary", "body.init_info")
+        self._fault(call)
+        with self._lock:
+            engine = "NCCLWeightTransferEngine" if self.backend == "nccl" else "IPCWeightTransferEngine"
+            allowed = NCCL_INIT_KEYS if self.backend == "nccl" else frozenset({"packed"})
+            unknown = sorted(set(init) - allowed)
+            if unknown:
+                raise _rpc_error(f"Invalid init_info for {engine}: __init__() got an unexpected keyword argument "
+                                 f"{unknown[0]!r}")  # fmt: skip
+            if self.initialized is not None:
+                self._engine("detach", f"vllm_{self.backend}")
+                self.initialized = None
+            if self.backend == "ipc":
+                if not init.get("packed"):
+                    raise _rpc_error("unpacked IPC transfers are not emulated (send packed buckets)")
+                info = ConnectInfo(
+                    "vllm_ipc", "refit.drivers.flattened:VLLMIPCReceiver", {"packed": True}, ({},) * self.tp
+                )
+            else:
+                missing = [k for k in ("rank_offset", "world_size") if k not in init]
+                if missing:
+                    raise _rpc_error(f"Invalid init_info for {engine}: __init__() missing required keyword argument "
+                                     f"{missing[0]!r}")  # fmt: skip
+                if init.get("master_address") is None or init.get("master_port") is None:
+                    raise _rpc_error(
+                        "NCCLWeightTransferInitInfo: need nccl_unique_id_b64, or both master_address and master_port "
+                        f"(got master_address={init.get('master_address')!r}, master_port={init.get('master_port')!r})"
+                    )
+                info = ConnectInfo(
+                    "vllm_nccl",
+                    "refit.drivers.flattened:SGLangBroadcastReceiver",
+                    {"addr": init["master_address"], "port": int(init["master_port"]), "world": int(init["world_size"]),
+                     "group": "vllm_weight_transfer", "backend": "gloo", "timeout_s": GROUP_TIMEOUT_S},
+                    tuple({"rank": int(init["rank_offset"]) + j} for j in range(self.tp)),
+                )  # fmt: skip
+            try:
+                self._engine("attach", info)
+            except EngineError as exc:
+                raise _rpc_error(f"weight transfer group did not form: {exc.message}") from None
+            self.initialized = dict(init)
+            self.last_update = None
+        return {"message": "Weight transfer initialized"}
+
+    def r_shutdown_weight_transfer_engine(self, method: str, query: Any, body: Any, call: str | None) -> Any:
+        self._check("/shutdown_weight_transfer_engine", body)
+        self._fault(call)
+        with self._lock:
+            if self.session_open:
+                raise _rpc_error("Cannot release a trainer connection during a weight update")
+            if self.initialized is not None:
+                self._engine("detach", f"vllm_{self.backend}")
+                self.initialized = None
+        return {"message": "Weight transfer shut down"}
+
+    def r_start_weight_update(self, method: str, query: Any, body: Any, call: str | None) -> Any:
+        self._check("/start_weight_update", body)
+        with self._lock:
+            self._fault(call)
+            if self.session_open:
+                raise _rpc_error(
+                    "start_weight_update called while a weight update is already active. "
+                    "Call finish_weight_update first."
+                )
+            self._engine("begin", None)
+            self.session_open, self.bucket_count = True, 0
+        return {"message": "Weight update started"}
+
+    def r_update_weights(self, method: str, query: Any, body: Any, call: str | None) -> Any:
+        obj = self._obj(body, "/update_weights", ["update_info"])
+        info = obj["update_info"]
+        if not isinstance(info, dict):
+            raise _bad_request("update_info: Input should be a valid dictionary", "body.update_info")
+        with self._lock:
+            if not self.session_open:
+                raise _rpc_error("start_weight_update must be called before update_weights.")
+            hint = getattr(self._request_local, "bucket", None)
+            index = self.bucket_count if hint is None else hint
+            self._fault(call, index)
+            try:
+                payload = self._payload(index, info)
+                self._engine("load", payload)
+            except (ValueError, EngineError) as exc:
+                self.session_open = False  # vLLM clears the session when update_weights raises
+                self._close_engine_session()
+                raise _rpc_error(str(exc.message if isinstance(exc, EngineError) else exc)) from None
+            self.bucket_count += 1
+        return {"message": "Weights updated"}
+
+    def _close_engine_session(self) -> None:
+        with contextlib.suppress(EngineError):
+            self._engine("finalize")
+
+    def _payload(self, index: int, info: dict[str, Any]) -> Payload:
+        """The engine-side bucket for one update_info, as vLLM's worker parses it."""
+        engine = "NCCLWeightTransferEngine" if self.backend == "nccl" else "IPCWeightTransferEngine"
+        unknown = sorted(set(info) - UPDATE_KEYS[self.backend])
+        if unknown:
+            raise ValueError(
+                f"Invalid update_info for {engine}: __init__() got an unexpected keyword argument {unknown[0]!r}"
+            )
+        if self.initialized is None:
+            raise ValueError("NCCL weight transfer not initialized. Call init_transfer_engine() first.")
+        names, dtypes, shapes = info.get("names", []), info.get("dtype_names", []), info.get("shapes", [])
+        if not names and not dtypes and not shapes and self.backend == "nccl":
+            if self.last_update is None:
+                return Payload("vllm_nccl", BucketManifest(index, (), 0), {}, ({},) * self.tp)
+            names, dtypes, shapes = (
+                self.last_update["names"],
+                self.last_update["dtype_names"],
+                self.last_update["shapes"],
+            )
+        if len(dtypes) != len(names):
+            raise ValueError(f"`dtype_names` should be of the same size as `names`: got {len(dtypes)} and {len(names)}")
+        if len(shapes) != len(names):
+            raise ValueError(f"`shapes` should be of the same size as `names`: got {len(shapes)} and {len(names)}")
+        entries, offset = [], 0
+        packed = bool(self.initialized.get("packed"))
+        for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+            if dtype not in ITEMSIZE:
+                raise ValueError(f"module 'torch' has no attribute '{dtype}'")
+            meta = TensorMeta(str(name), dtype, tuple(int(d) for d in shape))
+            if packed and offset % ITEMSIZE[dtype]:
+                raise ValueError(
+                    f"self.storage_offset() must be divisible by {ITEMSIZE[dtype]} to view Byte as {dtype} "
+                    f"(different element sizes), but got {offset}"
+                )
+            entries.append(TensorEntry(meta, offset))
+            offset += meta.nbytes
+        manifest = BucketManifest(index, tuple(entries), offset)
+        if self.backend == "nccl":
+            self.last_update = {"names": names, "dtype_names": dtypes, "shapes": shapes}
+            fields = {"load_format": FLATTENED_BUCKET if packed else None}
+            return Payload("vllm_nccl", manifest, fields, ({},) * self.tp)
+        if info.get("ipc_handles_pickled") is None:
+            raise ValueError("Either `ipc_handles` or `ipc_handles_pickled` must be provided")
+        sizes = info.get("tensor_sizes")
+        if sizes is None:
+            raise ValueError("`tensor_sizes` is required when packed=True")
+        if [int(x) for x in sizes] != [e.meta.nbytes for e in entries]:
+            raise ValueError(f"tensor_sizes {sizes} do not match names/dtype_names/shapes")
+        handles = _SafeHandles.loads(base64.b64decode(info["ipc_handles_pickled"]))
+        return Payload("vllm_ipc", manifest, {"handles": handles}, ({},) * self.tp)
+
+    def r_finish_weight_update(self, method: str, query: Any, body: Any, call: str | None) -> Any:
+        self._check("/finish_weight_update", body)
+        label = (body or {}).get("weight_version") if isinstance(body, dict) else None
+        if label is not None and not isinstance(label, str):
+            raise _bad_request("weight_version: Input should be a valid string", "body.weight_version")
+        with self._lock:
+            self._fault(call)
+            if not self.session_open:
+                raise _rpc_error("finish_weight_update called without a matching start_weight_update.")
+            try:
+                self._engine("finalize")
+            except EngineError as exc:
+                raise _rpc_error(exc.message) from None  # a failed finish leaves the session active
+            self.session_open = False
+            if label is not None:
+                self._label(label)
+        return {"message": "Weight update finished"}
+
+    def r_update_weight_version(self, method: str, query: Any, body: Any, call: str | None) -> Any:
+        obj = self._obj(body, "/update_weight_version", ["new_version"])
+        self._fault(call)
+        self._label(str(obj["new_version"]))
+        return {"success": True, "new_version": self.label}
+
+    def r_weight_info(self, method: str, query: Any, body: Any, call: str | None) -> Any:
+        self._fault(call)
+        return {"weight_version": self.label}
+
+    # ---- serving -------------------------------------------------------------------------------
+
+    def r_v1__completions(self, method: str, query: Any, body: Any, call: str | None) -> Any:
+        obj = self._obj(body, "/v1/completions", ["model", "prompt"])
+        if self.rejecting:
+            raise _Reply(503, {"error": {"message": "Generation is paused. Please retry after it resumes.",
+                                         "type": "ServiceUnavailableError", "code": 503}})  # fmt: skip
+        out = self._generate(obj["prompt"], int(obj.get("max_tokens") or 16))
+        tokens, versions = out.get("output") or [], out.get("weight_versions") or []
+        choice: dict[str, Any] = {
+            "index": 0, "text": "", "finish_reason": out.get("finish_reason"),
+            "token_ids": tokens if obj.get("return_token_ids") else None,
+        }  # fmt: skip
+        if obj.get("return_weight_versions"):
+            choice["weight_versions"] = self.spans(versions)
+        return {"id": "cmpl-refit", "object": "text_completion", "model": obj["model"], "choices": [choice]}
+
+    def r__refit__info(self, method: str, query: Any, body: Any, call: str | None) -> Any:
+        return {**super().r__refit__info(method, query, body, call), "session_open": self.session_open,
+                "initialized": self.initialized is not None}  # fmt: skip
+
+
+class _SafeHandles(pickle.Unpickler):
+    """The pickled handle dict of a CPU IPC update: a dict of str -> bytes, nothing else."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(f"ipc_handles_pickled names {module}.{name}: not a CPU handle dict")
+
+    @classmethod
+    def loads(cls, data: bytes) -> dict[str, Any]:
+        import io
+
+        obj = cls(io.BytesIO(data)).load()
+        if not isinstance(obj, dict):
+            raise ValueError("ipc_handles must be a dict of device key -> handle")
+        return obj
+
+
+class EmulatedVLLMEngine(EmulatorClient, VLLMEngine):
+    """The production vLLM driver pointed at an `EmulatedVLLM`, plus what the conformance kit reads
+    from the engine behind it (`EmulatorClient`)."""
+
+    def __init__(self, name: str, server: EmulatedVLLM, **kwargs: Any) -> None:
+        self.server = server
+        self._bucket = threading.local()
+        super().__init__(name, server.url, api_key=server.api_key, tp=server.tp, **kwargs)
+
+    @classmethod
+    def start(
+        cls,
+        name: str,
+        *,
+        version: str = "0.33.0",
+        backend: str = "nccl",
+        tp: int = 1,
+        api_key: str | None = None,
+        seed: int = 0,
+        config: Any = None,
+        in_thread: bool = False,
+        validate: Callable[..., None] | None = None,
+    ) -> EmulatedVLLMEngine:
+        """A fresh reference engine (own processes, or a thread) behind a new emulated server."""
+        engine = (
+            ReferenceEngine.in_thread(name, config, seed)
+            if in_thread
+            else ReferenceEngine.spawn(name, config, seed, tp=tp)
+        )
+        return cls(name, EmulatedVLLM(engine, version=version, backend=backend, api_key=api_key, validate=validate))
