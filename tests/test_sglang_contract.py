@@ -236,63 +236,70 @@ ENGINE_RANK = textwrap.dedent(
     from tests.sglang_support import sglang
     sg = sglang()
     cfg = json.loads(sys.argv[1])
-    pg = sg.init_custom_process_group(
-        backend="gloo", init_method=f"tcp://127.0.0.1:{{cfg['port']}}", world_size=cfg["world"],
-        rank=cfg["rank"], group_name=cfg["group"],
-    )
-    got = {{}}
-    for bucket in cfg["buckets"]:
-        if cfg["flattened"]:  # as SGLang's weight updater receives a flattened bucket
-            b = sg.FlattenedTensorBucket.empty(bucket["names"], bucket["dtypes"], bucket["shapes"], "cpu")
-            dist.broadcast(b.get_flattened_tensor(), src=0, group=pg)
-            got.update((n, t.clone()) for n, t in b.reconstruct_tensors())
-        else:  # one broadcast per tensor, in list order
-            for n, d, s in zip(bucket["names"], bucket["dtypes"], bucket["shapes"]):
-                t = torch.empty(s, dtype=getattr(torch, d))
-                dist.broadcast(t, src=0, group=pg)
-                got[n] = t
-    torch.save(got, cfg["out"])
+    for group in cfg["groups"]:  # one group per layout, as one /init_weights_update_group each
+        pg = sg.init_custom_process_group(
+            backend="gloo", init_method=f"tcp://127.0.0.1:{{group['port']}}", world_size=group["world"],
+            rank=cfg["rank"], group_name=group["group"],
+        )
+        got = {{}}
+        for bucket in group["buckets"]:
+            if group["flattened"]:  # as SGLang's weight updater receives a flattened bucket
+                b = sg.FlattenedTensorBucket.empty(bucket["names"], bucket["dtypes"], bucket["shapes"], "cpu")
+                dist.broadcast(b.get_flattened_tensor(), src=0, group=pg)
+                got.update((n, t.clone()) for n, t in b.reconstruct_tensors())
+            else:  # one broadcast per tensor, in list order
+                for n, d, s in zip(bucket["names"], bucket["dtypes"], bucket["shapes"]):
+                    t = torch.empty(s, dtype=getattr(torch, d))
+                    dist.broadcast(t, src=0, group=pg)
+                    got[n] = t
+        torch.save(got, group["out"].format(rank=cfg["rank"]))
     """
 )
 
 
-@pytest.mark.parametrize("flattened", [True, False], ids=["flattened", "per-tensor"])
-def test_trainer_group_joins_engine_ranks_built_by_sglang(tmp_path: Path, flattened: bool) -> None:
+def test_trainer_group_joins_engine_ranks_built_by_sglang(tmp_path: Path) -> None:
     """Two engine TP ranks join with SGLang's own `init_custom_process_group` (as its weight
-    updater does on /init_weights_update_group) and receive as SGLang does; the trainer side is
-    `SGLangBroadcastTransport`, which never touches a default group."""
+    updater does on /init_weights_update_group) and receive as SGLang does, flattened and per
+    tensor; the trainer side is `SGLangBroadcastTransport`, which never touches a default group."""
     tensors = {f"w{i}": _tensor(d, (6, 5), i) for i, d in enumerate(DTYPES)}
-    transport = SGLangBroadcastTransport(flattened=flattened)
-    plan = transport.plan([TensorMeta.of(n, t) for n, t in tensors.items()], 200)
-    assert len(plan) > 2
     topology = Topology.of(1, [("e", 2)], colocated=False, timeout_s=60)
-    info = transport.connect(plan, topology, 0)
-    (connect,) = transport.attach_infos([info], topology).values()
-    buckets = [distributed_update_body(m, group_name=connect.fields["group"], load_format=None) for m in plan]
-    procs = []
-    for part in connect.parts:
-        cfg = {
-            "port": connect.fields["port"], "world": connect.fields["world"], "rank": part["rank"],
-            "group": connect.fields["group"], "buckets": buckets, "flattened": flattened,
-            "out": str(tmp_path / f"rank{part['rank']}.pt"),
-        }  # fmt: skip
-        code = ENGINE_RANK.format(root=str(ROOT))
-        procs.append(subprocess.Popen([sys.executable, "-c", code, json.dumps(cfg)], stderr=subprocess.PIPE, text=True))
+    transports, groups = [], []
+    for flattened in (True, False):
+        transport = SGLangBroadcastTransport(flattened=flattened, group_name=f"weight_update_group_{flattened}")
+        plan = transport.plan([TensorMeta.of(n, t) for n, t in tensors.items()], 200)
+        assert len(plan) > 2
+        info = transport.connect(plan, topology, 0)
+        (connect,) = transport.attach_infos([info], topology).values()
+        transports.append((transport, plan))
+        groups.append({
+            "port": connect.fields["port"], "world": connect.fields["world"], "group": connect.fields["group"],
+            "flattened": flattened, "out": str(tmp_path / f"{flattened}-{{rank}}.pt"),
+            "buckets": [distributed_update_body(m, group_name=connect.fields["group"], load_format=None) for m in plan],
+        })  # fmt: skip
+    code = ENGINE_RANK.format(root=str(ROOT))
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code, json.dumps({"rank": part["rank"], "groups": groups})],
+                         stderr=subprocess.PIPE, text=True)
+        for part in connect.parts
+    ]  # fmt: skip
     try:
-        transport.join()
-        for manifest in plan:
-            transport.pack(manifest, [(n, tensors[n]) for n in manifest.names])
-            transport.send(manifest.index)
-            transport.release(manifest.index)
+        for transport, plan in transports:
+            transport.join()
+            for manifest in plan:
+                transport.pack(manifest, [(n, tensors[n]) for n in manifest.names])
+                transport.send(manifest.index)
+                transport.release(manifest.index)
         for p in procs:
             _, err = p.communicate(timeout=120)
             assert p.returncode == 0, err[-3000:]
     finally:
-        transport.disconnect()
+        for transport, _ in transports:
+            transport.disconnect()
         for p in procs:
             p.kill()
-    for part in connect.parts:
-        got = torch.load(tmp_path / f"rank{part['rank']}.pt")
-        assert sorted(got) == sorted(tensors)
-        for name, want in tensors.items():
-            assert _bits(got[name]) == _bits(want), name
+    for group in groups:
+        for part in connect.parts:
+            got = torch.load(group["out"].format(rank=part["rank"]))
+            assert sorted(got) == sorted(tensors)
+            for name, want in tensors.items():
+                assert _bits(got[name]) == _bits(want), (group["flattened"], name)

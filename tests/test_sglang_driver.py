@@ -365,8 +365,9 @@ def test_sglang_driver_passes_the_conformance_kit() -> None:
     from refit.testing import check_engine_driver
 
     coverage = check_engine_driver(
-        EmulatedSGLangEngine.start, transport=SGLangTensorTransport, max_examples=4, steps=5,
-        call_timeout_s=1.0,  # one HTTP round trip per step: a control wave is several
+        lambda name: EmulatedSGLangEngine.start(name, in_thread=True),  # real HTTP; the engine on a thread
+        transport=SGLangTensorTransport, max_examples=4, steps=5,
+        call_timeout_s=0.5,  # one HTTP round trip per step: a control wave is several
     )  # fmt: skip
     assert coverage.checks["weights read back"] > 50 and coverage.checks["quarantined refused"] > 10
     assert {"hang", "kill", "raise", "corrupt"} <= set(coverage.kinds)

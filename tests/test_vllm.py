@@ -285,8 +285,9 @@ def test_vllm_driver_passes_the_conformance_kit() -> None:
     from refit.testing import check_engine_driver
 
     coverage = check_engine_driver(
-        lambda name: EmulatedVLLMEngine.start(name, backend="ipc"), transport=VLLMIPCTransport, max_examples=4,
-        steps=5, call_timeout_s=1.0,
+        lambda name: EmulatedVLLMEngine.start(name, backend="ipc", in_thread=True),  # real HTTP; engine on a thread
+        transport=VLLMIPCTransport, max_examples=4, steps=5,
+        call_timeout_s=0.5,  # one HTTP round trip per step: a control wave is several
     )  # fmt: skip
     assert coverage.checks["weights read back"] > 50 and coverage.checks["quarantined refused"] > 10
     assert {"hang", "kill", "raise", "corrupt"} <= set(coverage.kinds)

@@ -31,7 +31,8 @@ Lifecycle, per state (each step is one HTTP call; SGLang has no batch route):
                           /update_weight_version {"new_version", "abort_all_requests": false}
                           (its default aborts every request in flight); continue_generation():
                           POST /continue_generation {}.
-  RESTORING (colocated)   resume_memory(["kv_cache", "cuda_graph"]).
+  RESTORING (colocated)   resume_memory(["kv_cache"]): POST /resume_memory_occupation with tags
+                          kv_cache and cuda_graph (the graphs go with the KV cache, as slime does).
   QUARANTINING            quarantine(reason): POST /pause_generation {"mode": "abort"}, then POST
                           /end_weight_update {} (a session left open would fail the next begin):
                           it stays paused (requests wait, none is served) until a refit completes.
@@ -304,15 +305,26 @@ class SGLangEngine(HttpEngineDriver):
         data = self._call("GET", caps.version_route, "probe", timeout=timeout)
         return data.get("weight_version") if isinstance(data, dict) else data
 
+    @staticmethod
+    def _server_tags(tags: Sequence[str]) -> list[str]:
+        """SGLang's memory tags for refit's: the CUDA graphs go with the KV cache (they are captured
+        against it; slime and miles release and resume them together)."""
+        out = list(tags)
+        if "kv_cache" in out and "cuda_graph" not in out:
+            out.append("cuda_graph")
+        return out
+
     def resume_memory(self, tags: Sequence[str], *, timeout: float) -> dict[str, Any]:
-        self._call("POST", "/resume_memory_occupation", "resume_memory", timeout=timeout, body={"tags": list(tags)})
+        body = {"tags": self._server_tags(tags)}
+        self._call("POST", "/resume_memory_occupation", "resume_memory", timeout=timeout, body=body)
         resumed = [t for t in tags if t in self._released]
         intact = self.weights_cpu_backup or "weights" not in self._released
         self._released -= set(tags)
         return {"weights_intact": intact, "resumed": resumed}
 
     def release_memory(self, tags: Sequence[str], *, timeout: float = DEFAULT_TIMEOUT) -> None:
-        self._call("POST", "/release_memory_occupation", "release_memory", timeout=timeout, body={"tags": list(tags)})
+        body = {"tags": self._server_tags(tags)}
+        self._call("POST", "/release_memory_occupation", "release_memory", timeout=timeout, body=body)
         self._released |= set(tags)
 
     def attach(self, info: ConnectInfo, *, timeout: float) -> None:
