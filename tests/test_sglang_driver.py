@@ -384,3 +384,30 @@ def test_demo_runs_through_the_sglang_driver_and_says_it_is_emulated() -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "EMULATED" in proc.stdout and "No SGLang server runs here" in proc.stdout
     assert "all 2 refits matched the trainer" in proc.stdout
+
+
+def test_a_broadcast_member_killed_mid_bucket_is_dropped_and_the_group_rebuilt(
+    trainer, sglang_engines, sglang_ctx
+) -> None:
+    """Disaggregated over SGLang's group: engine 1 dies mid-broadcast, which breaks the group for
+    everyone; refit destroys it on the survivor, re-inits it without the dead member and retries,
+    so engine 0 takes the version; the next refit (with a replacement) forms a fresh group."""
+    engines = sglang_engines(2)
+    ctx = sglang_ctx(
+        trainer, engines, mode="disaggregated", retries=1,
+        faults=protocol.FaultPlan().fail_at("transferring", engine=1, bucket=2, kind="kill"),
+    )  # fmt: skip
+    result = protocol.run(ctx)
+    assert result.engines["sg0"].status == "updated" and result.engines["sg1"].status == "failed"
+    serves(engines[0], trainer, 1)
+    routes = [r for r, _ in engines[0].server.received]
+    assert routes.count("/init_weights_update_group") == 2 and "/destroy_weights_update_group" in routes
+    last_init = max(i for i, r in enumerate(routes) if r == "/init_weights_update_group")
+    assert "/destroy_weights_update_group" in routes[:last_init]  # the old group went before the new one
+    ctx.close()  # a new engine set is a new context: the old one destroys its group on sg0
+    (replacement,) = sglang_engines(1)
+    perturbed(trainer, seed=9)
+    ctx2 = sglang_ctx(trainer, [engines[0], replacement], mode="disaggregated", version=1)
+    second = protocol.run(ctx2)
+    assert second.engines["sg0"].status == "updated", second.error
+    serves(engines[0], trainer, 2)

@@ -302,3 +302,18 @@ def test_demo_runs_through_the_vllm_driver_and_says_it_is_emulated() -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "EMULATED" in proc.stdout and "No vLLM server runs here" in proc.stdout
     assert "all 2 refits matched the trainer" in proc.stdout
+
+
+def test_vllm_broadcast_member_killed_mid_bucket_is_dropped(trainer, vllm_engines, vllm_ctx) -> None:
+    """Over the (emulated) NCCL transfer group: engine 1 dies mid-broadcast; refit shuts the
+    transfer engine down on the survivor, re-inits it without the dead member and retries."""
+    engines = vllm_engines(2, backend="nccl")
+    ctx = vllm_ctx(
+        trainer, engines, mode="disaggregated", retries=1,
+        faults=protocol.FaultPlan().fail_at("transferring", engine=1, bucket=2, kind="kill"),
+    )  # fmt: skip
+    result = protocol.run(ctx)
+    assert result.engines["vl0"].status == "updated" and result.engines["vl1"].status == "failed"
+    serves(engines[0], trainer, 1)
+    routes = [r for r, _ in engines[0].server.received]
+    assert routes.count("/init_weight_transfer_engine") == 2 and "/shutdown_weight_transfer_engine" in routes
