@@ -13,15 +13,81 @@ from __future__ import annotations
 import json
 import socket
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from refit.drivers.base import EngineDriver
+from refit.drivers.base import EngineDriver, Payload
+from refit.drivers.buckets import BucketManifest
 from refit.errors import EngineDied, EngineError
 
 if TYPE_CHECKING:
     import httpx
 
 DEFAULT_TIMEOUT = 60.0
+
+
+class UpdateLedger:
+    """What a driver knows of the update session it runs; the servers check none of it (SGLang and
+    vLLM label whatever weights they hold). `begin` records the plan; `check_load` refuses, before
+    any request, a bucket that is not the next planned one; `ack` records each acknowledged bucket;
+    `close` ends the session, then `complete` raises `incomplete` unless every planned bucket was
+    acknowledged; `require_complete` refuses a publish unless the last session completed."""
+
+    def __init__(self, engine: str) -> None:
+        self.engine = engine
+        self.plan: dict[int, BucketManifest] | None = None
+        self.acked: set[int] = set()
+        self.finalized = False
+
+    def reset(self) -> None:
+        self.plan, self.finalized = None, False
+
+    def begin(self, plan: Sequence[BucketManifest]) -> None:
+        self.plan = {m.index: m for m in plan}
+        self.acked, self.finalized = set(), False
+
+    def check_load(self, payload: Payload, *, attached: str | None, tp: int) -> None:
+        manifest, who = payload.manifest, f"engine {self.engine}"
+        if self.plan is None:
+            raise EngineError("no_session", f"{who}: load outside a weight-update session (begin first)")
+        if attached is None or payload.kind != attached:
+            raise EngineError("not_attached", f"{who}: no {payload.kind!r} transport attached")
+        if self.plan.get(manifest.index) != manifest:
+            raise EngineError("bad_manifest", f"{who}: bucket {manifest.index} is not the planned bucket")
+        if manifest.index in self.acked:
+            raise EngineError("bad_manifest", f"{who}: bucket {manifest.index} was already loaded")
+        if len(payload.parts) != tp:
+            raise EngineError(
+                "bad_payload", f"{who}: bucket {manifest.index} has {len(payload.parts)} parts for TP {tp}"
+            )
+
+    def ack(self, index: int) -> None:
+        self.acked.add(index)
+
+    def close(self) -> dict[int, BucketManifest]:
+        if self.plan is None:
+            raise EngineError("no_session", f"engine {self.engine}: finalize without an open weight-update session")
+        plan, self.plan = self.plan, None
+        return plan
+
+    def complete(self, plan: dict[int, BucketManifest]) -> None:
+        missing = sorted(set(plan) - self.acked)
+        if missing:
+            raise EngineError(
+                "incomplete",
+                f"engine {self.engine}: finalize after {len(self.acked)} of {len(plan)} buckets; missing {missing}",
+            )
+        self.finalized = True
+
+    def require_complete(self, api: str) -> None:
+        if not self.finalized:
+            raise EngineError(
+                "not_ready",
+                f"engine {self.engine}: publish without a complete, finalized update ({api} would label any weights)",
+            )
+
+    def published(self) -> None:
+        self.finalized = False
 
 
 class HttpEngineDriver(EngineDriver):
@@ -48,6 +114,22 @@ class HttpEngineDriver(EngineDriver):
         if transport is None:  # small control bodies: no Nagle delay waiting for an ACK
             transport = httpx.HTTPTransport(socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
         self._http = httpx.Client(base_url=self.url, headers=headers, transport=transport, timeout=DEFAULT_TIMEOUT)
+        self._ledger = UpdateLedger(name)
+        self._quarantined: str | None = None  # why this driver took the engine out of service, if it did
+
+    def _check_serving(self) -> None:
+        """Refuse to continue an engine this driver quarantined until a refit completes."""
+        if self._quarantined is not None:
+            raise EngineError("quarantined", f"engine {self.name} is quarantined ({self._quarantined}); refit it first")
+
+    def submit(self, prompt: Sequence[int], max_new_tokens: int) -> Any:
+        """Start a request on a thread; returns a Future of `generate`'s answer."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        pool = ThreadPoolExecutor(1, thread_name_prefix=f"refit-{self.name}")
+        fut = pool.submit(self.generate, prompt, max_new_tokens)  # type: ignore[attr-defined]
+        pool.shutdown(wait=False)
+        return fut
 
     @property
     def tp_size(self) -> int:
@@ -155,3 +237,15 @@ def label_version(label: Any) -> int | None:
         return int(str(label))
     except (TypeError, ValueError):
         return None
+
+
+def versions_per_token(spans: Sequence[dict[str, Any]] | None, n: int) -> list[int | None] | None:
+    """Each output token's version from the engines' weight_versions spans ({"version", "start",
+    "end"} over token indices), or None when the answer carries none."""
+    if not spans:
+        return None
+    versions: list[int | None] = [None] * n
+    for span in spans:
+        for i in range(int(span["start"]), min(int(span["end"]), n)):
+            versions[i] = label_version(span["version"])
+    return versions

@@ -58,7 +58,7 @@ from typing import TYPE_CHECKING, Any
 
 from refit.drivers.base import ConnectInfo, PauseMode, Payload
 from refit.drivers.buckets import BucketManifest
-from refit.drivers.http import HttpEngineDriver, label_version, message_of
+from refit.drivers.http import HttpEngineDriver, label_version, message_of, versions_per_token
 from refit.errors import EngineDied, EngineError
 
 if TYPE_CHECKING:
@@ -207,11 +207,7 @@ class SGLangEngine(HttpEngineDriver):
         self.capabilities: Capabilities | None = None
         self._startup: Any = None
         self._attached: ConnectInfo | None = None
-        self._plan: dict[int, BucketManifest] | None = None
-        self._acked: set[int] = set()
-        self._finalized = False
         self._session_unknown = True  # until a probe closed it, or this driver opened and closed it
-        self._quarantined: str | None = None
         self._released: set[str] = set()
         self._read_startup(min(DEFAULT_TIMEOUT, 10.0))
 
@@ -286,7 +282,7 @@ class SGLangEngine(HttpEngineDriver):
                 raise self._error("POST", "/end_weight_update", "probe", status, data, update=False)
             closed = status < 300 and not (isinstance(data, dict) and data.get("success") is False)
             self._session_unknown = False
-        self._plan, self._finalized = None, False
+        self._ledger.reset()
         version = label_version(label)
         if version is not None and version >= target_version:
             raise EngineError(
@@ -373,24 +369,11 @@ class SGLangEngine(HttpEngineDriver):
         if caps.session:
             self._session_unknown = True  # open (or unknown) until end_weight_update answers
             self._call("POST", "/begin_weight_update", "begin", timeout=timeout, body={}, update=True)
-        self._plan = {m.index: m for m in plan}
-        self._acked, self._finalized = set(), False
+        self._ledger.begin(plan)
 
     def load(self, payload: Payload, *, timeout: float) -> None:
         manifest = payload.manifest
-        if self._plan is None:
-            raise EngineError("no_session", f"engine {self.name}: load outside a weight-update session (begin first)")
-        if self._attached is None or payload.kind != self._attached.kind:
-            raise EngineError("not_attached", f"engine {self.name}: no {payload.kind!r} transport attached")
-        if self._plan.get(manifest.index) != manifest:
-            raise EngineError("bad_manifest", f"engine {self.name}: bucket {manifest.index} is not the planned bucket")
-        if manifest.index in self._acked:
-            raise EngineError("bad_manifest", f"engine {self.name}: bucket {manifest.index} was already loaded")
-        if len(payload.parts) != self._tp:
-            raise EngineError(
-                "bad_payload",
-                f"engine {self.name}: bucket {manifest.index} has {len(payload.parts)} parts for TP {self._tp}",
-            )
+        self._ledger.check_load(payload, attached=self._attached.kind if self._attached else None, tp=self._tp)
         if payload.kind == "sglang_tensor":
             body = tensor_update_body([p["serialized"] for p in payload.parts])
             route = "/update_weights_from_tensor"
@@ -400,38 +383,24 @@ class SGLangEngine(HttpEngineDriver):
             )
             route = "/update_weights_from_distributed"
         self._call("POST", route, "load", timeout=timeout, body=body, update=True)
-        self._acked.add(manifest.index)
+        self._ledger.ack(manifest.index)
 
     def finalize(self, *, timeout: float) -> None:
-        plan = self._plan
-        if plan is None:
-            raise EngineError("no_session", f"engine {self.name}: finalize without an open weight-update session")
-        self._plan = None
+        plan = self._ledger.close()
         if self._caps().session:
             self._call("POST", "/end_weight_update", "finalize", timeout=timeout, body={}, update=True)
             self._session_unknown = False
-        missing = sorted(set(plan) - self._acked)
-        if missing:
-            raise EngineError(
-                "incomplete",
-                f"engine {self.name}: finalize after {len(self._acked)} of {len(plan)} buckets; missing {missing}",
-            )
-        self._finalized = True
+        self._ledger.complete(plan)
 
     def publish(self, version: int, *, timeout: float) -> None:
-        if not self._finalized:
-            raise EngineError(
-                "not_ready",
-                f"engine {self.name}: publish without a complete, finalized update (SGLang would label any weights)",
-            )
+        self._ledger.require_complete("SGLang")
         body = {"new_version": str(version), "abort_all_requests": False}
         self._call("POST", "/update_weight_version", "publish", timeout=timeout, body=body)
-        self._finalized = False
+        self._ledger.published()
         self._quarantined = None
 
     def continue_generation(self, *, timeout: float) -> None:
-        if self._quarantined is not None:
-            raise EngineError("quarantined", f"engine {self.name} is quarantined ({self._quarantined}); refit it first")
+        self._check_serving()
         self._call("POST", "/continue_generation", "continue_generation", timeout=timeout, body={})
 
     def quarantine(self, reason: str, *, timeout: float) -> None:
@@ -439,7 +408,7 @@ class SGLangEngine(HttpEngineDriver):
         (a later begin would fail on it); the server stays paused until a refit completes."""
         end = time.monotonic() + timeout
         self._quarantined = reason
-        self._plan, self._finalized = None, False
+        self._ledger.reset()
         self._session_unknown = True
         self._call("POST", "/pause_generation", "quarantine", timeout=timeout, body={"mode": "abort"})
         if self._caps().session:
@@ -475,25 +444,12 @@ class SGLangEngine(HttpEngineDriver):
             "finish_reason": reason.get("type") if isinstance(reason, dict) else reason,
             "num_retractions": int(meta.get("num_retractions") or 0),
         }
-        spans = meta.get("weight_versions")
-        if spans:
-            versions: list[Any] = [None] * len(output)
-            for span in spans:
-                for i in range(int(span["start"]), min(int(span["end"]), len(output))):
-                    versions[i] = label_version(span["version"])
+        versions = versions_per_token(meta.get("weight_versions"), len(output))
+        if versions is not None:
             out["weight_versions"] = versions
         elif "weight_version" in meta:
             out["weight_versions"] = [label_version(meta["weight_version"])] * len(output)
         return out
-
-    def submit(self, prompt: Sequence[int], max_new_tokens: int) -> Any:
-        """Start a request on a thread; returns a Future of `generate`'s answer."""
-        from concurrent.futures import ThreadPoolExecutor
-
-        pool = ThreadPoolExecutor(1, thread_name_prefix=f"sglang-{self.name}")
-        fut = pool.submit(self.generate, prompt, max_new_tokens)
-        pool.shutdown(wait=False)
-        return fut
 
     def info(self, *, timeout: float = DEFAULT_TIMEOUT) -> dict[str, Any]:
         caps = self.capabilities or Capabilities.of(None)

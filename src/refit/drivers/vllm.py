@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING, Any
 
 from refit.drivers.base import ConnectInfo, PauseMode, Payload
 from refit.drivers.buckets import BucketManifest
-from refit.drivers.http import DEFAULT_TIMEOUT, HttpEngineDriver, label_version, message_of
+from refit.drivers.http import DEFAULT_TIMEOUT, HttpEngineDriver, label_version, message_of, versions_per_token
 from refit.errors import EngineDied, EngineError
 
 if TYPE_CHECKING:
@@ -166,11 +166,7 @@ class VLLMEngine(HttpEngineDriver):
         self._restarts = 0
         self._published: str | None = None
         self._attached: ConnectInfo | None = None
-        self._plan: dict[int, BucketManifest] | None = None
-        self._acked: set[int] = set()
-        self._finalized = False
         self._session_unknown = False
-        self._quarantined: str | None = None
         self._released: set[str] = set()
         with contextlib.suppress(TimeoutError, EngineDied, EngineError):
             self._read_capabilities(10.0)
@@ -227,7 +223,7 @@ class VLLMEngine(HttpEngineDriver):
                 f"engine {self.name}: the server's weight version is back at 'default' after {self.name} was "
                 "published: it restarted and lost its weight-transfer setup; the next refit reconnects it",
             )
-        self._plan, self._finalized = None, False
+        self._ledger.reset()
         version = label_version(label)
         if version is not None and version >= target_version:
             raise EngineError(
@@ -309,8 +305,7 @@ class VLLMEngine(HttpEngineDriver):
                 # a session a crashed run left open: finish it (its weights are replaced below), start again
                 self._call("POST", "/finish_weight_update", "begin", timeout=end - time.monotonic(), body={})
                 self._start(caps, end - time.monotonic())
-        self._plan = {m.index: m for m in plan}
-        self._acked, self._finalized = set(), False
+        self._ledger.begin(plan)
 
     def _start(self, caps: Capabilities, timeout: float) -> None:
         self._session_unknown = True
@@ -318,60 +313,34 @@ class VLLMEngine(HttpEngineDriver):
 
     def load(self, payload: Payload, *, timeout: float) -> None:
         manifest = payload.manifest
-        if self._plan is None:
-            raise EngineError("no_session", f"engine {self.name}: load outside a weight-update session (begin first)")
-        if self._attached is None or payload.kind != self._attached.kind:
-            raise EngineError("not_attached", f"engine {self.name}: no {payload.kind!r} transport attached")
-        if self._plan.get(manifest.index) != manifest:
-            raise EngineError("bad_manifest", f"engine {self.name}: bucket {manifest.index} is not the planned bucket")
-        if manifest.index in self._acked:
-            raise EngineError("bad_manifest", f"engine {self.name}: bucket {manifest.index} was already loaded")
-        if len(payload.parts) != self._tp:
-            raise EngineError(
-                "bad_payload",
-                f"engine {self.name}: bucket {manifest.index} has {len(payload.parts)} parts for {self._tp}",
-            )
+        self._ledger.check_load(payload, attached=self._attached.kind if self._attached else None, tp=self._tp)
         info = update_info(manifest, payload.parts if payload.kind == "vllm_ipc" else None)
         self._call("POST", "/update_weights", "load", timeout=timeout, body={"update_info": info}, update=True)
-        self._acked.add(manifest.index)
+        self._ledger.ack(manifest.index)
 
     def finalize(self, *, timeout: float) -> None:
-        plan = self._plan
-        if plan is None:
-            raise EngineError("no_session", f"engine {self.name}: finalize without an open weight-update session")
-        self._plan = None
+        plan = self._ledger.close()
         if self._caps(timeout).session:
             self._call("POST", "/finish_weight_update", "finalize", timeout=timeout, body={}, update=True)
             self._session_unknown = False
-        missing = sorted(set(plan) - self._acked)
-        if missing:
-            raise EngineError(
-                "incomplete",
-                f"engine {self.name}: finalize after {len(self._acked)} of {len(plan)} buckets; missing {missing}",
-            )
-        self._finalized = True
+        self._ledger.complete(plan)
 
     def publish(self, version: int, *, timeout: float) -> None:
-        if not self._finalized:
-            raise EngineError(
-                "not_ready",
-                f"engine {self.name}: publish without a complete, finished update (vLLM labels any weights)",
-            )
+        self._ledger.require_complete("vLLM")
         self._call("POST", "/update_weight_version", "publish", timeout=timeout, body={"new_version": str(version)})
-        self._finalized = False
+        self._ledger.published()
         self._published = str(version)
         self._quarantined = None
 
     def continue_generation(self, *, timeout: float) -> None:
-        if self._quarantined is not None:
-            raise EngineError("quarantined", f"engine {self.name} is quarantined ({self._quarantined}); refit it first")
+        self._check_serving()
         self._call("POST", "/resume", "continue_generation", timeout=timeout)
 
     def quarantine(self, reason: str, *, timeout: float) -> None:
         """Stop serving (new requests get 503) and finish a session this run may have left open."""
         end = time.monotonic() + timeout
         self._quarantined = reason
-        self._plan, self._finalized = None, False
+        self._ledger.reset()
         self._call("POST", "/pause", "quarantine", timeout=timeout, params={"mode": "abort", "clear_cache": "true"})
         if self._session_unknown:
             status, data = self._request(
@@ -404,24 +373,11 @@ class VLLMEngine(HttpEngineDriver):
         choice = data["choices"][0]
         output = [int(t) for t in choice.get("token_ids") or []]
         out: dict[str, Any] = {"output": output, "prompt": list(prompt), "finish_reason": choice.get("finish_reason")}
-        spans = choice.get("weight_versions")
-        if spans:
-            versions: list[Any] = [None] * len(output)
-            for span in spans:
-                for i in range(int(span["start"]), min(int(span["end"]), len(output))):
-                    versions[i] = label_version(span["version"])
+        versions = versions_per_token(choice.get("weight_versions"), len(output))
+        if versions is not None:
             out["weight_versions"] = versions
         out["num_retractions"] = 0
         return out
-
-    def submit(self, prompt: Sequence[int], max_new_tokens: int) -> Any:
-        """Start a request on a thread; returns a Future of `generate`'s answer."""
-        from concurrent.futures import ThreadPoolExecutor
-
-        pool = ThreadPoolExecutor(1, thread_name_prefix=f"vllm-{self.name}")
-        fut = pool.submit(self.generate, prompt, max_new_tokens)
-        pool.shutdown(wait=False)
-        return fut
 
     def info(self, *, timeout: float = DEFAULT_TIMEOUT) -> dict[str, Any]:
         data = self._call("GET", "/weight_info", "info", timeout=timeout) or {}
