@@ -249,3 +249,11 @@ def versions_per_token(spans: Sequence[dict[str, Any]] | None, n: int) -> list[i
         for i in range(int(span["start"]), min(int(span["end"]), n)):
             versions[i] = label_version(span["version"])
     return versions
+
+
+def version_tuple(text: str | None) -> tuple[int, ...] | None:
+    """(major, minor, patch) of a server's version string ("0.5.23", "0.33.0rc1"), or None."""
+    import re
+
+    m = re.match(r"(\d+)\.(\d+)\.(\d+)", text or "")
+    return tuple(int(x) for x in m.groups()) if m else None

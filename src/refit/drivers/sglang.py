@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -58,7 +57,7 @@ from typing import TYPE_CHECKING, Any
 
 from refit.drivers.base import ConnectInfo, PauseMode, Payload
 from refit.drivers.buckets import BucketManifest
-from refit.drivers.http import HttpEngineDriver, label_version, message_of, versions_per_token
+from refit.drivers.http import HttpEngineDriver, label_version, message_of, version_tuple, versions_per_token
 from refit.errors import EngineDied, EngineError
 
 if TYPE_CHECKING:
@@ -68,13 +67,6 @@ if TYPE_CHECKING:
 DEFAULT_TIMEOUT = 60.0
 WEIGHTS_UPDATED_NOT_FLUSHED = "Weights were updated, but the cache was not flushed"
 NO_SESSION_TEXT = "must run between begin_weight_update"
-
-
-def _version_tuple(text: str | None) -> tuple[int, ...] | None:
-    if not text:
-        return None
-    m = re.match(r"(\d+)\.(\d+)\.(\d+)", text)
-    return tuple(int(x) for x in m.groups()) if m else None
 
 
 @dataclass(frozen=True)
@@ -103,7 +95,7 @@ class Capabilities:
     @classmethod
     def of(cls, version: str | None) -> Capabilities:
         """The record for a server version; an unknown version is taken as the newest known."""
-        v = _version_tuple(version) or (0, 5, 23)
+        v = version_tuple(version) or (0, 5, 23)
         return cls(
             version=version,
             session=v >= (0, 5, 21),

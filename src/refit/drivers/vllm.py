@@ -46,7 +46,6 @@ from __future__ import annotations
 import base64
 import contextlib
 import pickle
-import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -54,16 +53,18 @@ from typing import TYPE_CHECKING, Any
 
 from refit.drivers.base import ConnectInfo, PauseMode, Payload
 from refit.drivers.buckets import BucketManifest
-from refit.drivers.http import DEFAULT_TIMEOUT, HttpEngineDriver, label_version, message_of, versions_per_token
+from refit.drivers.http import (
+    DEFAULT_TIMEOUT,
+    HttpEngineDriver,
+    label_version,
+    message_of,
+    version_tuple,
+    versions_per_token,
+)
 from refit.errors import EngineDied, EngineError
 
 if TYPE_CHECKING:
     import httpx
-
-
-def _version_tuple(text: str | None) -> tuple[int, ...] | None:
-    m = re.match(r"(\d+)\.(\d+)\.(\d+)", text or "")
-    return tuple(int(x) for x in m.groups()) if m else None
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,7 @@ class Capabilities:
 
     @classmethod
     def of(cls, version: str | None) -> Capabilities:
-        v = _version_tuple(version) or (0, 33, 0)
+        v = version_tuple(version) or (0, 33, 0)
         return cls(
             version=version,
             session=v >= (0, 22, 0),

@@ -37,8 +37,9 @@ from typing import Any
 from refit.drivers.base import ConnectInfo, Payload
 from refit.drivers.buckets import BucketManifest, TensorEntry, TensorMeta, itemsize
 from refit.drivers.flattened import FLATTENED_BUCKET, manifest_from_metadata, peek_metadata
+from refit.drivers.http import version_tuple
 from refit.drivers.reference import ReferenceEngine
-from refit.drivers.sglang import SGLangEngine, _version_tuple
+from refit.drivers.sglang import SGLangEngine
 from refit.errors import EngineError
 from refit.testing.emulated import EmulatedServer, EmulatorClient, _Drop, _Reply
 
@@ -63,7 +64,7 @@ class EmulatedSGLang(EmulatedServer):
         host: str = "127.0.0.1",
         port: int = 0,
     ) -> None:
-        self.v = _version_tuple(version) or (0, 5, 23)
+        self.v = version_tuple(version) or (0, 5, 23)
         self.decoder = decoder
         self.session_open = False
         self.groups: dict[str, dict[str, Any]] = {}
