@@ -277,6 +277,11 @@ def _demo_problem(args: argparse.Namespace) -> str | None:
                 f"--fail-at: fault spec {args.fail_at!r}: call={call} is not a driver call (engine calls: "
                 f"{', '.join(ENGINE_CALLS)}; trainer calls: {', '.join(TRAINER_CALLS)})"
             )
+    if args.pause_mode == "in_place":  # no shipped engine can make in-place-paused KV fresh
+        from refit.protocol.context import in_place_refusal
+
+        engines = f"the demo's {args.engine} engines"
+        return f"--pause-mode in_place: {in_place_refusal(engines)}"
     if args.engine != "reference" and args.ranks > 1:
         return f"--engine {args.engine} runs with one trainer rank here; drop --ranks"
     if args.in_thread and args.ranks > 1:

@@ -192,23 +192,23 @@ class RefitContext:
         names = [e.name for e in self.engines]
         if len(set(names)) != len(names):
             raise ConfigError(f"engine names must be unique, got {names}")
+        if self.pause_mode == "in_place":
+            unsafe = [e.name for e in self.engines if not e.supports_in_place_pause]
+            if unsafe:
+                raise ConfigError(in_place_refusal(f"engines {unsafe}"))
         for e in self.engines:
             if self.pause_mode not in e.pause_modes:
                 raise ConfigError(
                     f"engine {e.name} supports pause modes {sorted(e.pause_modes)}, not {self.pause_mode!r}"
                 )
             if self.transport.kind not in e.transports:
-                raise ConfigError(f"engine {e.name} cannot receive the {self.transport.kind!r} transport")
+                raise ConfigError(
+                    f"engine {e.name} ({type(e).__name__}) cannot receive the {self.transport.kind!r} transport "
+                    f"({type(self.transport).__name__}); it receives {sorted(e.transports)}"
+                )
             tp = e.tp_size
             if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
                 raise ConfigError(f"engine {e.name} reports tp_size {tp!r}; it must be an integer >= 1")
-        if self.pause_mode == "in_place":
-            unsafe = [e.name for e in self.engines if not e.supports_in_place_pause]
-            if unsafe:
-                raise ConfigError(
-                    f"pause_mode 'in_place' keeps requests' KV across the update, and engines {unsafe} cannot "
-                    "make that KV fresh (their flush refuses while requests hold KV); use 'retract' or 'abort'"
-                )
 
     @property
     def leader(self) -> bool:
@@ -276,6 +276,15 @@ class RefitContext:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def in_place_refusal(engines: str) -> str:
+    """Why pause_mode 'in_place' is refused for `engines` (a description) when they cannot make
+    in-place-paused KV fresh."""
+    return (
+        f"pause_mode 'in_place' keeps requests' KV across the update, and {engines} cannot make that KV fresh "
+        "(their flush refuses while requests hold KV); use 'retract' or 'abort'"
+    )
 
 
 def _positive(name: str, value: Any, *, integer: bool = False, zero_ok: bool = False) -> None:
