@@ -219,7 +219,7 @@ def test_sglang_flush_inside_an_update_is_why_refit_never_asks_for_it(trainer, s
         [[(name, torch.full_like(before[name], 2.0))]], weight_version=None, flush_cache=True
     )
     if version == "0.5.21":
-        with pytest.raises(EngineDied, match=r"sg0.*update_weights_from_tensor.*load"):
+        with pytest.raises(EngineDied, match=r"sg0.*update_weights_from_tensor.*load.*the server is gone"):
             engine._call("POST", "/update_weights_from_tensor", "load", timeout=30, body=body, update=True)
         with pytest.raises(EngineDied, match="unreachable"):
             engine.probe(1, timeout=5)
@@ -275,7 +275,8 @@ def test_an_engine_killed_mid_bucket_is_reported_and_the_other_updated(trainer, 
     result = protocol.run(ctx)
     assert time.monotonic() - t0 < 60
     assert result.engines["sg0"].status == "updated" and result.engines["sg1"].status == "failed"
-    assert "EngineDied" in str(result.engines["sg1"].error) or "unreachable" in str(result.engines["sg1"].error)
+    error = str(result.engines["sg1"].error)
+    assert "connection_lost" in error or "EngineDied" in error, error  # the answer never came: the server died
     serves(engines[0], trainer, 1)
     assert ctx.lock is not None and ctx.lock.holder is None
 
@@ -411,3 +412,80 @@ def test_a_broadcast_member_killed_mid_bucket_is_dropped_and_the_group_rebuilt(
     second = protocol.run(ctx2)
     assert second.engines["sg0"].status == "updated", second.error
     serves(engines[0], trainer, 2)
+
+
+# ---- servers that misbehave (from an adversarial review) ---------------------------------------
+
+
+def _slow_server(head: bytes, tail: bytes, delay: float) -> tuple[object, str]:
+    """A server that sends `head` one byte every `delay` seconds, then `tail`."""
+    import socketserver
+    import threading
+
+    class Slow(socketserver.BaseRequestHandler):
+        def handle(self) -> None:
+            self.request.recv(65536)
+            try:
+                for b in head:
+                    self.request.sendall(bytes([b]))
+                    time.sleep(delay)
+                self.request.sendall(tail)
+            except OSError:
+                pass
+
+    server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Slow)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}"
+
+
+def test_a_server_trickling_its_headers_is_bounded_and_frees_the_call_lane() -> None:
+    """httpx bounds each read: a status line sent one byte at a time never trips it. The driver
+    bounds the whole call, and drops that connection, so its next call is not stuck behind it."""
+    server, url = _slow_server(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n", b"{}", 0.2)
+    driver = SGLangEngine("trickle", url)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match=r"trickle.*no complete answer"):
+            driver.continue_generation(timeout=0.5)
+        assert time.monotonic() - t0 < 1.0
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError):
+            driver.pause("abort", timeout=0.5)  # a fresh connection, its own budget
+        assert time.monotonic() - t0 < 1.0
+    finally:
+        driver.close()
+        server.shutdown()
+
+
+def test_an_update_answered_without_sglangs_success_answer_is_state_unknown(sglang_engines) -> None:
+    """A 200 whose body is not SGLang's {"success": true} does not count as applied."""
+    (engine,) = sglang_engines(1)
+    engine.probe(1, timeout=10)
+    engine.server.r_begin_weight_update = lambda *a: "ok, I guess"  # type: ignore[method-assign]
+    with pytest.raises(EngineError) as err:
+        engine.begin([], timeout=5)
+    assert err.value.kind == "state_unknown" and not err.value.no_effect and "begin_weight_update" in str(err.value)
+
+
+def test_a_version_label_the_server_did_not_set_fails_the_publish(trainer, sglang_engines, sglang_ctx) -> None:
+    """A server that answers success to /update_weight_version but keeps its old label: the run
+    does not report the engine at the new version (its tokens would carry the old one)."""
+    (engine,) = sglang_engines(1)
+    engine.server.r_update_weight_version = lambda *a: {"success": True, "message": "sure"}  # type: ignore[method-assign]
+    result = protocol.run(sglang_ctx(trainer, [engine], retries=0))
+    assert not result.ok and result.engines["sg0"].status != "updated"
+    assert "published version 1, but the server reports 'default'" in str(result.error)
+
+
+def test_a_restarted_sglang_server_is_refit_colocated_without_a_lost_run(trainer, sglang_engines, sglang_ctx) -> None:
+    """A new startup_time behind the same URL: tensor payloads need no server-side setup, so the
+    next refit goes through (the old code lost it to not_attached)."""
+    (engine,) = sglang_engines(1)
+    ctx = sglang_ctx(trainer, [engine])
+    assert protocol.run(ctx).ok
+    engine.server.startup_time += 1.0  # what a restarted server reports
+    perturbed(trainer, seed=4)
+    result = protocol.run(ctx)
+    assert result.ok, result.error
+    serves(engine, trainer, 2)

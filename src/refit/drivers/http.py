@@ -10,9 +10,10 @@ differently). Backends: `refit.drivers.sglang`, `refit.drivers.vllm`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
-import time
+import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -102,7 +103,6 @@ class HttpEngineDriver(EngineDriver):
         tp: int = 1,
         transport: httpx.BaseTransport | None = None,
     ) -> None:
-        import httpx
 
         if tp < 1:
             raise ValueError(f"tp must be >= 1, got {tp}")
@@ -110,10 +110,11 @@ class HttpEngineDriver(EngineDriver):
         self.url = url.rstrip("/")
         self._tp = tp
         self._dead = False
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        if transport is None:  # small control bodies: no Nagle delay waiting for an ACK
-            transport = httpx.HTTPTransport(socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
-        self._http = httpx.Client(base_url=self.url, headers=headers, transport=transport, timeout=DEFAULT_TIMEOUT)
+        self._headers_all = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._transport = transport  # a caller's own transport is kept; otherwise one per client
+        self._http = self._new_client()  # protocol calls; replaced when a call is abandoned
+        self._serve_http = self._new_client()  # generation traffic, apart from the protocol's
+        self._swap = threading.Lock()
         self._ledger = UpdateLedger(name)
         self._quarantined: str | None = None  # why this driver took the engine out of service, if it did
 
@@ -131,6 +132,28 @@ class HttpEngineDriver(EngineDriver):
         pool.shutdown(wait=False)
         return fut
 
+    def _new_client(self) -> httpx.Client:
+        import httpx
+
+        transport = self._transport
+        if transport is None:  # small control bodies: no Nagle delay waiting for an ACK
+            transport = httpx.HTTPTransport(socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
+        return httpx.Client(base_url=self.url, headers=self._headers_all, transport=transport, timeout=DEFAULT_TIMEOUT)
+
+    def _abandon(self, client: httpx.Client) -> None:
+        """A call overran its budget inside the HTTP exchange (a server that trickles its headers
+        passes httpx's per-read timeouts): later calls get a fresh client, and the old one is closed
+        so the stuck exchange fails and frees this engine's call lane."""
+        with self._swap:
+            if self._http is client and self._transport is None:
+                self._http = self._new_client()
+
+        def close() -> None:
+            with contextlib.suppress(Exception):
+                client.close()
+
+        threading.Thread(target=close, daemon=True).start()
+
     @property
     def tp_size(self) -> int:
         return self._tp
@@ -141,6 +164,7 @@ class HttpEngineDriver(EngineDriver):
 
     def close(self) -> None:
         self._http.close()
+        self._serve_http.close()
 
     def _headers(self, call: str) -> dict[str, str] | None:
         """Extra headers for a request serving refit call `call` (none; a test server may want some)."""
@@ -155,39 +179,91 @@ class HttpEngineDriver(EngineDriver):
         timeout: float,
         body: Any = None,
         params: dict[str, Any] | None = None,
+        serving: bool = False,
     ) -> tuple[int, Any]:
-        """One HTTP call bounded by `timeout` in total (however slowly the server answers).
-        Returns (status, decoded body) for any HTTP answer; raises TimeoutError / EngineDied."""
-        import httpx
-
+        """One HTTP call bounded by `timeout` in total, however slowly the server sends its headers
+        or body (httpx bounds each read only). Returns (status, decoded body) for any HTTP answer;
+        raises TimeoutError (no answer in time), EngineDied (connection refused: nothing listens)
+        or EngineError("connection_lost") (the connection dropped before an answer: the request
+        may or may not have run)."""
         where = f"engine {self.name}: {method} {route} ({call})"
         if timeout <= 0:
             raise TimeoutError(f"{where}: no time left to send it")
-        end = time.monotonic() + timeout
-        try:
-            with self._http.stream(
-                method, route, json=body, params=params, timeout=httpx.Timeout(timeout), headers=self._headers(call)
-            ) as response:
-                chunks = []
-                for chunk in response.iter_bytes():
-                    chunks.append(chunk)
-                    if time.monotonic() > end:
-                        raise TimeoutError(f"{where}: the answer did not finish within {timeout:.3g}s")
-                status = response.status_code
-        except httpx.TimeoutException:
-            raise TimeoutError(f"{where}: no answer within {timeout:.3g}s") from None
-        except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as exc:
-            raise EngineDied(
-                f"{where}: the server at {self.url} is unreachable ({type(exc).__name__}: {exc})"
-            ) from None
-        if time.monotonic() > end:
-            raise TimeoutError(f"{where}: answered after its {timeout:.3g}s")
-        raw = b"".join(chunks)
+        client = self._serve_http if serving else self._http
+        headers = self._headers(call)  # in the caller's thread (a subclass may read thread-local state)
+        box: dict[str, Any] = {}
+
+        def exchange() -> None:
+            try:
+                box["answer"] = self._exchange(client, method, route, call, timeout, body, params, headers)
+            except BaseException as exc:  # handed to the caller's thread
+                box["error"] = exc
+
+        worker = threading.Thread(target=exchange, name=f"refit-http-{self.name}", daemon=True)
+        worker.start()
+        worker.join(timeout)
+        if worker.is_alive():
+            if not serving:
+                self._abandon(client)
+            raise TimeoutError(f"{where}: no complete answer within {timeout:.3g}s")
+        if "error" in box:
+            raise box["error"]
+        status, raw = box["answer"]
         try:
             data: Any = json.loads(raw) if raw else None
         except ValueError:
             data = raw.decode("utf-8", "replace")
         return status, data
+
+    def _exchange(
+        self,
+        client: httpx.Client,
+        method: str,
+        route: str,
+        call: str,
+        timeout: float,
+        body: Any,
+        params: Any,
+        headers: dict[str, str] | None,
+    ) -> tuple[int, bytes]:
+        import httpx
+
+        where = f"engine {self.name}: {method} {route} ({call})"
+        try:
+            with client.stream(
+                method, route, json=body, params=params, timeout=httpx.Timeout(timeout), headers=headers
+            ) as response:
+                return response.status_code, response.read()
+        except httpx.TimeoutException:
+            raise TimeoutError(f"{where}: no answer within {timeout:.3g}s") from None
+        except httpx.ConnectError as exc:
+            raise EngineDied(
+                f"{where}: the server at {self.url} is unreachable ({type(exc).__name__}: {exc})"
+            ) from None
+        except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError, httpx.CloseError) as exc:
+            if not self._listening():
+                raise EngineDied(
+                    f"{where}: the connection to {self.url} was lost and new connections are refused: the server "
+                    f"is gone ({type(exc).__name__}: {exc})"
+                ) from None
+            raise EngineError(
+                "connection_lost",
+                f"{where}: the connection to {self.url} was lost before an answer ({type(exc).__name__}: {exc}); "
+                "the server may have died or dropped the request, and whether it ran is unknown",
+            ) from None
+
+    def _listening(self) -> bool:
+        """Whether the server still accepts connections (after one was lost: dead, or only dropped)."""
+        from urllib.parse import urlparse
+
+        u = urlparse(self.url)
+        try:
+            socket.create_connection((u.hostname or "127.0.0.1", u.port or 80), timeout=0.5).close()
+        except ConnectionRefusedError:
+            return False
+        except OSError:
+            return True  # unknown (a slow or filtered network): not proven dead
+        return True
 
     def _call(
         self,
@@ -199,13 +275,26 @@ class HttpEngineDriver(EngineDriver):
         body: Any = None,
         params: dict[str, Any] | None = None,
         update: bool = False,
+        serving: bool = False,
     ) -> Any:
-        """`_request`, with any non-2xx answer (or `"success": false`) raised as an EngineError."""
-        status, data = self._request(method, route, call, timeout=timeout, body=body, params=params)
+        """`_request`, with any non-2xx answer (or `"success": false`) raised as an EngineError.
+        `update`: a weight-changing call, whose 2xx answer must also be the API's own success
+        answer (`_confirms`): anything else leaves the engine's state unknown."""
+        status, data = self._request(method, route, call, timeout=timeout, body=body, params=params, serving=serving)
         failed = status >= 300 or (isinstance(data, dict) and data.get("success") is False)
-        if not failed:
-            return data
-        raise self._error(method, route, call, status, data, update=update)
+        if failed:
+            raise self._error(method, route, call, status, data, update=update)
+        if update and not self._confirms(route, data):
+            raise EngineError(
+                "state_unknown",
+                f"engine {self.name}: {method} {route} ({call}) -> HTTP {status} without the API's success answer "
+                f"({str(data)[:200]!r}): whether it ran is unknown",
+            )
+        return data
+
+    def _confirms(self, route: str, data: Any) -> bool:
+        """Whether a 2xx answer to a weight-changing call is the API's own success answer."""
+        return isinstance(data, dict)
 
     def _error(self, method: str, route: str, call: str, status: int, data: Any, *, update: bool) -> EngineError:
         """The EngineError for a failed answer (a backend maps its own messages to kinds)."""

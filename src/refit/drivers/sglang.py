@@ -201,7 +201,7 @@ class SGLangEngine(HttpEngineDriver):
         self._attached: ConnectInfo | None = None
         self._session_unknown = True  # until a probe closed it, or this driver opened and closed it
         self._released: set[str] = set()
-        self._read_startup(min(DEFAULT_TIMEOUT, 10.0))
+        self._read_startup(5.0)
 
     def _read_startup(self, timeout: float) -> None:
         """The server's start time (its incarnation) and version, read once here so the first refit
@@ -210,7 +210,8 @@ class SGLangEngine(HttpEngineDriver):
             status, info = self._request("GET", "/server_info", "connect", timeout=timeout)
             if status < 300 and isinstance(info, dict):
                 self._startup = info.get("startup_time")
-                self.capabilities = Capabilities.of(info.get("version"))
+                with contextlib.suppress(EngineError):  # unsupported: the first probe says so
+                    self.capabilities = self._supported(Capabilities.of(info.get("version")))
 
     # ---- capabilities -------------------------------------------------------------------------
 
@@ -227,6 +228,9 @@ class SGLangEngine(HttpEngineDriver):
         return f"{self.name}@{self.url}#{self._startup}"
 
     # ---- HTTP errors --------------------------------------------------------------------------
+
+    def _confirms(self, route: str, data: Any) -> bool:
+        return isinstance(data, dict) and data.get("success") is True  # SGLang's update answers carry it
 
     def _error(self, method: str, route: str, call: str, status: int, data: Any, *, update: bool) -> EngineError:
         message = message_of(data)
@@ -261,18 +265,26 @@ class SGLangEngine(HttpEngineDriver):
             raise self._error("GET", "/server_info", "probe", status, info, update=False)
         startup = info.get("startup_time")
         if self.capabilities is None or startup != self._startup:
-            self.capabilities = Capabilities.of(info.get("version"))
-            if self._startup is not None and startup != self._startup:  # restarted: nothing of ours is there
-                self._attached, self._released = None, set()
+            self.capabilities = self._supported(Capabilities.of(info.get("version")))
+            restarted = self._startup is not None and startup != self._startup
             self._startup = startup
+            if restarted:  # a new server process: no group, no released memory, no session of ours
+                self._released, self._session_unknown = set(), True
+                if self._attached is not None and self._attached.kind == "sglang_broadcast":
+                    self._attached = None
+                    raise EngineError(
+                        "restarted",
+                        f"engine {self.name}: the server at {self.url} restarted (startup_time changed) and lost its "
+                        "weight-update group; the next refit connects it again",
+                    )
         caps = self.capabilities
         label = self._read_version(caps, left())
         closed = False
         if caps.session and self._session_unknown:
             status, data = self._request("POST", "/end_weight_update", "probe", timeout=left(), body={})
-            if status != 400 and status >= 300:  # 400: no session was open; anything else is an error
-                raise self._error("POST", "/end_weight_update", "probe", status, data, update=False)
-            closed = status < 300 and not (isinstance(data, dict) and data.get("success") is False)
+            if status != 400 and (status >= 300 or not self._confirms("/end_weight_update", data)):
+                raise self._error("POST", "/end_weight_update", "probe", status, data, update=False)  # still open
+            closed = status < 300
             self._session_unknown = False
         self._ledger.reset()
         version = label_version(label)
@@ -288,6 +300,15 @@ class SGLangEngine(HttpEngineDriver):
             "closed_session": closed,
             "server_version": caps.version,
         }
+
+    def _supported(self, caps: Capabilities) -> Capabilities:
+        if not caps.flattened_bytes:
+            raise EngineError(
+                "unsupported",
+                f"engine {self.name}: SGLang {caps.version} reads flattened buckets in element offsets; refit's "
+                "flattened_bucket wire format needs SGLang 0.5.6 or newer",
+            )
+        return caps
 
     def _read_version(self, caps: Capabilities, timeout: float) -> Any:
         data = self._call("GET", caps.version_route, "probe", timeout=timeout)
@@ -386,8 +407,14 @@ class SGLangEngine(HttpEngineDriver):
 
     def publish(self, version: int, *, timeout: float) -> None:
         self._ledger.require_complete("SGLang")
+        end = time.monotonic() + timeout
         body = {"new_version": str(version), "abort_all_requests": False}
         self._call("POST", "/update_weight_version", "publish", timeout=timeout, body=body)
+        label = self._read_version(self._caps(), end - time.monotonic())
+        if str(label) != str(version):  # SGLang answered success: a label it did not set is a lie we must not pass on
+            raise EngineError(
+                "state_unknown", f"engine {self.name}: published version {version}, but the server reports {label!r}"
+            )
         self._ledger.published()
         self._quarantined = None
 
@@ -407,7 +434,7 @@ class SGLangEngine(HttpEngineDriver):
             status, data = self._request(
                 "POST", "/end_weight_update", "quarantine", timeout=end - time.monotonic(), body={}
             )
-            if status != 400 and status >= 300:
+            if status != 400 and (status >= 300 or not self._confirms("/end_weight_update", data)):
                 raise self._error("POST", "/end_weight_update", "quarantine", status, data, update=False)
             self._session_unknown = False
 
@@ -426,7 +453,7 @@ class SGLangEngine(HttpEngineDriver):
             "input_ids": list(prompt),
             "sampling_params": {"max_new_tokens": int(max_new_tokens), "temperature": 0.0},
         }
-        data = self._call("POST", "/generate", "generate", timeout=timeout, body=body)
+        data = self._call("POST", "/generate", "generate", timeout=timeout, body=body, serving=True)
         meta = data.get("meta_info") or {}
         output = [int(t) for t in data.get("output_ids") or []]
         reason = meta.get("finish_reason")

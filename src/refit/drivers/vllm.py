@@ -170,12 +170,19 @@ class VLLMEngine(HttpEngineDriver):
         self._session_unknown = False
         self._released: set[str] = set()
         with contextlib.suppress(TimeoutError, EngineDied, EngineError):
-            self._read_capabilities(10.0)
+            self._read_capabilities(5.0)
 
     def _read_capabilities(self, timeout: float) -> Capabilities:
         data = self._call("GET", "/version", "connect", timeout=timeout)
-        self.capabilities = Capabilities.of(data.get("version") if isinstance(data, dict) else None)
-        return self.capabilities
+        caps = Capabilities.of(data.get("version") if isinstance(data, dict) else None)
+        if not (caps.session and caps.packed_in_init and caps.weight_version):
+            raise EngineError(
+                "unsupported",
+                f"engine {self.name}: vLLM {caps.version} predates the weight-transfer API this driver speaks "
+                "(start/finish sessions, packing in init_info, weight versions: vLLM 0.28 or newer)",
+            )
+        self.capabilities = caps
+        return caps
 
     @property
     def incarnation(self) -> str:
@@ -328,7 +335,15 @@ class VLLMEngine(HttpEngineDriver):
 
     def publish(self, version: int, *, timeout: float) -> None:
         self._ledger.require_complete("vLLM")
+        end = time.monotonic() + timeout
         self._call("POST", "/update_weight_version", "publish", timeout=timeout, body={"new_version": str(version)})
+        label = (self._call("GET", "/weight_info", "publish", timeout=end - time.monotonic()) or {}).get(
+            "weight_version"
+        )
+        if str(label) != str(version):  # a label the server did not set must not be passed on as published
+            raise EngineError(
+                "state_unknown", f"engine {self.name}: published version {version}, but the server reports {label!r}"
+            )
         self._ledger.published()
         self._published = str(version)
         self._quarantined = None
@@ -356,7 +371,7 @@ class VLLMEngine(HttpEngineDriver):
 
     def _model(self, timeout: float) -> str:
         if self.model is None:
-            data = self._call("GET", "/v1/models", "generate", timeout=timeout)
+            data = self._call("GET", "/v1/models", "generate", timeout=timeout, serving=True)
             self.model = str(data["data"][0]["id"])
         return self.model
 
@@ -370,7 +385,9 @@ class VLLMEngine(HttpEngineDriver):
             "model": self._model(timeout), "prompt": list(prompt), "max_tokens": int(max_new_tokens),
             "temperature": 0.0, "return_token_ids": True, "return_weight_versions": True,
         }  # fmt: skip
-        data = self._call("POST", "/v1/completions", "generate", timeout=end - time.monotonic(), body=body)
+        data = self._call(
+            "POST", "/v1/completions", "generate", timeout=end - time.monotonic(), body=body, serving=True
+        )
         choice = data["choices"][0]
         output = [int(t) for t in choice.get("token_ids") or []]
         out: dict[str, Any] = {"output": output, "prompt": list(prompt), "finish_reason": choice.get("finish_reason")}

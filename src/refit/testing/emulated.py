@@ -107,6 +107,10 @@ class EmulatedServer:
     def die(self) -> None:
         """The server goes down (its scheduler died): connections are refused from now on."""
         self.dead = True
+        with contextlib.suppress(OSError):  # stop listening now, before any request in flight is dropped
+            self._server.socket.shutdown(socket.SHUT_RDWR)  # (a close alone waits for the accept loop's poll)
+        with contextlib.suppress(OSError):
+            self._server.socket.close()
         threading.Thread(target=self.close, daemon=True).start()
 
     # ---- engine calls --------------------------------------------------------------------------
