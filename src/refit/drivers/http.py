@@ -1,11 +1,15 @@
 """What engine drivers that speak an HTTP API share: a client bounded by the call's whole budget.
 
-`HttpEngineDriver` owns an httpx client (TCP_NODELAY: control bodies are small and must not wait
-for delayed ACKs) and `request(method, route, call, timeout=...)`, which bounds the whole call, not
-each read, and names the engine, route and refit call in every error: no answer in time is
-`TimeoutError`, a refused or dropped connection `EngineDied`. `call(...)` also turns any non-2xx
-answer into the driver's own `EngineError` (`error()`, per backend: each API words its failures
-differently). Backends: `refit.drivers.sglang`, `refit.drivers.vllm`.
+`HttpEngineDriver` owns httpx clients (TCP_NODELAY: control bodies are small and must not wait
+for delayed ACKs; generation traffic on a client of its own) and `_request(method, route, call,
+timeout=...)`, which bounds the whole exchange, not each read (it runs on its own thread; a call
+that overruns drops its client so the next call does not queue behind it), and names the engine,
+route and refit call in every error: no answer in time is `TimeoutError`, a refused connection
+`EngineDied`, a connection lost before an answer `connection_lost` (`EngineDied` when new
+connections are then refused). `_call(...)` also turns any non-2xx answer into the driver's own
+`EngineError` (`_error()`, per backend: each API words its failures differently), and requires a
+weight-changing call's answer to be the API's success answer (`_confirms()`). `UpdateLedger` is
+the update session as the driver knows it. Backends: `refit.drivers.sglang`, `refit.drivers.vllm`.
 """
 
 from __future__ import annotations

@@ -40,7 +40,8 @@ Lifecycle, per state (each step is one HTTP call; SGLang has no batch route):
   disconnect              detach(): broadcast: POST /destroy_weights_update_group.
 
 Errors name the engine, the call, the route and the HTTP status: a timeout is `TimeoutError`, a
-refused or dropped connection `EngineDied`, 401/403 `unauthorized`, 404 `unsupported`, 422
+refused connection `EngineDied`, a connection lost before an answer
+`connection_lost` (unknown effect), 401/403 `unauthorized`, 404 `unsupported`, 422
 `bad_request` (no effect), a 400 from an update `refused` (effect unknown) unless SGLang says
 nothing ran (`no_session`) or that weights changed but the cache was not flushed (`state_unknown`:
 poison, never success), 5xx `server_error`.

@@ -38,7 +38,8 @@ method failed: <why>"; the driver maps the known reasons: "must be called before
 matching start" (`no_session`), "already active" (`session_open`), "Invalid update_info" /
 "Invalid init_info" (`bad_payload`), all refused before anything changed; any other 500 is
 `server_error` (effect unknown). 400 is `bad_request`, 503 `paused`, a timeout `TimeoutError`, a
-refused or dropped connection `EngineDied`.
+refused connection `EngineDied`, a connection lost before an answer
+`connection_lost` (unknown effect).
 """
 
 from __future__ import annotations
