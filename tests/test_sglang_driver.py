@@ -489,3 +489,37 @@ def test_a_restarted_sglang_server_is_refit_colocated_without_a_lost_run(trainer
     result = protocol.run(ctx)
     assert result.ok, result.error
     serves(engine, trainer, 2)
+
+
+def test_a_dropped_connection_to_a_live_server_is_connection_lost_not_death(sglang_engines) -> None:
+    """A connection dropped before an answer while the server still listens (a proxy reset, a stale
+    keep-alive) may or may not have run the request: `connection_lost`, effect unknown; only a
+    server that also refuses new connections is dead."""
+    (engine,) = sglang_engines(1)
+    engine.probe(1, timeout=10)
+    from refit.testing.emulated import _Drop
+
+    def drop(*a: object) -> None:
+        raise _Drop()
+
+    engine.server.r_pause_generation = drop  # type: ignore[method-assign]
+    with pytest.raises(EngineError) as err:
+        engine.pause("abort", timeout=5)
+    assert err.value.kind == "connection_lost" and not err.value.no_effect and "(pause)" in str(err.value)
+    engine.continue_generation(timeout=5)  # the server is alive: the next call works
+
+
+def test_a_session_the_server_would_not_end_is_not_taken_as_closed(sglang_engines) -> None:
+    """/end_weight_update answering 200 {"success": false}: the session is still open."""
+    (engine,) = sglang_engines(1)
+    engine.server.r_end_weight_update = lambda *a: {"success": False, "message": "busy"}  # type: ignore[method-assign]
+    with pytest.raises(EngineError, match="busy"):
+        engine.probe(1, timeout=10)
+
+
+@pytest.mark.parametrize("version", ["0.5.2", "0.4.10"])
+def test_an_sglang_too_old_for_byte_offset_buckets_is_refused_up_front(sglang_engines, version) -> None:
+    (engine,) = sglang_engines(1, version=version)
+    with pytest.raises(EngineError) as err:
+        engine.probe(1, timeout=10)
+    assert err.value.kind == "unsupported" and err.value.no_effect and "0.5.6" in str(err.value)

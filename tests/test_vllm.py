@@ -317,3 +317,10 @@ def test_vllm_broadcast_member_killed_mid_bucket_is_dropped(trainer, vllm_engine
     serves(engines[0], trainer, 1)
     routes = [r for r, _ in engines[0].server.received]
     assert routes.count("/init_weight_transfer_engine") == 2 and "/shutdown_weight_transfer_engine" in routes
+
+
+def test_a_vllm_older_than_the_weight_transfer_api_is_refused_up_front(vllm_engines) -> None:
+    (engine,) = vllm_engines(1, version="0.22.0", backend="ipc")
+    with pytest.raises(EngineError) as err:
+        engine.probe(1, timeout=10)
+    assert err.value.kind == "unsupported" and err.value.no_effect and "0.28" in str(err.value)
