@@ -72,6 +72,7 @@ def _broadcast(group: Any, tensor: torch.Tensor) -> None:
 class BroadcastTransport(Transport):
     kind = "broadcast"
     collective = True
+    make_group = staticmethod(_group)  # how the side group is built from the store (a wire layout may differ)
 
     def __init__(
         self, slots: int = 2, *, backend: str = "gloo", host: str | None = None, checksums: bool = True
@@ -146,7 +147,7 @@ class BroadcastTransport(Transport):
     def join(self) -> None:
         if self._sender:
             info = self._info
-            self._group = _group(
+            self._group = self.make_group(
                 self._store, info["group"], SOURCE_RANK, info["world"], info["timeout_s"], self.backend
             )
 
@@ -190,13 +191,17 @@ class BroadcastTransport(Transport):
     def send(self, index: int) -> None:
         if not self._sender:
             return
+        manifest, buffer = self._sending(index)
+        _broadcast(self._group, buffer[: manifest.nbytes])
+
+    def _sending(self, index: int) -> tuple[BucketManifest, torch.Tensor]:
+        """Bucket `index`'s manifest and the buffer it was packed into, once the group formed."""
         if self._group is None:
-            raise RuntimeError("broadcast transport: send() before the group formed (join)")
-        manifest = self._plan[index]
+            raise RuntimeError(f"{type(self).__name__}: send() before the group formed (join)")
         buffer = self._own.get(index)
         if buffer is None:
             buffer = self._buffers[self._slot_of(index)]
-        _broadcast(self._group, buffer[: manifest.nbytes])
+        return self._plan[index], buffer
 
     def _slot_of(self, index: int) -> int:
         try:
@@ -232,6 +237,8 @@ class BroadcastReceiver(Receiver):
     """One engine TP rank's side: joins the group at attach (blocking until it forms), receives
     each bucket into a reusable buffer and returns views into it."""
 
+    make_group = staticmethod(_group)
+
     def __init__(self, info: ConnectInfo, tp_rank: int = 0) -> None:
         super().__init__(info, tp_rank)
         import torch
@@ -242,7 +249,7 @@ class BroadcastReceiver(Receiver):
             store = dist.TCPStore(
                 f["addr"], int(f["port"]), int(f["world"]), is_master=False, timeout=_td(f["timeout_s"])
             )
-            self._group = _group(
+            self._group = self.make_group(
                 store, f["group"], int(self.part["rank"]), int(f["world"]), f["timeout_s"], f["backend"]
             )
         except (RuntimeError, OSError, ValueError) as exc:  # the group did not form (a member is missing)

@@ -39,10 +39,10 @@ import io
 import pickle
 from collections.abc import Iterable, Sequence
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from refit.drivers.base import ConnectInfo, EngineSpec, LazyTensors, Payload, Receiver, Topology, Transport
-from refit.drivers.broadcast import SOURCE_RANK, BroadcastTransport, _td
+from refit.drivers.broadcast import SOURCE_RANK, BroadcastReceiver, BroadcastTransport, _broadcast, _td
 from refit.drivers.buckets import (
     BucketManifest,
     TensorEntry,
@@ -53,7 +53,6 @@ from refit.drivers.buckets import (
     slot_bytes,
     torch_dtype,
 )
-from refit.errors import EngineError
 
 if TYPE_CHECKING:
     import torch
@@ -385,22 +384,32 @@ class SGLangTensorTransport(Transport):
             for e in topology.engines
         }
 
+    payload_fields: ClassVar[dict[str, Any]] = {"load_format": FLATTENED_BUCKET}
+
+    def _export(self, view: torch.Tensor, manifest: BucketManifest, tp_rank: int) -> Any:
+        """What one consumer (an engine TP rank) receives of a packed bucket: its own serialization."""
+        return serialize({"flattened_tensor": view, "metadata": metadata_of(manifest)})
+
+    def _part(self, export: Any) -> dict[str, Any]:
+        """One engine TP rank's `Payload.parts` entry from its export."""
+        return {"serialized": export}
+
     def pack(self, manifest: BucketManifest, tensors: LazyTensors) -> dict[str, Any] | None:
         if not self._connected:
-            raise RuntimeError("sglang tensor transport: pack() before connect()")
+            raise RuntimeError(f"{type(self).__name__}: pack() before connect()")
         if not self._consumers:  # same gathers as the ranks that feed an engine, nothing kept
             self.temp_bytes = pack_into(None, manifest, tensors).temp_bytes
             return None
         buffer = self._buffer_for(manifest)
         try:
             packed = pack_into(buffer, manifest, tensors)
-            bucket = {"flattened_tensor": buffer[: manifest.nbytes], "metadata": metadata_of(manifest)}
-            serialized = {f"{name}/{j}": serialize(bucket) for name, j in self._consumers}
+            view = buffer[: manifest.nbytes]
+            exports = {f"{name}/{j}": self._export(view, manifest, j) for name, j in self._consumers}
         except BaseException:
             self.release(manifest.index)
             raise
         self.temp_bytes = packed.temp_bytes
-        return {"serialized": serialized}
+        return {"exports": exports}
 
     def _buffer_for(self, manifest: BucketManifest) -> torch.Tensor:
         if manifest.oversized:
@@ -410,8 +419,7 @@ class SGLangTensorTransport(Transport):
             slot = self._busy.index(None)
         except ValueError:
             raise RuntimeError(
-                f"sglang tensor transport: no free buffer for bucket {manifest.index}; "
-                f"buckets {self._busy} wait for acks"
+                f"{type(self).__name__}: no free buffer for bucket {manifest.index}; buckets {self._busy} wait for acks"
             ) from None
         self._busy[slot] = manifest.index
         return self._buffers[slot]
@@ -424,8 +432,8 @@ class SGLangTensorTransport(Transport):
             per_rank = []
             for j in range(e.tp):
                 part = parts[self.route(topology, e, j)] or {}
-                per_rank.append({"serialized": part["serialized"][f"{e.name}/{j}"]})
-            out[e.name] = Payload(self.kind, manifest, {"load_format": FLATTENED_BUCKET}, tuple(per_rank))
+                per_rank.append(self._part(part["exports"][f"{e.name}/{j}"]))
+            out[e.name] = Payload(self.kind, manifest, dict(self.payload_fields), tuple(per_rank))
         return out
 
     def release(self, index: int) -> None:
@@ -502,6 +510,7 @@ class SGLangBroadcastTransport(BroadcastTransport):
     rank 1 + rank_offset_i + j (SGLang's `rank_offset + tp_rank`)."""
 
     kind = "sglang_broadcast"
+    make_group = staticmethod(sglang_group)
 
     def __init__(
         self,
@@ -542,13 +551,6 @@ class SGLangBroadcastTransport(BroadcastTransport):
             for e in topology.engines
         }
 
-    def join(self) -> None:
-        if self._sender:
-            info = self._info
-            self._group = sglang_group(
-                self._store, info["group"], SOURCE_RANK, info["world"], info["timeout_s"], self.backend
-            )
-
     def payloads(
         self, manifest: BucketManifest, parts: Sequence[dict[str, Any] | None], topology: Topology
     ) -> dict[str, Payload]:
@@ -558,14 +560,7 @@ class SGLangBroadcastTransport(BroadcastTransport):
     def send(self, index: int) -> None:
         if not self._sender:
             return
-        if self._group is None:
-            raise RuntimeError("sglang broadcast transport: send() before the group formed (join)")
-        manifest = self._plan[index]
-        buffer = self._own.get(index)
-        if buffer is None:
-            buffer = self._buffers[self._slot_of(index)]
-        from refit.drivers.broadcast import _broadcast
-
+        manifest, buffer = self._sending(index)
         if self.flattened:
             _broadcast(self._group, buffer[: manifest.nbytes])
             return
@@ -574,28 +569,15 @@ class SGLangBroadcastTransport(BroadcastTransport):
             _broadcast(self._group, buffer[entry.offset : entry.offset + m.nbytes].view(torch_dtype(m.dtype)))
 
 
-class SGLangBroadcastReceiver(Receiver):
+class SGLangBroadcastReceiver(BroadcastReceiver):
     """Engine side of `SGLangBroadcastTransport` (one TP rank), as SGLang's weight updater does it:
     joins the group at attach (`init_custom_process_group`'s layout) and receives each bucket as
     one uint8 buffer (flattened) or one tensor at a time."""
 
-    def __init__(self, info: ConnectInfo, tp_rank: int = 0) -> None:
-        super().__init__(info, tp_rank)
-        import torch.distributed as dist
-
-        f = info.fields
-        rank, world = int(self.part["rank"]), int(f["world"])
-        try:
-            store = dist.TCPStore(f["addr"], int(f["port"]), world, is_master=False, timeout=_td(f["timeout_s"]))
-            self._group = sglang_group(store, f["group"], rank, world, f["timeout_s"], f["backend"])
-        except (RuntimeError, OSError, ValueError) as exc:
-            raise EngineError("rendezvous", f"group {f.get('group')} did not form: {exc}") from exc
-        self._store = store
+    make_group = staticmethod(sglang_group)
 
     def read(self, payload: Payload) -> list[tuple[str, torch.Tensor]]:
         import torch
-
-        from refit.drivers.broadcast import _broadcast
 
         manifest = payload.manifest
         if payload.fields.get("load_format") == FLATTENED_BUCKET:
@@ -616,10 +598,6 @@ class SGLangBroadcastReceiver(Receiver):
             _broadcast(self._group, tensor)
             out.append((m.name, tensor))
         return out
-
-    def close(self) -> None:
-        self._group = None
-        self._store = None
 
 
 # ---- vLLM's packed layout: the same bytes ------------------------------------------------------
@@ -696,34 +674,14 @@ class VLLMIPCTransport(SGLangTensorTransport):
             for e in topology.engines
         }
 
-    def pack(self, manifest: BucketManifest, tensors: LazyTensors) -> dict[str, Any] | None:
-        if not self._connected:
-            raise RuntimeError("vllm ipc transport: pack() before connect()")
-        if not self._consumers:
-            self.temp_bytes = pack_into(None, manifest, tensors).temp_bytes
-            return None
-        buffer = self._buffer_for(manifest)
-        try:
-            packed = pack_into(buffer, manifest, tensors)
-            view = buffer[: manifest.nbytes]
-            handles = {f"{name}/{j}": (device_key(view, j), ipc_args(view)) for name, j in self._consumers}
-        except BaseException:
-            self.release(manifest.index)
-            raise
-        self.temp_bytes = packed.temp_bytes
-        return {"handles": handles}
+    payload_fields: ClassVar[dict[str, Any]] = {"packed": True}
 
-    def payloads(
-        self, manifest: BucketManifest, parts: Sequence[dict[str, Any] | None], topology: Topology
-    ) -> dict[str, Payload]:
-        out = {}
-        for e in topology.engines:
-            per_rank = []
-            for j in range(e.tp):
-                key, args = (parts[self.route(topology, e, j)] or {})["handles"][f"{e.name}/{j}"]
-                per_rank.append({"device": key, "args": args})
-            out[e.name] = Payload(self.kind, manifest, {"packed": True}, tuple(per_rank))
-        return out
+    def _export(self, view: torch.Tensor, manifest: BucketManifest, tp_rank: int) -> Any:
+        return device_key(view, tp_rank), ipc_args(view)
+
+    def _part(self, export: Any) -> dict[str, Any]:
+        key, args = export
+        return {"device": key, "args": args}
 
 
 class VLLMIPCReceiver(Receiver):
