@@ -236,6 +236,7 @@ ENGINE_RANK = textwrap.dedent(
     from tests.sglang_support import sglang
     sg = sglang()
     cfg = json.loads(sys.argv[1])
+    groups = []
     for group in cfg["groups"]:  # one group per layout, as one /init_weights_update_group each
         pg = sg.init_custom_process_group(
             backend="gloo", init_method=f"tcp://127.0.0.1:{{group['port']}}", world_size=group["world"],
@@ -253,6 +254,9 @@ ENGINE_RANK = textwrap.dedent(
                     dist.broadcast(t, src=0, group=pg)
                     got[n] = t
         torch.save(got, group["out"].format(rank=cfg["rank"]))
+        groups.append(pg)
+    for pg in groups:  # as /destroy_weights_update_group does; a gloo group left to interpreter exit can abort
+        dist.destroy_process_group(pg)
     """
 )
 
