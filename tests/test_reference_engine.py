@@ -115,7 +115,7 @@ def test_finalize_refreshes_the_served_head_and_runs_once(core: EngineCore) -> N
     new = perturbed(TinyLlama(CFG, seed=0), seed=3)
     refit_directly(core, new, buckets=8)  # every bucket, but no finalize yet
     assert not torch.allclose(core.score(PROMPT), prompt_logits(new, PROMPT), atol=1e-5, rtol=0)
-    assert core.finalize() == {"post_processed": True}
+    assert core.finalize()["post_processed"] is True
     assert torch.allclose(core.score(PROMPT), prompt_logits(new, PROMPT), atol=1e-5, rtol=0)
     with pytest.raises(EngineError, match="no_session"):
         core.finalize()

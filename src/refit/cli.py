@@ -23,8 +23,8 @@ from typing import Any
 # Trainer-side calls a --fail-at can name (`refit.protocol.ranks.Participant` steps); engine calls
 # are `refit.drivers.base.ENGINE_CALLS`.
 TRAINER_CALLS = (
-    "metas", "prepare", "offload", "restore", "connect", "join", "pack", "send", "release", "abandon", "disconnect",
-    "end_run",
+    "metas", "epoch", "prepare", "offload", "restore", "connect", "join", "pack", "send", "release", "abandon",
+    "disconnect", "end_run",
 )  # fmt: skip
 
 
@@ -199,9 +199,45 @@ def _soak(args: argparse.Namespace) -> int:
     return 1 if report.leaks or report.mismatches else 0
 
 
+def _bench_gpu(args: argparse.Namespace) -> int:
+    from refit import bench, bench_gpu
+
+    shapes = tuple(s for s in args.shapes.split(",") if s)
+    bad = [s for s in shapes if s not in bench_gpu.SHAPES]
+    if bad or not shapes:
+        known = ", ".join(bench_gpu.SHAPES)
+        print(f"refit bench gpu: --shapes {args.shapes!r}: known shapes are {known}", file=sys.stderr)
+        return 2
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            print("refit bench gpu: no CUDA device here (torch.cuda.is_available() is False)", file=sys.stderr)
+            return 2
+    except ImportError:
+        return 2
+    print(
+        f"bench gpu: shapes {', '.join(shapes)}; floor, then seed / flattened / ipc through protocol.run, each a fresh "
+        f"engine process: a connecting refit and {args.refits} timed refits ...",
+        file=sys.stderr, flush=True,
+    )  # fmt: skip
+    report = bench_gpu.gpu(
+        shapes, refits=args.refits, bucket_mb=args.bucket_mb or 512,
+        tick=lambda s: print(f"  {s}", file=sys.stderr, flush=True),
+    )  # fmt: skip
+    print(bench_gpu.table(report))
+    bench.write_json(report, args.json)
+    if args.json:
+        print(f"wrote {args.json}")
+    ok = all(r["bit_exact"] for s in report["shapes"].values() for r in s["paths"].values())
+    return 0 if ok else 1
+
+
 def _bench(args: argparse.Namespace) -> int:
     from refit import bench
 
+    if args.what == "gpu":
+        return _bench_gpu(args)
     progress = Progress(f"bench {args.what}")
     if args.what == "control":
         print(
@@ -226,7 +262,7 @@ def _bench(args: argparse.Namespace) -> int:
             file=sys.stderr, flush=True,
         )  # fmt: skip
         report = bench.transport(
-            refits=args.refits, bucket_mb=args.bucket_mb, checksums=not args.no_checksums, small=args.small,
+            refits=args.refits, bucket_mb=args.bucket_mb or 64, checksums=not args.no_checksums, small=args.small,
             progress=progress,
         )  # fmt: skip
         print(
@@ -396,12 +432,15 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     soak_p.add_argument("--json", action="store_true")
     soak_p.set_defaults(func=_soak)
 
-    bench_p = sub.add_parser("bench", help="measured figures against a floor: control plane, transport")
-    bench_p.add_argument("what", choices=("control", "transport"))
+    bench_p = sub.add_parser("bench", help="measured figures against a floor: control plane, transport, gpu")
+    bench_p.add_argument("what", choices=("control", "transport", "gpu"))
     bench_p.add_argument("--engines", type=_count(1), default=8, help="control: engine processes (default 8)")
     bench_p.add_argument("--refits", type=_count(1), default=None, help="refits to measure (control 100, transport 6)")
     bench_p.add_argument("--mode", choices=("colocated", "disaggregated"), default="disaggregated")
-    bench_p.add_argument("--bucket-mb", type=_count(1), default=64, help="transport: bucket size in MiB (default 64)")
+    bench_p.add_argument(
+        "--bucket-mb", type=_count(1), default=None, help="bucket size in MiB (transport: default 64, gpu: 512)"
+    )
+    bench_p.add_argument("--shapes", default="7b,1.5b", help="gpu: model shapes to refit (default 7b,1.5b)")
     bench_p.add_argument("--no-checksums", action="store_true", help="transport: turn corruption detection off")
     bench_p.add_argument("--small", action="store_true", help="transport: a few-MB state (a quick smoke run)")
     bench_p.add_argument("--json", metavar="PATH", help="also write the figures as JSON here")
@@ -425,7 +464,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:  # --help, --version, usage errors: argparse printed them
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
     if getattr(args, "func", None) is _bench and args.refits is None:
-        args.refits = 100 if args.what == "control" else 6
+        args.refits = {"control": 100, "gpu": 5}.get(args.what, 6)
     try:
         return int(args.func(args))
     except BrokenPipeError:  # the reader went away (`refit check T | head`): stop quietly

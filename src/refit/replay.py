@@ -41,7 +41,7 @@ from refit.drivers.base import (
 from refit.drivers.buckets import BucketManifest, TensorEntry, TensorMeta
 from refit.errors import EngineDied, EngineError, LateAnswer, NoTimeLeft, RankError, RefitBusyError, RefitError
 from refit.protocol.faults import InjectedFault
-from refit.protocol.ranks import Ranks, RankStep
+from refit.protocol.ranks import RECORDED_RESULTS, Ranks, RankStep
 from refit.trace import TraceRecorder, load_trace
 
 COMPARED = (
@@ -266,6 +266,9 @@ class ReplayRanks(Ranks):
             return _done(exc=exc)
         if step.call == "metas":
             value = self._metas()
+        if step.call in RECORDED_RESULTS:  # per-rank values the leader decided on, as recorded
+            recorded = (event or {}).get("per_rank")
+            return _done(list(recorded) if isinstance(recorded, list) else [None] * self.world)
         if step.call == "disconnect" and self.transport is not None:
             self.transport.disconnect()
         return _done([value] * self.world)
@@ -295,10 +298,11 @@ class ReplayTransport(Transport):
 
     kind = "replay"
 
-    def __init__(self, script: _Script, slots: int, collective: bool) -> None:
+    def __init__(self, script: _Script, slots: int, collective: bool, shares_storages: bool = False) -> None:
         self.script = script
         self.slots = slots
         self.collective = collective  # type: ignore[misc]
+        self.shares_storages = shares_storages  # type: ignore[misc]
         self._connected = False
 
     def plan(self, metas: Sequence[TensorMeta], bucket_bytes: int) -> list[BucketManifest]:
@@ -446,7 +450,10 @@ def replay(path: str | Path, loaded: tuple[dict[str, Any], list[dict[str, Any]],
     starts = script.run_starts
     first = starts[0] if starts else {}
     names = first.get("engines", [])
-    transport = ReplayTransport(script, int(config.get("slots", 2)), bool(first.get("collective", False)))
+    transport = ReplayTransport(
+        script, int(config.get("slots", 2)), bool(first.get("collective", False)),
+        bool(first.get("shares_storages", False)),
+    )  # fmt: skip
     ctx = protocol.RefitContext(
         source=ReplaySource(),
         transport=transport,

@@ -110,6 +110,31 @@ class Payload:
     parts: tuple[dict[str, Any], ...] = ({},)
 
 
+@dataclass(frozen=True)
+class Storages:
+    """The memory a source's tensors lie in, offered for sharing once (zero copy): `tensors` are
+    the tensors the source hands out (each stands for its whole storage). `epoch` identifies those
+    storages (the storage objects and the memory they hold now): it changes when the trainer
+    reallocates any of them, and a connection made for another epoch is never reused."""
+
+    tensors: tuple[Any, ...]
+
+    @property
+    def epoch(self) -> int:
+        return storage_epoch(self.tensors)
+
+
+def storage_epoch(tensors: Iterable[Any]) -> int:
+    """A cheap identity of the storages `tensors` lie in: each storage's object, address, size and
+    device. Reallocating (a new tensor, `resize_`, a move between devices) changes it; writing in
+    place (an optimizer step) does not."""
+    seen = []
+    for t in tensors:
+        st = t.untyped_storage()
+        seen.append((int(st._cdata), int(st.data_ptr()), int(st.nbytes()), str(st.device)))
+    return hash(tuple(sorted(set(seen)))) & ((1 << 63) - 1)
+
+
 # ---- steps -------------------------------------------------------------------------------------------
 
 ENGINE_CALLS = (
@@ -166,6 +191,8 @@ class Source(ABC):
                                    A retry starts a fresh iterator on every rank.
       RESTORING, or the abort path `restore()`: back to training placement; idempotent. Called on
                                    every exit of a colocated run that called `offload()`.
+    `storages()`: the storages its tensors lie in, for a transport that shares them once at connect
+    (`Transport.shares_storages`); None (the default) when it hands out tensors it makes anew.
     """
 
     kind: ClassVar[str] = "source"
@@ -176,6 +203,10 @@ class Source(ABC):
         gather, no conversion): a transport may then look at them before any engine is paused.
         Must be cheap and make no collective (ranks may answer it a different number of times)."""
         return False
+
+    def storages(self) -> Storages | None:
+        """The storages `iter_buckets` hands out tensors of, or None. Cheap, no collective."""
+        return None
 
     def offload(self) -> None:  # noqa: B027 - optional hook, default: nothing to free
         """Free what the colocated engine needs."""
@@ -219,10 +250,14 @@ class Transport(ABC):
     `slots`: buckets in flight at once (2: pack bucket k+1 while engines copy bucket k).
     `collective`: one failed member breaks the group for all (all-or-nothing per bucket):
     recovery tears it down and reconnects without that member.
+    `shares_storages`: `share(source.storages())` runs on every rank right before `connect`, and
+    the runner reads every rank's storage epoch at each run start (and after connecting): a
+    connection is reused only while the epochs are the ones it shared.
     """
 
     kind: ClassVar[str] = "transport"
     collective: ClassVar[bool] = False
+    shares_storages: ClassVar[bool] = False
     slots: int = 2
     temp_bytes: int = 0  # the largest temporary (gather, cast) the last `pack` needed
 
@@ -241,6 +276,9 @@ class Transport(ABC):
 
     @abstractmethod
     def attach_infos(self, rank_infos: Sequence[dict[str, Any]], topology: Topology) -> dict[str, ConnectInfo]: ...
+
+    def share(self, storages: Storages | None) -> None:  # noqa: B027 - only storage-sharing transports
+        """The storages the next `connect` shares with the engines (`shares_storages`)."""
 
     def join(self) -> None:  # noqa: B027 - only collective transports rendezvous
         """Enter the group while the engines attach (collective transports)."""
@@ -284,6 +322,22 @@ class Transport(ABC):
         return 0
 
 
+def routed_payloads(
+    transport: Transport, manifest: BucketManifest, parts: Sequence[dict[str, Any] | None], topology: Topology
+) -> dict[str, Payload]:
+    """Each engine's payload when every engine TP rank reads the part of the trainer rank routed
+    to it (`Transport.route`): colocated transports whose ranks each pack their own part."""
+    out = {}
+    for e in topology.engines:
+        mine = tuple(parts[transport.route(topology, e, j)] for j in range(e.tp))
+        if any(p is None for p in mine):
+            raise RuntimeError(
+                f"{transport.kind} transport: no trainer rank packed bucket {manifest.index} for {e.name}"
+            )
+        out[e.name] = Payload(transport.kind, manifest, parts=mine)  # type: ignore[arg-type]
+    return out
+
+
 class Receiver(ABC):
     """Engine side of a transport, built in each engine TP rank's process from its ConnectInfo
     and TP rank. `read(payload)` returns views of the bucket's tensors (full HF tensors) that stay
@@ -314,6 +368,10 @@ class Receiver(ABC):
                 f"bucket {payload.manifest.index}: checksum mismatch, the bytes changed after the sender hashed them "
                 "(in transit, or written during the refit)"
             )
+
+    def consumed(self, payload: Payload) -> None:  # noqa: B027 - optional hook
+        """The engine has applied (queued every copy out of) this bucket: a transport whose buffers
+        a device reads asynchronously orders the sender's reuse on it. Called before the ack."""
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Detach from the transport's buffers."""

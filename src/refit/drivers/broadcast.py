@@ -21,11 +21,19 @@ Lifecycle:
                  breaks the group for all: the runner stops streaming, tears the group down and
                  rebuilds it without that member before retrying.
   disconnect     the group and the store are dropped (a receiver blocked on a dead group sees its
-                 peers go and fails); buffers freed. Idempotent.
+                 peers go and fails; an NCCL communicator is aborted, never left to the garbage
+                 collector); buffers freed. Idempotent.
+
+NCCL (`backend="nccl"`): buffers live on the GPU (the trainer's current device; each engine TP
+rank's current device), bucket checksums are off (they are computed on the host), and both sides
+must agree on `NCCL_CUMEM_ENABLE` (a mismatch makes NCCL's peer-to-peer setup fail or hang): the
+trainer's value travels in the connect info and an engine whose environment leaves it unset takes
+it; one that sets another value is refused at attach, naming both.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import socket
@@ -61,6 +69,32 @@ def _group(store: Any, name: str, rank: int, size: int, timeout_s: float, backen
     raise ValueError(f"backend {backend!r}: use gloo or nccl")
 
 
+def close_group(group: Any, backend: str) -> None:
+    """Tear a side group down now: NCCL's communicator is aborted (dropping it would leave the
+    comm to the garbage collector, and a peer that died mid-collective to hang it); gloo's
+    connections close with the object."""
+    if group is not None and backend == "nccl":
+        with contextlib.suppress(Exception):
+            group.abort()
+
+
+CUMEM = "NCCL_CUMEM_ENABLE"
+
+
+def align_cumem(trainer: str | None) -> None:
+    """Make this process's NCCL_CUMEM_ENABLE the trainer's, or refuse a conflicting one."""
+    mine = os.environ.get(CUMEM)
+    if trainer is None or mine == trainer:
+        return
+    if mine is None:
+        os.environ[CUMEM] = trainer
+        return
+    raise EngineError(
+        "bad_request",
+        f"{CUMEM} is {mine!r} in this engine and {trainer!r} in the trainer: NCCL needs the same on both sides",
+    )
+
+
 def _broadcast(group: Any, tensor: torch.Tensor) -> None:
     import torch.distributed as dist
 
@@ -75,16 +109,21 @@ class BroadcastTransport(Transport):
     make_group = staticmethod(_group)  # how the side group is built from the store (a wire layout may differ)
 
     def __init__(
-        self, slots: int = 2, *, backend: str = "gloo", host: str | None = None, checksums: bool = True
+        self, slots: int = 2, *, backend: str = "gloo", host: str | None = None, checksums: bool | None = None
     ) -> None:
         """`backend`: gloo (CPU tensors) or nccl (CUDA tensors, two GPUs or more). `host`: the
-        address engines reach the trainer's store at (default MASTER_ADDR, else this host)."""
+        address engines reach the trainer's store at (default MASTER_ADDR, else this host).
+        `checksums`: xxHash3 per bucket (default on for gloo; NCCL buffers are on the GPU: none)."""
         if not isinstance(slots, int) or slots < 1:
             raise ValueError(f"slots must be an integer >= 1, got {slots!r}")
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend {backend!r}: use gloo or nccl")
+        if backend == "nccl" and checksums:
+            raise ValueError("checksums are computed on the host: an NCCL broadcast (GPU buffers) has none")
         self.slots = slots
         self.backend = backend
         self.host = host
-        self.checksums = checksums
+        self.checksums = backend == "gloo" if checksums is None else checksums
         self.temp_bytes = 0
         self._sender = False
         self._store: Any = None
@@ -114,7 +153,6 @@ class BroadcastTransport(Transport):
         if not self._sender:
             self._info = {"rank": rank}
             return {}
-        import torch
         import torch.distributed as dist
 
         host = self.host or os.environ.get("MASTER_ADDR") or socket.gethostbyname(socket.gethostname())
@@ -123,12 +161,14 @@ class BroadcastTransport(Transport):
             host, 0, world, is_master=True, wait_for_workers=False, timeout=_td(topology.timeout_s)
         )
         self._slot_bytes = slot_bytes(plan)
-        self._buffers = [torch.empty(self._slot_bytes, dtype=torch.uint8) for _ in range(self.slots)]
+        self._buffers = [self._empty(self._slot_bytes) for _ in range(self.slots)]
         self._busy = [None] * self.slots
         self._info = {
             "addr": host, "port": self._store.port, "group": f"refit-{uuid.uuid4().hex[:12]}", "world": world,
             "timeout_s": topology.timeout_s, "backend": self.backend, "slot_bytes": self._slot_bytes,
         }  # fmt: skip
+        if self.backend == "nccl":
+            self._info["nccl_cumem"] = os.environ.get(CUMEM)
         return dict(self._info)
 
     def attach_infos(self, rank_infos: Sequence[dict[str, Any]], topology: Topology) -> dict[str, ConnectInfo]:
@@ -167,11 +207,16 @@ class BroadcastTransport(Transport):
         self.temp_bytes = packed.temp_bytes
         return {} if packed.checksum is None else {"xxh3": packed.checksum}
 
-    def _buffer_for(self, manifest: BucketManifest) -> torch.Tensor:
+    def _empty(self, nbytes: int) -> torch.Tensor:
+        """A send buffer: host memory for gloo, the trainer's current GPU for NCCL."""
         import torch
 
+        device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else None
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def _buffer_for(self, manifest: BucketManifest) -> torch.Tensor:
         if manifest.oversized:
-            buffer = self._own[manifest.index] = torch.empty(manifest.nbytes, dtype=torch.uint8)
+            buffer = self._own[manifest.index] = self._empty(manifest.nbytes)
             return buffer
         try:
             slot = self._busy.index(None)
@@ -221,13 +266,12 @@ class BroadcastTransport(Transport):
         """A send still in flight keeps its tensor alive; this rank never writes into it again."""
         if not self._sender or self._own.pop(index, None) is not None:
             return
-        import torch
-
         slot = self._slot_of(index)
-        self._buffers[slot] = torch.empty(self._slot_bytes, dtype=torch.uint8)
+        self._buffers[slot] = self._empty(self._slot_bytes)
         self._busy[slot] = None
 
     def disconnect(self) -> None:
+        close_group(self._group, self.backend)
         self._group = None  # dropping the group closes its connections: peers blocked on it fail
         self._store = None
         self._buffers, self._busy, self._own, self._info, self._plan = [], [], {}, {}, {}
@@ -245,6 +289,9 @@ class BroadcastReceiver(Receiver):
         import torch.distributed as dist
 
         f = info.fields
+        nccl = f.get("backend") == "nccl"
+        if nccl:
+            align_cumem(f.get("nccl_cumem"))
         try:
             store = dist.TCPStore(
                 f["addr"], int(f["port"]), int(f["world"]), is_master=False, timeout=_td(f["timeout_s"])
@@ -255,13 +302,15 @@ class BroadcastReceiver(Receiver):
         except (RuntimeError, OSError, ValueError) as exc:  # the group did not form (a member is missing)
             raise EngineError("rendezvous", f"group {f.get('group')} did not form: {exc}") from exc
         self._store = store
-        self._buffer = torch.empty(int(f.get("slot_bytes", 0)), dtype=torch.uint8)
+        self._backend = str(f.get("backend"))
+        self._device = torch.device("cuda", torch.cuda.current_device()) if nccl else None
+        self._buffer = torch.empty(int(f.get("slot_bytes", 0)), dtype=torch.uint8, device=self._device)
 
     def read(self, payload: Payload) -> list[tuple[str, torch.Tensor]]:
         import torch
 
         n = payload.manifest.nbytes
-        buffer = self._buffer if n <= self._buffer.numel() else torch.empty(n, dtype=torch.uint8)
+        buffer = self._buffer if n <= self._buffer.numel() else torch.empty(n, dtype=torch.uint8, device=self._device)
         _broadcast(self._group, buffer[:n])
         return unpack(buffer, payload.manifest)
 
@@ -269,5 +318,6 @@ class BroadcastReceiver(Receiver):
         return payload.fields.get("xxh3")
 
     def close(self) -> None:
+        close_group(self._group, self._backend)
         self._group = None
         self._store = None

@@ -330,6 +330,11 @@ def combine(digests: Sequence[int]) -> int:
     return xxhash.xxh3_64_intdigest(array.array("Q", digests).tobytes())
 
 
+def tensor_digest(tensor: torch.Tensor) -> int:
+    """One tensor's xxHash3 digest of its raw bytes (read to the host when on a device)."""
+    return combine(chunk_digests(tensor.detach().contiguous().cpu()))
+
+
 def checksum(tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
     """A bucket's checksum: xxHash3-64 over the per-chunk digests of every tensor's raw bytes, in
     order (padding excluded, so any transport and any copy of the bytes agree)."""

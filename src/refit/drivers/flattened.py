@@ -458,9 +458,25 @@ class SGLangTensorTransport(Transport):
 class FlattenedTensorReceiver(Receiver):
     """Engine side (one TP rank): decodes its own serialized entry and returns views of the bucket.
     With ``decoder: sglang`` it decodes with SGLang's own `MultiprocessingSerializer` and
-    `FlattenedTensorBucket` (SGLang must be importable in the engine's process)."""
+    `FlattenedTensorBucket` (SGLang must be importable in the engine's process). A CUDA bucket's
+    handle is opened per bucket (torch's CUDA IPC: the open waits on the sender's event) and the
+    engine syncs its stream before the ack (`consumed`), as an SGLang server answers only after
+    its copies ran: the sender may then write that buffer again."""
+
+    _cuda = False
+
+    def consumed(self, payload: Payload) -> None:
+        if self._cuda:
+            import torch
+
+            torch.cuda.current_stream().synchronize()
 
     def read(self, payload: Payload) -> list[tuple[str, torch.Tensor]]:
+        views = self._read(payload)
+        self._cuda = any(t.is_cuda for _, t in views)
+        return views
+
+    def _read(self, payload: Payload) -> list[tuple[str, torch.Tensor]]:
         data = payload.parts[self.tp_rank].get("serialized")
         if data is None:
             raise ValueError(f"bucket {payload.manifest.index}: no serialized entry for TP rank {self.tp_rank}")

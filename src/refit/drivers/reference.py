@@ -51,7 +51,7 @@ DEFAULT_TIMEOUT = 60.0
 class ReferenceEngine(EngineDriver):
     supports_in_place_pause = False
     pause_modes = frozenset({"abort", "retract", "in_place"})
-    transports = frozenset({"shm", "broadcast"})
+    transports = frozenset({"shm", "broadcast", "ipc", "sglang_tensor"})
 
     def __init__(self, client: EngineClient) -> None:
         self.client = client
@@ -68,11 +68,15 @@ class ReferenceEngine(EngineDriver):
         threads: int = 1,
         serving: bool = True,
         tp: int = 1,
+        device: str = "cpu",
     ) -> ReferenceEngine:
         """A reference engine in its own process(es). `serving=False` for a recovered engine: it
         refuses requests until a refit completes (miles#1724: replacements served before getting
-        weights). `tp`: TP ranks (processes), each holding a shard."""
-        return cls.spawn_many([name], config, seed, version=version, threads=threads, serving=serving, tp=tp)[0]
+        weights). `tp`: TP ranks (processes), each holding a shard. `device`: cpu, or a CUDA
+        device (one TP rank) for weights, KV and forward."""
+        return cls.spawn_many(
+            [name], config, seed, version=version, threads=threads, serving=serving, tp=tp, device=device
+        )[0]
 
     @classmethod
     def spawn_many(
@@ -85,17 +89,22 @@ class ReferenceEngine(EngineDriver):
         threads: int = 1,
         serving: bool = True,
         tp: int = 1,
+        device: str = "cpu",
     ) -> list[ReferenceEngine]:
         """Several engines (each `tp` processes), started in parallel."""
         from refit.reference.client import await_ready, launch_process
         from refit.reference.model import ModelConfig
 
         (config or ModelConfig()).check_tp(tp)  # refused here, not as a crash inside the new process
-
+        if device != "cpu" and tp > 1:
+            raise ValueError(f"device {device!r} with tp={tp}: a reference engine on a GPU has one TP rank")
         launches = [
-            launch_process(n, config or ModelConfig(), seed, version=version, threads=threads, serving=serving, tp=tp)
+            launch_process(
+                n, config or ModelConfig(), seed, version=version, threads=threads, serving=serving, tp=tp,
+                device=device,
+            )
             for n in names
-        ]
+        ]  # fmt: skip
         return [cls(await_ready(launch)) for launch in launches]
 
     @classmethod
@@ -219,6 +228,10 @@ class ReferenceEngine(EngineDriver):
 
     def state_dict(self, *, timeout: float = DEFAULT_TIMEOUT) -> dict[str, torch.Tensor]:
         return self.client.call("state_dict", timeout=timeout)
+
+    def digests(self, *, timeout: float = DEFAULT_TIMEOUT) -> dict[str, int]:
+        """Each HF tensor's xxHash3 digest as the engine holds it (`refit.drivers.buckets.tensor_digest`)."""
+        return self.client.call("digests", timeout=timeout)
 
     def info(self, *, timeout: float = DEFAULT_TIMEOUT) -> dict[str, Any]:
         return self.client.call("info", timeout=timeout)

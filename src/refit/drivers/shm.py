@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from refit.drivers.base import ConnectInfo, LazyTensors, Payload, Receiver, Topology, Transport
+from refit.drivers.base import ConnectInfo, LazyTensors, Payload, Receiver, Topology, Transport, routed_payloads
 from refit.drivers.buckets import BucketManifest, chunk_digests, itemsize, pack_into, slot_bytes, torch_dtype, unpack
 
 if TYPE_CHECKING:
@@ -306,13 +306,7 @@ class SharedMemoryTransport(Transport):
     def payloads(
         self, manifest: BucketManifest, parts: Sequence[dict[str, Any] | None], topology: Topology
     ) -> dict[str, Payload]:
-        out = {}
-        for e in topology.engines:
-            mine = tuple(parts[self.route(topology, e, j)] for j in range(e.tp))
-            if any(p is None for p in mine):
-                raise RuntimeError(f"shm transport: no trainer rank packed bucket {manifest.index} for {e.name}")
-            out[e.name] = Payload(self.kind, manifest, parts=mine)  # type: ignore[arg-type]
-        return out
+        return routed_payloads(self, manifest, parts, topology)
 
     def _slot_of(self, index: int) -> int:
         try:

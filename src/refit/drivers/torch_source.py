@@ -12,6 +12,8 @@ Lifecycle:
                           into its buffer, casting on the way), nothing is cloned or gathered
                           here, so the trainer never holds a whole extra bucket.
   RESTORING / abort       `restore()`: optimizer state back to where it was.
+  storages()              a resident source (plain tensors handed out as they are) offers the
+                          storages they lie in, for a transport that shares them once (CUDA IPC).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from refit.drivers.base import LazyTensors, Source
+from refit.drivers.base import LazyTensors, Source, Storages
 from refit.drivers.buckets import BucketManifest, TensorMeta, dtype_name
 
 if TYPE_CHECKING:
@@ -75,6 +77,12 @@ class TorchSource(Source):
         if self._dtype is not None or (callable(self._model) and not isinstance(self._model, nn.Module)):
             return False
         return not any(hasattr(t, "placements") for _, t in self._named())
+
+    def storages(self) -> Storages | None:
+        """The trainer's own tensors, when handed out as they are (`resident`); else None."""
+        if not self.resident:
+            return None
+        return Storages(tuple(t.detach() for _, t in self._named()))
 
     def metas(self) -> list[TensorMeta]:
         return [

@@ -40,7 +40,9 @@ from refit.drivers.buckets import BucketManifest, TensorMeta
 from refit.errors import RankError, RefitError
 
 SEND_CALLS = frozenset({"send"})
-SOURCE_CALLS = frozenset({"metas", "offload", "restore"})  # the rest are the transport's
+SOURCE_CALLS = frozenset({"metas", "epoch", "offload", "restore"})  # the rest are the transport's
+# steps whose per-rank values the trace keeps (field `per_rank`); replay answers with them
+RECORDED_RESULTS = frozenset({"epoch"})
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,7 @@ class Participant:
 
     Steps (the leader sends them; every rank runs each one, in the order sent):
       metas()                 this rank's view of the tensors (the leader checks ranks agree)
+      epoch()                 the storage epoch of this rank's source (storage-sharing transports)
       offload() / restore()   the source's colocated memory hooks
       connect(plan, topology) open this rank's side of the transport; returns its info
       join()                  collective transports: enter the group while engines attach
@@ -109,6 +112,10 @@ class Participant:
     def metas(self) -> list[TensorMeta]:
         return self.source.metas()
 
+    def epoch(self) -> int | None:
+        storages = self.source.storages()
+        return None if storages is None else storages.epoch
+
     def prepare(self, plan: Sequence[BucketManifest]) -> None:
         """Before any engine is paused: let the transport look at a resident source's tensors."""
         if not (self.transport.wants_prepare and self.source.resident):
@@ -132,6 +139,8 @@ class Participant:
     def connect(self, plan: Sequence[BucketManifest], topology: Topology) -> dict[str, Any]:
         self._close_stream()
         self.plan, self.topology = list(plan), topology
+        if self.transport.shares_storages:
+            self.transport.share(self.source.storages())
         info = self.transport.connect(self.plan, topology, self.rank)
         self._account(0)
         return info

@@ -64,7 +64,7 @@ from refit.invariants.integrity import LATE_TOLERANCE_S
 from refit.protocol.context import EngineOutcome, RefitContext, RefitResult
 from refit.protocol.deadline import Deadline
 from refit.protocol.faults import FaultyEngine, FaultyRanks
-from refit.protocol.ranks import RankStep
+from refit.protocol.ranks import RECORDED_RESULTS, RankStep
 from refit.states import (
     TRANSITIONS,
     EngineEvent,
@@ -185,6 +185,7 @@ class _Run:
         self.phase_seconds: dict[str, float] = {}
         self._phase_t0 = self.clock()
         self.plan: list[BucketManifest] = []
+        self.epochs: tuple[Any, ...] = ()  # every rank's storage epoch (storage-sharing transports)
         self.topology: Topology | None = None
         self.bytes_moved = 0
         self.offloaded = False
@@ -315,7 +316,8 @@ class _Run:
             "call", rc.step.call, state=state or rc.step.state, side=rc.step.side, outcome=outcome,
             duration_s=round(took, 6), error=None if exc is None else f"{type(exc).__name__}: {exc}",
             bucket=rc.step.bucket, ranks=self.ctx.ranks.world if self.ctx.ranks else 1,
-            budget_s=round(rc.budget, 6) if rc.budget > 0 else None, late=True if late else None, **rc.extra,
+            budget_s=round(rc.budget, 6) if rc.budget > 0 else None, late=True if late else None,
+            per_rank=values if rc.step.call in RECORDED_RESULTS and exc is None else None, **rc.extra,
         )  # fmt: skip
         return values, exc
 
@@ -601,8 +603,15 @@ class _Run:
             "plan", "buckets", buckets=len(self.plan), nbytes=sum(m.nbytes for m in self.plan), tensors=len(metas),
             manifests=[m.summary() for m in self.plan],
         )  # fmt: skip
+        self.read_epochs("IDLE")
         if self.transport.wants_prepare:  # work that needs no engine, done before any is paused
             self.rank_call(RankStep("prepare", "IDLE", (self.plan,)))
+
+    def read_epochs(self, state: str) -> None:
+        """Every rank's storage epoch, for a transport that shares the source's storages: a
+        connection is reused only for the storages it shared (a reallocated trainer reconnects)."""
+        if self.transport.shares_storages:
+            self.epochs = tuple(self.rank_call(RankStep("epoch", state)))
 
     def read_incarnations(self) -> None:
         """Each engine's incarnation (a restarted engine is reconnected and fully refit), bounded."""
@@ -645,7 +654,7 @@ class _Run:
         )
 
     def connection_key(self, members: Sequence[_Engine]) -> tuple[Any, ...]:
-        return (tuple((e.name, e.incarnation, e.tp) for e in members), tuple(self.plan), self.ctx.mode)
+        return (tuple((e.name, e.incarnation, e.tp) for e in members), tuple(self.plan), self.ctx.mode, self.epochs)
 
     def connect(self, members: list[_Engine], state: str) -> None:
         """Connect the transport on every rank and attach `members` (a collective transport's
@@ -681,6 +690,7 @@ class _Run:
             for e in members:  # they failed only because the group could not form: they try again
                 e.failure, e.error, e.exc = None, None, None
         self.topology = shared.topology = topo
+        self.read_epochs(state)  # what was shared (sharing may have moved a CPU storage into shared memory)
         shared.connection_key = self.connection_key(members)
         self.connection_dirty = False
         self.broken = False
@@ -1092,6 +1102,7 @@ def _lead(ctx: RefitContext) -> RefitResult:
         pause_mode=ctx.pause_mode, bucket_bytes=ctx.bucket_bytes, deadline_s=ctx.deadline_s,
         cleanup_grace_s=ctx.cleanup_grace_s, retries=ctx.retries, call_timeout_s=ctx.call_timeout_s,
         ranks=ctx.ranks.world if ctx.ranks else 1, transport=ctx.transport.kind, collective=ctx.transport.collective,
+        shares_storages=ctx.transport.shares_storages or None,
     )  # fmt: skip
     lock = ctx.lock
     if lock is None:

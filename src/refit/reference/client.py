@@ -141,6 +141,7 @@ def launch_process(
     threads: int = 1,
     serving: bool = True,
     tp: int = 1,
+    device: str = "cpu",
 ) -> _Launch:
     """Start an engine process without waiting for it (see `await_ready`).
 
@@ -150,7 +151,7 @@ def launch_process(
     ours, theirs = socket.socketpair()
     spec = {
         "config": config.to_dict(), "seed": seed, "name": name, "version": version, "threads": threads,
-        "serving": serving, "tp": tp,
+        "serving": serving, "tp": tp, "device": device,
     }  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     proc = subprocess.Popen(

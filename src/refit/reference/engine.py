@@ -22,6 +22,9 @@ What it has, and why each part exists:
               generated under.
   * memory    release/resume of "weights" and "kv_cache" (colocated refits): released weights
               come back as zeros unless a CPU backup was kept.
+  * device    `device="cuda"` puts weights, KV and the forward on a GPU (same code path). A
+              bucket's copies are queued on the current stream (one batched copy per bucket, no
+              host sync); `finalize` waits for them once, so a refit's end means the bytes landed.
 """
 
 from __future__ import annotations
@@ -229,18 +232,21 @@ class EngineCore:
         version: int = 0,
         serving: bool = True,
         comm: Comm | None = None,
+        device: str = "cpu",
     ) -> None:
         """`serving=False` starts the engine out of service until a refit completes (a recovered
         engine must not answer requests with checkpoint weights before it has the current ones).
         `comm`: this process is one TP rank of the engine (every rank runs every request; the
-        weights are sharded, the scheduler state replicated)."""
+        weights are sharded, the scheduler state replicated). `device`: where the weights, KV and
+        forward live (a CUDA engine has one TP rank: its TP collectives are gloo's)."""
         self.config = config
         self.comm = comm or Comm()
+        self.device = torch.device(device)
+        if self.device.type != "cpu" and self.comm.size > 1:
+            raise ValueError(f"device {device!r} with TP {self.comm.size}: a reference engine on a GPU has one TP rank")
         self.layout = WeightLayout(config, self.comm.rank, self.comm.size)
         self.params: dict[str, torch.Tensor] = {name: self._zeros(name) for name in self.layout.engine_shapes}
-        with torch.no_grad():
-            for name, tensor in init_weights(config, seed).items():
-                self._write(name, tensor)
+        self._load_checkpoint(seed)
         self.head_serving = self._head()
         self.version = version
         self.weights_epoch = 0
@@ -259,21 +265,35 @@ class EngineCore:
         self.requests: dict[int, Request] = {}
         self._finished: list[int] = []
         self._rids = itertools.count()
+        self.copies_landed_at: float | None = None  # CLOCK_MONOTONIC when the last finalize saw its copies land
+        self.copy_span_s: float | None = None  # GPU time from the session's first queued copy to its last one's end
+        self._copy_events: list[Any] = []
         self.sessions = 0  # update sessions opened so far; each begin that succeeds opens the next
         self.audit: list[dict[str, Any]] = []  # what the engine itself did, for engine-side invariants
         if not serving:
             self.quarantine("awaiting its first refit")
+        if self.device.type == "cuda":  # start-up temporaries (the initial weights) are not the engine's peak
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    @torch.no_grad()
+    def _load_checkpoint(self, seed: int) -> None:
+        for name, tensor in init_weights(self.config, seed, self.device).items():
+            self._write(name, tensor)
 
     def _zeros(self, engine_name: str) -> torch.Tensor:
         dtype = self.layout.hf_dtypes.get(engine_name, self.layout.dtype)  # fused parameters: the model's dtype
-        return torch.zeros(self.layout.engine_shapes[engine_name], dtype=getattr(torch, dtype))
+        return torch.zeros(self.layout.engine_shapes[engine_name], dtype=getattr(torch, dtype), device=self.device)
 
     def _head(self) -> torch.Tensor:
         """A copy of this rank's output head as loaded: lm_head, or the embedding when tied."""
+        return self._head_weights().clone()
+
+    def _head_weights(self) -> torch.Tensor:
         if "lm_head.weight" in self.params:
-            return self.params["lm_head.weight"].clone()
+            return self.params["lm_head.weight"]
         start, n = self.layout.head_rows
-        return self.params[self.layout.tied["lm_head.weight"]].narrow(0, start, n).clone()
+        return self.params[self.layout.tied["lm_head.weight"]].narrow(0, start, n)
 
     def record(self, op: str, ok: bool, **fields: Any) -> None:
         """Append one engine-side audit record (time is CLOCK_MONOTONIC, comparable across processes)."""
@@ -436,11 +456,12 @@ class EngineCore:
             self.break_session(f"bucket {manifest.index} was refused ({exc.kind})")
             raise
         digests: list[int] = []
+        if self.device.type == "cuda" and self.session is not None and not self.session.loaded:
+            self._copy_events = [torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)]
+            self._copy_events[0].record()
         with torch.no_grad():
             if expected is None:
-                for name, tensor in tensors:
-                    if name not in self.layout.tied:  # a tied head was checked equal to its tensor
-                        self._write(name, tensor)
+                self._write_all([(n, t) for n, t in tensors if n not in self.layout.tied])  # a tied head: checked
             else:
                 run: list[tuple[torch.Tensor, torch.Tensor]] = []  # digests stay in bucket order
                 for name, tensor in tensors:
@@ -462,6 +483,17 @@ class EngineCore:
                 "(in transit, or written during the refit)",
             )
         self.session.loaded.add(manifest.index)
+
+    def _write_all(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """Keep this rank's shard of each tensor: one batched copy (`torch._foreach_copy_`) for the
+        bucket, queued on the current stream without a host sync when on a GPU."""
+        dsts, srcs = [], []
+        for name, tensor in tensors:
+            target, dim, src, dst, n = self.layout.targets[name]
+            dsts.append(self.params[target].narrow(dim, dst, n))
+            srcs.append(tensor.narrow(dim, src, n))
+        if dsts:
+            torch._foreach_copy_(dsts, srcs)
 
     def _target(self, hf_name: str) -> torch.Tensor:
         """Where a whole HF tensor lands on a single-rank engine (a contiguous block of rows)."""
@@ -520,9 +552,23 @@ class EngineCore:
                 "incomplete",
                 f"finalize after {len(session.loaded)} of {len(session.plan)} buckets; missing {missing}",
             )
-        self.head_serving = self._head()
+        t0 = time.perf_counter()
+        if self.device.type == "cuda":  # the buckets' queued copies have landed (once per session)
+            if self._copy_events:
+                self._copy_events[1].record()
+            torch.cuda.current_stream(self.device).synchronize()
+            if self._copy_events:
+                self.copy_span_s = self._copy_events[0].elapsed_time(self._copy_events[1]) / 1e3
+                self._copy_events = []
+        landed = time.perf_counter() - t0
+        self.copies_landed_at = time.monotonic()
+        loaded = self._head_weights()
+        if self.head_serving.shape == loaded.shape:
+            self.head_serving.copy_(loaded)  # into the serving copy it already holds: no allocation
+        else:
+            self.head_serving = loaded.clone()
         self.ready_to_publish = True
-        return {"post_processed": True}
+        return {"post_processed": True, "copies_landed_s": round(landed, 6)}
 
     def publish(self, version: int) -> None:
         if self.session is not None:
@@ -572,7 +618,7 @@ class EngineCore:
             self.cache.clear()
             self.kv_released = True
         if "weights" in tags and not self.weights_released:
-            self._backup = {k: v.clone() for k, v in self.params.items()} if cpu_backup else None
+            self._backup = {k: v.to("cpu", copy=True) for k, v in self.params.items()} if cpu_backup else None
             self.params = {k: torch.empty(0) for k in self.params}
             self.head_serving = torch.empty(0)
             self.weights_released = True
@@ -584,7 +630,7 @@ class EngineCore:
         resumed = [t for t in tags if (self.weights_released if t == "weights" else self.kv_released)]
         if "weights" in tags and self.weights_released:
             if self._backup is not None:
-                self.params, self._backup = self._backup, None
+                self.params, self._backup = {k: v.to(self.device) for k, v in self._backup.items()}, None
             else:
                 self.params = {name: self._zeros(name) for name in self.layout.engine_shapes}
                 intact = False
@@ -728,8 +774,8 @@ class EngineCore:
         assert c.head_dim is not None
         heads, kv_heads = c.num_heads // comm.size, c.num_kv_heads // comm.size  # this rank's heads
         qd, kvd, t = heads * c.head_dim, kv_heads * c.head_dim, len(tokens)
-        pos = torch.arange(start, start + t)
-        x = F.embedding(torch.tensor([tokens]), p["model.embed_tokens.weight"])
+        pos = torch.arange(start, start + t, device=self.device)
+        x = F.embedding(torch.tensor([tokens], device=self.device), p["model.embed_tokens.weight"])
         new_kv = []
         for i in range(c.num_layers):
             pre = f"model.layers.{i}."
@@ -761,7 +807,21 @@ class EngineCore:
         out = self.comm.all_reduce(F.linear(x.float(), weight.float()))
         return (out if bias is None else out + bias.float()).to(x.dtype)
 
+    def digests(self) -> dict[str, int]:
+        """Each HF tensor's xxHash3 digest of its bytes as this engine holds them, unfused (a
+        bit-exact check of a large state without shipping it: the trainer hashes its own)."""
+        from refit.drivers.buckets import tensor_digest
+
+        if self.comm.size > 1:
+            return {name: tensor_digest(t) for name, t in self.hf_state_dict().items()}
+        self._require_weights()
+        return {
+            name: tensor_digest(self.params[target].narrow(dim, dst, n))
+            for name, (target, dim, _src, dst, n) in self.layout.targets.items()
+        }
+
     def info(self) -> dict[str, Any]:
+        cuda = self.device.type == "cuda"
         return {
             "version": self.version,
             "dirty": self.dirty,
@@ -775,6 +835,11 @@ class EngineCore:
             "waiting": len(self.waiting),
             "cached_tokens": self.cache.size,
             "tp": self.comm.size,
+            "device": str(self.device),
+            "copies_landed_at": self.copies_landed_at,
+            "copy_span_s": self.copy_span_s,
+            "gpu_allocated_bytes": torch.cuda.memory_allocated(self.device) if cuda else None,
+            "gpu_peak_bytes": torch.cuda.max_memory_allocated(self.device) if cuda else None,
         }
 
 

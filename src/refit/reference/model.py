@@ -205,18 +205,19 @@ def _dtype_field(d: Mapping[str, Any]) -> str:
     return name
 
 
-def init_weights(config: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
+def init_weights(config: ModelConfig, seed: int, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
     """Deterministic HF-named weights (in the config's dtypes): the 'checkpoint' trainer and
-    engines start from. A tied head is not listed (it is the embedding)."""
-    gen = torch.Generator().manual_seed(seed)
+    engines start from. A tied head is not listed (it is the embedding). Drawn on `device` by
+    that device's generator: the same seed gives other values on CUDA than on CPU."""
+    gen = torch.Generator(device=device).manual_seed(seed)
     out = {}
     dtypes = config.hf_dtypes()
     for name, shape in config.hf_shapes().items():
+        t = torch.randn(shape, generator=gen, device=device)
         if name.endswith("layernorm.weight") or name == "model.norm.weight":
-            out[name] = 1.0 + 0.1 * torch.randn(shape, generator=gen)
+            out[name] = (t.mul_(0.1).add_(1.0)).to(getattr(torch, dtypes[name]))
         else:
-            out[name] = torch.randn(shape, generator=gen) / math.sqrt(shape[-1])
-        out[name] = out[name].to(getattr(torch, dtypes[name]))
+            out[name] = t.div_(math.sqrt(shape[-1])).to(getattr(torch, dtypes[name]))
     return out
 
 
@@ -234,7 +235,7 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor
     """Rotary embedding on [B, heads, T, D] at absolute `positions` [T] (half-split layout); the
     angles in float32, cos/sin cast to x's dtype."""
     d = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d))
     angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
     cos = torch.cat([angles.cos(), angles.cos()], -1).to(x.dtype)
     sin = torch.cat([angles.sin(), angles.sin()], -1).to(x.dtype)
@@ -251,8 +252,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int) 
     v = v.repeat_interleave(groups, dim=1)
     tq, tk = q.shape[2], k.shape[2]
     scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
-    qpos = torch.arange(q_offset, q_offset + tq)[:, None]
-    kpos = torch.arange(tk)[None, :]
+    qpos = torch.arange(q_offset, q_offset + tq, device=q.device)[:, None]
+    kpos = torch.arange(tk, device=q.device)[None, :]
     scores = scores.masked_fill(kpos > qpos, float("-inf"))
     return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
 
@@ -284,7 +285,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c, (b, t, _) = self.c, x.shape
         assert c.head_dim is not None
-        pos = torch.arange(t)
+        pos = torch.arange(t, device=x.device)
         q = self.q_proj(x).view(b, t, c.num_heads, c.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
@@ -367,7 +368,7 @@ def greedy(model: TinyLlama, prompt: list[int], max_new_tokens: int) -> list[int
     """Reference greedy decoding by full recomputation (no cache): what an engine must match."""
     ids = list(prompt)
     for _ in range(max_new_tokens):
-        logits = model(torch.tensor([ids]))[0, -1]
+        logits = model(torch.tensor([ids], device=model.lm_head.weight.device))[0, -1]
         ids.append(int(torch.argmax(logits)))
     return ids[len(prompt) :]
 
@@ -375,4 +376,4 @@ def greedy(model: TinyLlama, prompt: list[int], max_new_tokens: int) -> list[int
 @torch.no_grad()
 def prompt_logits(model: TinyLlama, prompt: list[int]) -> torch.Tensor:
     """Logits [T, V] for every position of `prompt`."""
-    return model(torch.tensor([prompt]))[0]
+    return model(torch.tensor([prompt], device=model.lm_head.weight.device))[0]

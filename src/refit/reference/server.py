@@ -229,7 +229,7 @@ class EngineServer:
 
     METHODS = frozenset(
         {
-            "info", "submit", "result", "score", "state_dict", "pause", "continue_generation", "flush",
+            "info", "submit", "result", "score", "state_dict", "digests", "pause", "continue_generation", "flush",
             "begin", "load", "finalize", "publish", "label_version", "quarantine", "release_memory",
             "resume_memory", "attach", "detach", "ping", "audit", "arm_fault", "probe", "steps", "abort_requests",
         }
@@ -393,7 +393,10 @@ class EngineServer:
             self.core.break_session(f"bucket {index} could not be read on TP rank {bad[0][0]}")
             rank, text = bad[0]
             raise EngineError("bad_payload", f"bucket {index} (TP rank {rank}): {text}")
-        self.core.load(payload.manifest, tensors, expected=receiver.expected(payload) if fused else None)
+        try:
+            self.core.load(payload.manifest, tensors, expected=receiver.expected(payload) if fused else None)
+        finally:
+            receiver.consumed(payload)  # the copies from its buffer are queued: the transport's side may order on them
         comm.gather_objects(None)  # the ack leaves only once every rank has copied its shard
 
 
@@ -509,6 +512,9 @@ def process_main(fd: int, spec: dict[str, Any]) -> None:
     from refit.reference.model import ModelConfig
 
     torch.set_num_threads(spec["threads"])
+    device = torch.device(spec.get("device", "cpu"))
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)  # receivers and collectives use the engine's own GPU
     conn = Connection(fd)
     tp, rank = int(spec.get("tp", 1)), int(spec.get("tp_rank", 0))
     comm, store, followers, procs = None, None, [], []
@@ -534,8 +540,9 @@ def process_main(fd: int, spec: dict[str, Any]) -> None:
     if tp > 1:
         comm = Comm(_tp_group(store, rank, tp), rank, tp)
     core = EngineCore(
-        ModelConfig(**spec["config"]), spec["seed"], version=spec["version"], serving=spec["serving"], comm=comm
-    )
+        ModelConfig(**spec["config"]), spec["seed"], version=spec["version"], serving=spec["serving"], comm=comm,
+        device=spec.get("device", "cpu"),
+    )  # fmt: skip
     channel = PipeChannel(conn)
     if rank > 0:
         channel.send(("ready", os.getpid()))

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The GPU run, one command on the lent H200 machine (the device tool runs it in the repository
+# root): refit's small pure-Python dependencies from carried wheels (.whl, see docs/benchmarks.md),
+# the GPU checks (tests_gpu/; the two-GPU file only where two GPUs are visible), then
+# `refit bench gpu`. Logs and the JSON go to $OUT.
+set -uo pipefail
+OUT=${OUT:-/tmp/refit-gpu}
+mkdir -p "$OUT"
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH="$PWD/src:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} TORCH_SYMM_MEM_DISABLE_MULTICAST=${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1}
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -c 'import torch; print(torch.__version__, torch.cuda.device_count())'; } > "$OUT/env.txt" 2>&1
+gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+files=(tests_gpu/test_cuda_refit.py)
+[ "$gpus" -ge 2 ] && files+=(tests_gpu/test_two_gpu.py)
+rc=0
+timeout "${GPU_TEST_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider -x "${files[@]}" "$@" 2>&1 | tee "$OUT/tests_gpu.log" || rc=1
+if [ "${SKIP_BENCH:-0}" != 1 ]; then
+    timeout "${GPU_BENCH_TIMEOUT:-420}" python3 -m refit.cli bench gpu --json "$OUT/bench_gpu.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_gpu.log" || rc=1
+fi
+exit $rc

@@ -1,0 +1,281 @@
+"""`refit bench gpu`: colocated refits on one GPU against the copy floor (a benchmark, never a
+timed test). Needs a CUDA device; the trainer is this process, each engine a reference-engine
+process on the same GPU.
+
+For each shape (Qwen2.5-7B and 1.5B, bf16, Qwen2 layout), side by side in one run:
+  floor      one process, `torch._foreach_copy_` of the whole state into a second copy of it
+  seed       the seed documents' path: per bucket, flatten into a new buffer, send its CUDA IPC
+             handle (SGLang's flattened-bucket format), the engine opens it, copies slices into
+             its parameters, syncs, acks; the buffer is dropped
+  flattened  path (a): the same wire format out of `slots` persistent buffers
+             (`SGLangTensorTransport(device="cuda")`)
+  ipc        path (b): the trainer's storages shared once at connect (`IPCTransport`); a refit
+             sends references, the engine does one device-to-device copy per byte; its buckets
+             are signals of at least 2 GiB (`signal_bytes`)
+  ipc_512    path (b) with the other paths' 512 MiB buckets (what each bucket's message costs)
+Each path runs through `protocol.run` (colocated, abort pause): a connecting refit, then timed
+refits, each after an in-place "optimizer step" (every weight negated: new bits, same storages).
+Per refit, from the engine's own clock (its audit; CLOCK_MONOTONIC): the stall (pause start ->
+continue end) and the transfer (first bucket's load start -> its copies landed, read at finalize's
+one sync). bit_exact: every HF tensor's xxHash3, as the engine holds it unfused, equals the
+trainer's. peak_extra_gpu_bytes: memory refit allocated beyond the two states, trainer and
+engine processes together (each process's allocator peak during the timed refits minus what it
+held before).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from refit import protocol
+from refit.bench import _percentile, _window
+from refit.drivers.buckets import BucketManifest, tensor_digest
+from refit.drivers.flattened import SGLangTensorTransport
+from refit.drivers.ipc import IPCTransport
+from refit.drivers.reference import ReferenceEngine
+from refit.drivers.torch_source import TorchSource
+from refit.reference.model import ModelConfig, init_weights
+
+SHAPES: dict[str, ModelConfig] = {
+    # Qwen2.5-7B: 28 layers, hidden 3584, 28 heads / 4 KV heads, intermediate 18944, vocab 152064,
+    # q/k/v biases, an untied head: 339 tensors, 15.23 GB in bf16
+    "7b": ModelConfig(
+        vocab_size=152064, hidden_size=3584, num_layers=28, num_heads=28, num_kv_heads=4, intermediate_size=18944,
+        qkv_bias=True, dtype="bfloat16", model_type="qwen2", rope_theta=1e6, max_seq_len=512,
+    ),
+    # Qwen2.5-1.5B: 28 layers, hidden 1536, 12 heads / 2 KV heads, intermediate 8960, vocab 151936,
+    # the head tied to the embedding: 338 tensors, 3.09 GB in bf16
+    "1.5b": ModelConfig(
+        vocab_size=151936, hidden_size=1536, num_layers=28, num_heads=12, num_kv_heads=2, intermediate_size=8960,
+        qkv_bias=True, tie_word_embeddings=True, dtype="bfloat16", model_type="qwen2", rope_theta=1e6,
+        max_seq_len=512,
+    ),
+}  # fmt: skip
+PATHS = ("floor", "seed", "flattened", "ipc", "ipc_512")
+
+
+class SeedStyleTransport(SGLangTensorTransport):
+    """The baseline the project started from: every bucket is flattened into a buffer allocated
+    for it and dropped after its ack (no persistent buffers); the wire format is path (a)'s."""
+
+    def connect(self, plan: Any, topology: Any, rank: int) -> dict[str, Any]:
+        info = super().connect(plan, topology, rank)
+        self._buffers, self._busy = [], []  # no persistent buffers
+        return info
+
+    def _buffer_for(self, manifest: BucketManifest) -> torch.Tensor:
+        buffer = self._own[manifest.index] = self._new_buffer(manifest.nbytes)
+        return buffer
+
+
+def _sync() -> None:
+    torch.cuda.synchronize()
+
+
+def floor_ms(state: dict[str, torch.Tensor], repeats: int = 7) -> float:
+    """One process copying the whole state device to device (`torch._foreach_copy_`)."""
+    src = list(state.values())
+    dst = [torch.empty_like(t) for t in src]
+    times = []
+    for _ in range(repeats + 2):
+        _sync()
+        t0 = time.perf_counter()
+        torch._foreach_copy_(dst, src)
+        _sync()
+        times.append(time.perf_counter() - t0)
+    del dst
+    return statistics.median(times[2:]) * 1e3
+
+
+def cold_floor_ms(state: dict[str, torch.Tensor], idle_s: float = 0.05, repeats: int = 5) -> float:
+    """The same copy after the GPU sat idle for `idle_s` (as it does while a refit's control calls
+    run): what the floor costs when the chip's clocks have dropped."""
+    src = list(state.values())
+    dst = [torch.empty_like(t) for t in src]
+    times = []
+    for _ in range(repeats):
+        _sync()
+        time.sleep(idle_s)
+        t0 = time.perf_counter()
+        torch._foreach_copy_(dst, src)
+        _sync()
+        times.append(time.perf_counter() - t0)
+    del dst
+    return statistics.median(times) * 1e3
+
+
+def _step(state: dict[str, torch.Tensor]) -> None:
+    """An in-place optimizer step: every weight negated (new bits everywhere, the same storages)."""
+    with torch.no_grad():
+        torch._foreach_neg_(list(state.values()))
+
+
+def _transport(path: str) -> Any:
+    if path == "seed":
+        return SeedStyleTransport(device="cuda")
+    if path == "flattened":
+        return SGLangTensorTransport(device="cuda")
+    if path == "ipc":
+        return IPCTransport()
+    if path == "ipc_512":  # path (b) at the other paths' bucket size: what each bucket's signal costs
+        return IPCTransport(signal_bytes=0)
+    raise ValueError(f"path {path!r}: use one of {PATHS[1:]}")
+
+
+def run_path(
+    path: str, config: ModelConfig, state: dict[str, torch.Tensor], *, refits: int, bucket_mb: int,
+    tick: Callable[[str], None] = lambda s: None,
+) -> dict[str, Any]:  # fmt: skip
+    """A connecting refit, then `refits` timed refits of `state` into a fresh engine process."""
+    engine = ReferenceEngine.spawn(f"gpu-{path}", config, seed=0, device="cuda")
+    ctx = protocol.RefitContext(
+        TorchSource(state), _transport(path), [engine], mode="colocated", pause_mode="abort",
+        bucket_bytes=bucket_mb << 20, deadline_s=300.0,
+    )  # fmt: skip
+    stalls, transfers, phases, pre, post, spans = [], [], [], [], [], []
+    try:
+        engine_base = engine.info()["gpu_allocated_bytes"]
+        _sync()
+        torch.cuda.reset_peak_memory_stats()
+        trainer_base = torch.cuda.memory_allocated()
+        for i in range(refits + 1):  # the first refit connects (opens handles): not counted
+            _step(state)
+            _sync()  # the step is the trainer's, not the refit's
+            since = time.monotonic()
+            result = protocol.run(ctx).raise_for_error()
+            tick(f"{path} refit {i + 1}/{refits + 1}")
+            if i == 0:
+                continue
+            info = engine.info()
+            window = _window(engine.audit(), since)
+            if window is None or info.get("copies_landed_at") is None:
+                raise RuntimeError(f"{path}: the engine's audit shows no pause/load/continue for this refit")
+            landed = max(window[3], info["copies_landed_at"])
+            stalls.append(window[1] - window[0])
+            transfers.append(landed - window[2])
+            pre.append(window[2] - window[0])  # pause start -> first bucket's load start
+            post.append(window[1] - landed)  # copies landed -> continue end
+            spans.append(info.get("copy_span_s") or 0.0)
+            phases.append(result.phase_seconds)
+        info = engine.info()
+        trainer_extra = torch.cuda.max_memory_allocated() - trainer_base
+        engine_extra = info["gpu_peak_bytes"] - engine_base
+        got = engine.digests(timeout=600)
+        want = {name: tensor_digest(t) for name, t in state.items()}
+        exact = got == want
+        nbytes, buckets = result.bytes_moved, result.buckets
+    finally:
+        ctx.close()
+        engine.close()
+    stall, transfer = statistics.median(stalls), statistics.median(transfers)
+    phase_ms = {k: round(statistics.median(p.get(k, 0.0) for p in phases) * 1e3, 3) for k in phases[-1]}
+    return {
+        "ms_stall": round(stall * 1e3, 3),
+        "ms_stall_p90": round(_percentile(stalls, 0.9) * 1e3, 3),
+        "ms_transfer": round(transfer * 1e3, 3),
+        "gbps": round(nbytes / transfer / 1e9, 1),
+        "peak_extra_gpu_bytes": int(trainer_extra + engine_extra),
+        "peak_extra_trainer_bytes": int(trainer_extra),
+        "peak_extra_engine_bytes": int(engine_extra),
+        "bit_exact": exact,
+        "mismatched": sorted(k for k in want if got.get(k) != want[k])[:5],
+        "buckets": buckets,
+        "bytes": nbytes,
+        "refits": refits,
+        "runner_phase_ms": phase_ms,
+        "ms_pause_to_first_load": round(statistics.median(pre) * 1e3, 3),
+        "ms_landed_to_continued": round(statistics.median(post) * 1e3, 3),
+        "ms_engine_gpu_copy_span": round(statistics.median(spans) * 1e3, 3),
+    }
+
+
+def gpu(
+    shapes: tuple[str, ...] = ("7b", "1.5b"), *, refits: int = 5, bucket_mb: int = 512,
+    paths: tuple[str, ...] = PATHS, tick: Callable[[str], None] = lambda s: None,
+) -> dict[str, Any]:  # fmt: skip
+    if not torch.cuda.is_available():
+        raise RuntimeError("refit bench gpu needs a CUDA device (torch.cuda.is_available() is False)")
+    report: dict[str, Any] = {
+        "bench": "gpu", "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+        "bucket_bytes": bucket_mb << 20, "refits": refits, "date": time.strftime("%Y-%m-%d"), "shapes": {},
+    }  # fmt: skip
+    for shape in shapes:
+        config = SHAPES[shape]
+        state = init_weights(config, seed=1, device="cuda")
+        nbytes = sum(t.numel() * t.element_size() for t in state.values())
+        floor = floor_ms(state)
+        cold = cold_floor_ms(state)
+        tick(
+            f"{shape}: {len(state)} tensors, {nbytes / 1e9:.2f} GB, floor {floor:.2f} ms (after 50 ms idle {cold:.2f})"
+        )
+        rows: dict[str, Any] = {
+            "floor": {"ms_stall": None, "ms_transfer": round(floor, 3), "gbps": round(nbytes / floor / 1e6, 1),
+                      "ratio_to_floor": 1.0, "peak_extra_gpu_bytes": 0, "bit_exact": True},
+        }  # fmt: skip
+        for path in paths:
+            if path == "floor":
+                continue
+            row = run_path(path, config, state, refits=refits, bucket_mb=bucket_mb, tick=tick)
+            row["ratio_to_floor"] = round(row["ms_stall"] / floor, 3)
+            row["transfer_ratio_to_floor"] = round(row["ms_transfer"] / floor, 3)
+            rows[path] = row
+            tick(f"{shape} {path}: stall {row['ms_stall']:.2f} ms, transfer {row['ms_transfer']:.2f} ms")
+        report["shapes"][shape] = {
+            "tensors": len(state), "bytes": nbytes, "floor_ms": round(floor, 3), "floor_after_idle_ms": round(cold, 3),
+            "paths": rows,
+        }  # fmt: skip
+        del state
+        torch.cuda.empty_cache()  # between shapes, outside every refit
+    seven = report["shapes"].get("7b", {}).get("paths", {})
+    if "ipc" in seven and "seed" in seven:
+        report["goal"] = {
+            "ipc_stall_over_floor": seven["ipc"]["ratio_to_floor"], "ipc_stall_over_floor_goal": 1.3,
+            "seed_stall_over_ipc_stall": round(seven["seed"]["ms_stall"] / seven["ipc"]["ms_stall"], 2),
+            "seed_over_ipc_goal": 3.0,
+        }  # fmt: skip
+    return report
+
+
+def table(report: dict[str, Any]) -> str:
+    head = f"refit bench gpu: {report['device']}, torch {report['torch']}, {report['bucket_bytes'] >> 20} MiB buckets"
+    lines = [head]
+    for shape, s in report["shapes"].items():
+        lines.append(
+            f"  {shape}: {s['tensors']} tensors, {s['bytes'] / 1e9:.2f} GB, floor {s['floor_ms']:.2f} ms "
+            f"(after 50 ms idle: {s['floor_after_idle_ms']:.2f} ms)"
+        )
+        c = ("stall ms", "xfer ms", "GB/s", "stall/floor", "extra GB")
+        lines.append(f"    {'path':<10} {c[0]:>9} {c[1]:>9} {c[2]:>7} {c[3]:>11} {c[4]:>9}  bit-exact")
+        for path, r in s["paths"].items():
+            stall = "-" if r["ms_stall"] is None else f"{r['ms_stall']:.2f}"
+            lines.append(
+                f"    {path:<10} {stall:>9} {r['ms_transfer']:>9.2f} {r['gbps']:>7.0f} {r['ratio_to_floor']:>11.2f} "
+                f"{r['peak_extra_gpu_bytes'] / 1e9:>9.2f}  {r['bit_exact']}"
+            )
+    goal = report.get("goal")
+    if goal:
+        lines.append(
+            f"  goal (7b): ipc stall <= 1.3 x floor: {goal['ipc_stall_over_floor']:.2f}; "
+            f"seed stall >= 3 x ipc stall: {goal['seed_stall_over_ipc_stall']:.2f}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:  # python -m refit.bench_gpu (the CLI calls gpu/table)
+    report = gpu(tick=lambda s: print(s, file=sys.stderr, flush=True))
+    print(table(report))
+    if argv:
+        Path(argv[0]).write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
