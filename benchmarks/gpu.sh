@@ -2,7 +2,7 @@
 # The GPU run, one command on the lent H200 machine (the device tool runs it in the repository
 # root): refit's small pure-Python dependencies from carried wheels (.whl, see docs/benchmarks.md),
 # the GPU checks (tests_gpu/; the two-GPU file only where two GPUs are visible), then
-# `refit bench gpu`. Logs and the JSON go to $OUT.
+# `refit bench gpu` (and `refit bench broadcast` on two GPUs). Logs and the JSON go to $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/refit-gpu}
 mkdir -p "$OUT"
@@ -18,7 +18,9 @@ files=(tests_gpu/test_cuda_refit.py)
 [ "$gpus" -ge 2 ] && files+=(tests_gpu/test_two_gpu.py)
 rc=0
 timeout "${GPU_TEST_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider -x "${files[@]}" "$@" 2>&1 | tee "$OUT/tests_gpu.log" || rc=1
-if [ "${SKIP_BENCH:-0}" != 1 ]; then
-    timeout "${GPU_BENCH_TIMEOUT:-420}" python3 -m refit.cli bench gpu --json "$OUT/bench_gpu.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_gpu.log" || rc=1
-fi
+# BENCHES: which benches to run (default: gpu; and broadcast where two GPUs are visible)
+benches=${BENCHES:-gpu$([ "$gpus" -ge 2 ] && echo " broadcast")}
+for b in $benches; do
+    timeout "${GPU_BENCH_TIMEOUT:-420}" python3 -m refit.cli bench "$b" --json "$OUT/bench_$b.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_$b.log" || rc=1
+done
 exit $rc

@@ -286,9 +286,12 @@ def test_bench_gpu_refuses_without_a_gpu_or_with_an_unknown_shape(capsys: pytest
 
     assert main(["bench", "gpu", "--shapes", "70b"]) == 2
     assert "known shapes are 7b, 1.5b" in capsys.readouterr().err
+    if torch.cuda.device_count() < 2:
+        assert main(["bench", "broadcast", "--shapes", "1.5b"]) == 2
+        assert "needs 2 CUDA device(s) on this host" in capsys.readouterr().err
     if not torch.cuda.is_available():
         assert main(["bench", "gpu", "--shapes", "1.5b"]) == 2
-        assert "no CUDA device" in capsys.readouterr().err
+        assert "needs 1 CUDA device(s) on this host, found 0" in capsys.readouterr().err
 
 
 def test_connect_info_is_json_safe() -> None:

@@ -200,43 +200,45 @@ def _soak(args: argparse.Namespace) -> int:
 
 
 def _bench_gpu(args: argparse.Namespace) -> int:
+    """`refit bench gpu` (one GPU) and `refit bench broadcast` (two GPUs of one host)."""
     from refit import bench, bench_gpu
 
+    what, need = args.what, 2 if args.what == "broadcast" else 1
     shapes = tuple(s for s in args.shapes.split(",") if s)
     bad = [s for s in shapes if s not in bench_gpu.SHAPES]
     if bad or not shapes:
         known = ", ".join(bench_gpu.SHAPES)
-        print(f"refit bench gpu: --shapes {args.shapes!r}: known shapes are {known}", file=sys.stderr)
+        print(f"refit bench {what}: --shapes {args.shapes!r}: known shapes are {known}", file=sys.stderr)
         return 2
-    try:
-        import torch
+    import torch
 
-        if not torch.cuda.is_available():
-            print("refit bench gpu: no CUDA device here (torch.cuda.is_available() is False)", file=sys.stderr)
-            return 2
-    except ImportError:
+    if torch.cuda.device_count() < need:
+        print(
+            f"refit bench {what}: needs {need} CUDA device(s) on this host, found {torch.cuda.device_count()}",
+            file=sys.stderr,
+        )
         return 2
-    print(
-        f"bench gpu: shapes {', '.join(shapes)}; floor, then seed / flattened / ipc through protocol.run, each a fresh "
-        f"engine process: a connecting refit and {args.refits} timed refits ...",
-        file=sys.stderr, flush=True,
-    )  # fmt: skip
-    report = bench_gpu.gpu(
-        shapes, refits=args.refits, bucket_mb=args.bucket_mb or 512,
-        tick=lambda s: print(f"  {s}", file=sys.stderr, flush=True),
-    )  # fmt: skip
-    print(bench_gpu.table(report))
+    tick = lambda s: print(f"  {s}", file=sys.stderr, flush=True)  # noqa: E731
+    print(f"bench {what}: shapes {', '.join(shapes)}; {args.refits} timed refits per path ...", file=sys.stderr)
+    if what == "gpu":
+        report = bench_gpu.gpu(shapes, refits=args.refits, bucket_mb=args.bucket_mb or 512, tick=tick)
+        print(bench_gpu.table(report))
+    else:
+        from refit import bench_broadcast
+
+        report = bench_broadcast.broadcast(shapes, refits=args.refits, bucket_mb=args.bucket_mb or 512, tick=tick)
+        print(bench_broadcast.table(report))
     bench.write_json(report, args.json)
     if args.json:
         print(f"wrote {args.json}")
-    ok = all(r["bit_exact"] for s in report["shapes"].values() for r in s["paths"].values())
+    ok = all(r["bit_exact"] is not False for s in report["shapes"].values() for r in s["paths"].values())
     return 0 if ok else 1
 
 
 def _bench(args: argparse.Namespace) -> int:
     from refit import bench
 
-    if args.what == "gpu":
+    if args.what in ("gpu", "broadcast"):
         return _bench_gpu(args)
     progress = Progress(f"bench {args.what}")
     if args.what == "control":
@@ -432,15 +434,17 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     soak_p.add_argument("--json", action="store_true")
     soak_p.set_defaults(func=_soak)
 
-    bench_p = sub.add_parser("bench", help="measured figures against a floor: control plane, transport, gpu")
-    bench_p.add_argument("what", choices=("control", "transport", "gpu"))
+    bench_p = sub.add_parser(
+        "bench", help="measured figures against a floor: control plane, transport, gpu (one GPU), broadcast (two)"
+    )
+    bench_p.add_argument("what", choices=("control", "transport", "gpu", "broadcast"))
     bench_p.add_argument("--engines", type=_count(1), default=8, help="control: engine processes (default 8)")
     bench_p.add_argument("--refits", type=_count(1), default=None, help="refits to measure (control 100, transport 6)")
     bench_p.add_argument("--mode", choices=("colocated", "disaggregated"), default="disaggregated")
     bench_p.add_argument(
         "--bucket-mb", type=_count(1), default=None, help="bucket size in MiB (transport: default 64, gpu: 512)"
     )
-    bench_p.add_argument("--shapes", default="7b,1.5b", help="gpu: model shapes to refit (default 7b,1.5b)")
+    bench_p.add_argument("--shapes", default="7b,1.5b", help="gpu, broadcast: model shapes (default 7b,1.5b)")
     bench_p.add_argument("--no-checksums", action="store_true", help="transport: turn corruption detection off")
     bench_p.add_argument("--small", action="store_true", help="transport: a few-MB state (a quick smoke run)")
     bench_p.add_argument("--json", metavar="PATH", help="also write the figures as JSON here")
@@ -464,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:  # --help, --version, usage errors: argparse printed them
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
     if getattr(args, "func", None) is _bench and args.refits is None:
-        args.refits = {"control": 100, "gpu": 5}.get(args.what, 6)
+        args.refits = {"control": 100, "gpu": 5, "broadcast": 5}.get(args.what, 6)
     try:
         return int(args.func(args))
     except BrokenPipeError:  # the reader went away (`refit check T | head`): stop quietly
