@@ -210,8 +210,11 @@ def _bench_gpu(args: argparse.Namespace) -> int:
         known = ", ".join(bench_gpu.SHAPES)
         print(f"refit bench {what}: --shapes {args.shapes!r}: known shapes are {known}", file=sys.stderr)
         return 2
-    import torch
-
+    try:
+        import torch
+    except ImportError as exc:
+        print(f"refit bench {what}: torch does not import here ({exc})", file=sys.stderr)
+        return 2
     if torch.cuda.device_count() < need:
         print(
             f"refit bench {what}: needs {need} CUDA device(s) on this host, found {torch.cuda.device_count()}",
@@ -437,9 +440,18 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     bench_p = sub.add_parser(
         "bench", help="measured figures against a floor: control plane, transport, gpu (one GPU), broadcast (two)"
     )
-    bench_p.add_argument("what", choices=("control", "transport", "gpu", "broadcast"))
+    bench_p.add_argument(
+        "what", choices=("control", "transport", "gpu", "broadcast"),
+        help="control: control-plane cost; transport: CPU shared memory; gpu: one GPU, CUDA IPC paths vs the copy "
+        "floor; broadcast: two GPUs, NCCL vs the broadcast floor",
+    )  # fmt: skip
     bench_p.add_argument("--engines", type=_count(1), default=8, help="control: engine processes (default 8)")
-    bench_p.add_argument("--refits", type=_count(1), default=None, help="refits to measure (control 100, transport 6)")
+    bench_p.add_argument(
+        "--refits",
+        type=_count(1),
+        default=None,
+        help="refits to measure (control 100, transport 6, gpu 5, broadcast 5)",
+    )
     bench_p.add_argument("--mode", choices=("colocated", "disaggregated"), default="disaggregated")
     bench_p.add_argument(
         "--bucket-mb", type=_count(1), default=None, help="bucket size in MiB (transport: default 64, gpu: 512)"

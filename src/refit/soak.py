@@ -115,6 +115,7 @@ def soak(
 
     rng = random.Random(seed)
     threads_before = set(threading.enumerate())  # by identity: other threads ending meanwhile do not count
+    children_before = set(_children())  # e.g. torch's shared-memory manager, started by an earlier share
     config = ModelConfig()
     model = TinyLlama(config, seed=seed)
     names = [f"soak-{i}" for i in range(engines)]
@@ -189,7 +190,7 @@ def soak(
         pool_threads=pool_threads,
         rss_growth_mib=round(growth[3], 1),
         segments_left=len(leaked_segments(pid=os.getpid())),
-        processes_left=len(_children()),
+        processes_left=len(set(_children()) - children_before),
         threads_left=len({t for t in set(threading.enumerate()) - threads_before if not t.name.startswith(POOLS)}),
         mismatches=mismatches,
     )
