@@ -56,7 +56,7 @@ def test_engine_copies_straight_from_the_trainers_storages(engine: ReferenceEngi
     model = perturbed(TinyLlama(CONFIG, seed=0), seed=1)
     params = [p.data_ptr() for p in model.parameters()]
     ctx = protocol.RefitContext(
-        TorchSource(model), IPCTransport(signal_bytes=0), [engine], mode="colocated", pause_mode="abort",
+        TorchSource(model), IPCTransport(signal_bytes=0, share_cpu=True), [engine], mode="colocated", pause_mode="abort",
         bucket_bytes=SMALL_BUCKET, trace=tmp_path / "t.jsonl",
     )  # fmt: skip
     try:
@@ -85,7 +85,7 @@ def test_a_reallocated_trainer_is_reconnected_and_replays(engine: ReferenceEngin
     model = perturbed(TinyLlama(CONFIG, seed=0), seed=2)
     trace = tmp_path / "t.jsonl"
     ctx = protocol.RefitContext(
-        TorchSource(model), IPCTransport(signal_bytes=0), [engine], mode="colocated", pause_mode="abort",
+        TorchSource(model), IPCTransport(signal_bytes=0, share_cpu=True), [engine], mode="colocated", pause_mode="abort",
         bucket_bytes=SMALL_BUCKET, trace=trace,
     )  # fmt: skip
     try:
@@ -116,7 +116,7 @@ def test_tensors_the_source_makes_anew_are_staged(engine: ReferenceEngine) -> No
     source = TorchSource(model, dtype=torch.float32)  # a cast (here to the same dtype): not resident
     assert source.storages() is None
     ctx = protocol.RefitContext(
-        source, IPCTransport(signal_bytes=0), [engine], mode="colocated", pause_mode="abort",
+        source, IPCTransport(signal_bytes=0, share_cpu=True), [engine], mode="colocated", pause_mode="abort",
         bucket_bytes=SMALL_BUCKET,
     )  # fmt: skip
     try:
@@ -130,7 +130,7 @@ def test_tensors_the_source_makes_anew_are_staged(engine: ReferenceEngine) -> No
 
 
 def _connect(tensors: dict[str, torch.Tensor]) -> tuple[IPCTransport, list[Any], IPCReceiver]:
-    transport = IPCTransport(signal_bytes=0)
+    transport = IPCTransport(signal_bytes=0, share_cpu=True)
     plan = transport.plan([TensorMeta.of(n, t) for n, t in tensors.items()], 1 << 20)
     topo = Topology.of(1, [("e", 1)], colocated=True)
     transport.share(Storages(tuple(tensors.values())))
@@ -164,6 +164,11 @@ def test_a_tensor_reallocated_without_a_reconnect_is_copied_never_referenced() -
         ([[7, 0]], "reference to storage 7"),
         ([[0, 2]], "outside its shared storage"),  # misaligned for float32
         ([], "references do not match"),
+        ([5], "is not \\[storage index, byte offset\\]"),
+        ([[0, 0, 0]], "is not \\[storage index, byte offset\\]"),
+        ([["0", "0"]], "is not \\[storage index, byte offset\\]"),
+        ([[0.5, 0]], "is not \\[storage index, byte offset\\]"),
+        ([[0, -8]], "outside its shared storage"),
     ],
 )
 def test_the_engine_refuses_references_outside_what_was_shared(refs: list[Any], match: str) -> None:
@@ -175,13 +180,55 @@ def test_the_engine_refuses_references_outside_what_was_shared(refs: list[Any], 
     transport.disconnect()
 
 
-def test_only_torch_shared_memory_names_are_opened() -> None:
-    with pytest.raises(ValueError, match="not a torch shared-memory segment"):
-        open_storage({"cpu": ["/tmp/x", "/etc/passwd", 10]}, None)
+def test_only_the_trainers_own_segments_are_opened_and_never_grown() -> None:
+    """A payload can name only shared-memory segments of the trainer process that connected, no
+    larger than the file holds: another process's segment is never opened, grown or unlinked."""
+    mine = torch.zeros(64).untyped_storage()
+    manager, handle, size = (x.decode() if isinstance(x, bytes) else x for x in mine._share_filename_cpu_())
+    pid = os.getpid()
+    assert open_storage({"cpu": [manager, handle, size]}, None, pid).numel() == size
+    with pytest.raises(ValueError, match="not a torch shared-memory segment of the trainer"):
+        open_storage({"cpu": [manager, handle, size]}, None, pid + 1)  # another process's segment
+    with pytest.raises(ValueError, match="not a torch shared-memory segment of the trainer"):
+        open_storage({"cpu": [manager, "/etc/passwd", 10]}, None, pid)
+    on_disk = (Path("/dev/shm") / handle[1:]).stat().st_size
+    with pytest.raises(ValueError, match=f"holds {on_disk} bytes, the handle names 1024"):
+        open_storage({"cpu": [manager, handle, 4 * size]}, None, pid)
+    assert (Path("/dev/shm") / handle[1:]).stat().st_size == on_disk  # not grown
     with pytest.raises(ValueError, match="not a storage handle"):
-        open_storage({"disk": 1}, None)
+        open_storage({"disk": 1}, None, pid)
+    with pytest.raises(ValueError, match="is not a int"):
+        open_storage({"cpu": [manager, handle, -5]}, None, pid)
     with pytest.raises(ValueError, match="needs a local device"):
         open_storage({"cuda": [0, "00", 1, 0, "00", 0, "00", False]}, None)
+
+
+@pytest.mark.parametrize("staging", ["/torch_1_2_3", ["cpu"], {"cpu": ["m", "/torch_1_2", -1]}])
+def test_a_staging_handle_that_is_not_one_is_refused(staging: Any) -> None:
+    tensors = {"w": torch.zeros(16, dtype=torch.float32)}
+    transport, plan, receiver = _connect(tensors)
+    payload = Payload("ipc", plan[0], parts=({"refs": [None], "staging": staging},))
+    with pytest.raises(ValueError, match=r"not a storage handle|not a torch shared-memory segment|is not a int"):
+        receiver.read(payload)
+    transport.disconnect()
+
+
+def test_cpu_storages_are_staged_unless_sharing_is_asked_for(engine: ReferenceEngine) -> None:
+    """By default a CPU trainer's storages are not moved into shared memory (that would stop a
+    numpy alias aliasing and forbid resize_): its tensors are staged; bit for bit either way."""
+    model = perturbed(TinyLlama(CONFIG, seed=0), seed=6)
+    before = [p.data_ptr() for p in model.parameters()]
+    transport = IPCTransport(signal_bytes=0)
+    ctx = protocol.RefitContext(
+        TorchSource(model), transport, [engine], mode="colocated", pause_mode="abort", bucket_bytes=SMALL_BUCKET
+    )
+    try:
+        result = protocol.run(ctx).raise_for_error()
+        assert result.trainer_peak_bytes > 0 and _exact(engine, model)
+        assert [p.data_ptr() for p in model.parameters()] == before  # nothing moved
+    finally:
+        ctx.close()
+    assert transport._offered is None  # the source's tensors are not held past the connection
 
 
 def test_an_engine_in_a_bad_receiver_state_fails_the_bucket_by_name(engine: ReferenceEngine) -> None:
@@ -221,7 +268,7 @@ def test_ipc_is_colocated_only(engine: ReferenceEngine) -> None:
 
 def test_signal_bytes_sets_the_least_a_bucket_covers() -> None:
     metas = [TensorMeta(f"w{i}", "float32", (1024,)) for i in range(64)]  # 4 KiB each
-    assert len(IPCTransport(signal_bytes=0).plan(metas, 16 << 10)) == 16
+    assert len(IPCTransport(signal_bytes=0, share_cpu=True).plan(metas, 16 << 10)) == 16
     assert len(IPCTransport(signal_bytes=128 << 10).plan(metas, 16 << 10)) == 2
     with pytest.raises(ValueError, match="signal_bytes"):
         IPCTransport(signal_bytes=-1)

@@ -2,9 +2,12 @@
 own storages, opened once; a refit then sends only small references.
 
 Colocated (an engine TP rank on its trainer rank's device). On a GPU the storages travel as CUDA
-IPC handles (the engine maps the trainer's memory); on CPU as shared-memory names (sharing moves a
-CPU storage into named shared memory once, in place: the trainer's tensors keep working), which is
-how CI runs this transport for real without a GPU.
+IPC handles (the engine maps the trainer's memory). On CPU, with `share_cpu=True`, as shared-memory
+names: sharing moves each CPU storage into named shared memory once, in place (torch's
+`share_memory_` semantics: the trainer's tensors keep working, but a tensor aliasing a numpy
+array or a memory map stops aliasing it, and torch cannot `resize_` a shared storage); that is how
+CI runs this transport for real without a GPU. By default CPU tensors are staged (copied), never
+moved.
 
 Lifecycle, per state (trainer side: every rank; engine side: `IPCReceiver` in each engine TP rank):
   CONNECTING     `share(source.storages())` then `connect`: a rank that feeds an engine exports
@@ -43,7 +46,9 @@ message per bucket. The trainer is assumed to write its parameters on the device
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from refit.drivers.base import (
@@ -78,25 +83,47 @@ def export_storage(storage: Any) -> dict[str, Any]:
     raise ValueError(f"storages on {storage.device.type} cannot be shared between processes")
 
 
-def open_storage(spec: dict[str, Any], device_index: int | None) -> torch.Tensor:
-    """A flat uint8 tensor over a storage another process exported (mapped, not copied)."""
+def _fields(spec: Any, key: str, types: tuple[type, ...]) -> list[Any]:
+    """The fields of a handle, each of the expected type (ints >= 0), or ValueError naming it."""
+    fields = spec.get(key) if isinstance(spec, dict) else None
+    if not isinstance(fields, list) or len(fields) != len(types):
+        raise ValueError(f"not a storage handle: {str(spec)[:80]}")
+    for value, kind in zip(fields, types, strict=True):
+        if not isinstance(value, kind) or isinstance(value, bool) is not (kind is bool) or (kind is int and value < 0):
+            raise ValueError(f"storage handle field {value!r} is not a {kind.__name__} (>= 0 for sizes)")
+    return fields
+
+
+def open_storage(spec: dict[str, Any], device_index: int | None, pid: int | None = None) -> torch.Tensor:
+    """A flat uint8 tensor over a storage another process exported (mapped, not copied). A CPU
+    name must be a torch segment of process `pid` (the trainer rank that connected) whose file
+    holds the bytes asked for: no other process's memory is opened, grown or unlinked."""
     import torch
 
-    if "cuda" in spec:
+    if isinstance(spec, dict) and "cuda" in spec:
         if device_index is None:
             raise ValueError("a CUDA storage handle needs a local device")
-        _, handle, size, offset, ref_handle, ref_offset, event_handle, sync = spec["cuda"]
+        _, handle, size, offset, ref_handle, ref_offset, event_handle, sync = _fields(
+            spec, "cuda", (int, str, int, int, str, int, str, bool)
+        )
+        try:
+            raw = [bytes.fromhex(h) for h in (handle, ref_handle, event_handle)]
+        except ValueError:
+            raise ValueError("a CUDA storage handle that is not hex") from None
         storage = torch.UntypedStorage._new_shared_cuda(
-            device_index, bytes.fromhex(handle), int(size), int(offset), bytes.fromhex(ref_handle), int(ref_offset),
-            bytes.fromhex(event_handle), bool(sync),
-        )  # fmt: skip
-    elif "cpu" in spec:
-        manager, handle, size = spec["cpu"]
-        if not str(handle).startswith("/torch_"):
-            raise ValueError(f"storage name {handle!r} is not a torch shared-memory segment")
-        storage = torch.UntypedStorage._new_shared_filename_cpu(manager.encode(), handle.encode(), int(size))
+            device_index, raw[0], size, offset, raw[1], ref_offset, raw[2], sync
+        )
+    elif isinstance(spec, dict) and "cpu" in spec:
+        manager, handle, size = _fields(spec, "cpu", (str, str, int))
+        if pid is None or not handle.startswith(f"/torch_{pid}_") or "/" in handle[1:]:
+            raise ValueError(f"storage name {handle!r} is not a torch shared-memory segment of the trainer (pid {pid})")
+        path = Path("/dev/shm") / handle[1:]
+        actual = path.stat().st_size if path.exists() else None
+        if actual is None or actual < size:
+            raise ValueError(f"shared-memory segment {handle} holds {actual} bytes, the handle names {size}")
+        storage = torch.UntypedStorage._new_shared_filename_cpu(manager.encode(), handle.encode(), size)
     else:
-        raise ValueError(f"not a storage handle: keys {sorted(spec)}")
+        raise ValueError(f"not a storage handle: {str(spec)[:80]}")
     n = int(storage.nbytes())
     if n < int(spec.get("nbytes", 0)):
         raise ValueError(f"shared storage has {n} bytes, expected {spec['nbytes']}")
@@ -125,17 +152,20 @@ class IPCTransport(Transport):
     kind = "ipc"
     shares_storages = True
 
-    def __init__(self, slots: int = 2, *, signal_bytes: int = 2 << 30) -> None:
+    def __init__(self, slots: int = 2, *, signal_bytes: int = 2 << 30, share_cpu: bool = False) -> None:
         """`signal_bytes`: the least a bucket covers. A referenced bucket costs no memory, only a
         message and the engine's bookkeeping (about a millisecond on a busy host), so buckets are
         planned at `max(bucket_bytes, signal_bytes)` (0: the context's `bucket_bytes` as given);
-        staging buffers, made only for tensors that cannot be referenced, take the plan's size."""
+        staging buffers, made only for tensors that cannot be referenced, take the plan's size.
+        `share_cpu`: move CPU storages into named shared memory and reference them (see the module
+        docstring for what that changes for the trainer); else CPU tensors are staged."""
         if not isinstance(slots, int) or slots < 1:
             raise ValueError(f"slots must be an integer >= 1, got {slots!r}")
         if not isinstance(signal_bytes, int) or signal_bytes < 0:
             raise ValueError(f"signal_bytes must be an integer >= 0, got {signal_bytes!r}")
         self.slots = slots
         self.signal_bytes = signal_bytes
+        self.share_cpu = share_cpu
         self.temp_bytes = 0
         self._offered: Storages | None = None
         self._storages: list[Any] = []  # held while connected: their memory stays theirs
@@ -168,13 +198,16 @@ class IPCTransport(Transport):
 
         if not topology.colocated:
             raise ValueError("the ipc transport is colocated only (engines on the trainer's devices)")
+        offered = self._offered  # `share` ran right before: the reset below must not drop it
         self.disconnect()
+        self._offered = offered
         self._feeds = self.feeds(topology, rank)
         self._slot_bytes = slot_bytes(plan)
         self._connected = True
         if not self._feeds:
             return {}
         tensors = list(self._offered.tensors) if self._offered is not None else []
+        self._offered = None  # held through the storages below, not through the source's tensors
         devices = {t.device for t in tensors}
         if len(devices) > 1:
             raise ValueError(f"the source's storages lie on several devices ({sorted(map(str, devices))})")
@@ -182,12 +215,16 @@ class IPCTransport(Transport):
         exported = []
         for t in tensors:
             st = t.untyped_storage()
-            if st.nbytes() == 0 or int(st.data_ptr()) in self._where:
+            if (
+                st.nbytes() == 0
+                or int(st.data_ptr()) in self._where
+                or (st.device.type == "cpu" and not self.share_cpu)
+            ):
                 continue
             exported.append(export_storage(st))  # on CPU this may move it: index by its address after
             self._where[int(st.data_ptr())] = len(self._storages)
             self._storages.append(st)
-        info: dict[str, Any] = {"storages": exported, "slot_bytes": self._slot_bytes}
+        info: dict[str, Any] = {"storages": exported, "slot_bytes": self._slot_bytes, "pid": os.getpid()}
         if self._device is not None and self._device.type == "cuda":
             info["cuda"] = self._cuda_events()
         return info
@@ -334,6 +371,7 @@ class IPCTransport(Transport):
     def disconnect(self) -> None:
         self._storages, self._where, self._staging, self._busy, self._own = [], {}, [], [], {}
         self._events, self._cuda, self._device = None, None, None
+        self._offered = None  # the source's tensors are not kept past the connection
         self._connected = False
 
 
@@ -349,7 +387,8 @@ class IPCReceiver(Receiver):
         self._cuda: dict[str, Any] | None = None
         if part.get("cuda"):
             self._open_events(part["cuda"])
-        self._storages = [open_storage(spec, self._device) for spec in part.get("storages", [])]
+        self._pid = part.get("pid") if isinstance(part.get("pid"), int) else None
+        self._storages = [open_storage(spec, self._device, self._pid) for spec in part.get("storages", [])]
         self._staging: dict[str, Any] = {}
 
     def _open_events(self, cuda: dict[str, Any]) -> None:
@@ -369,10 +408,12 @@ class IPCReceiver(Receiver):
         self._cuda = dict(cuda)
 
     def _staged(self, spec: dict[str, Any]) -> torch.Tensor:
+        if not isinstance(spec, dict):
+            raise ValueError(f"staging buffer handle {str(spec)[:80]} is not a storage handle")
         key = repr(spec.get("cuda") or spec.get("cpu"))
         buffer = self._staging.get(key)
         if buffer is None:
-            buffer = self._staging[key] = open_storage(spec, self._device)
+            buffer = self._staging[key] = open_storage(spec, self._device, self._pid)
         return buffer
 
     def read(self, payload: Payload) -> list[tuple[str, torch.Tensor]]:
@@ -396,7 +437,9 @@ class IPCReceiver(Receiver):
                     raise ValueError(f"{meta.name}: copied into a staging buffer the payload does not name")
                 buffer, offset = staging, entry.offset
             else:
-                index, offset = int(ref[0]), int(ref[1])
+                if not isinstance(ref, list) or len(ref) != 2 or not all(type(v) is int for v in ref):
+                    raise ValueError(f"{meta.name}: reference {str(ref)[:40]} is not [storage index, byte offset]")
+                index, offset = ref
                 if not 0 <= index < len(self._storages):
                     raise ValueError(f"{meta.name}: reference to storage {index}, {len(self._storages)} shared")
                 buffer = self._storages[index]
