@@ -66,12 +66,20 @@ def control(
     mode: str = "disaggregated",
     warmup: int = 3,
     progress: Progress | None = None,
+    ray: bool = False,
 ) -> dict[str, Any]:
     """Stall minus transfer per refit, from the engines' own clocks (CLOCK_MONOTONIC, one host).
-    `progress(done, warmup + refits)` counts warm-up refits too."""
+    `progress(done, warmup + refits)` counts warm-up refits too. `ray`: the engines are Ray actors
+    (`refit.drivers.ray_actors.RayEngine`) on the connected Ray cluster."""
     config = ModelConfig()
     model = TinyLlama(config, seed=0)
-    pool = ReferenceEngine.spawn_many([f"bench-{i}" for i in range(engines)], config, seed=0)
+    names = [f"bench-{i}" for i in range(engines)]
+    if ray:
+        from refit.drivers.ray_actors import RayEngine
+
+        pool: list[Any] = [RayEngine.start(n, config, seed=0) for n in names]
+    else:
+        pool = ReferenceEngine.spawn_many(names, config, seed=0)
     ctx = protocol.RefitContext(
         TorchSource(model),
         SharedMemoryTransport(),
@@ -111,6 +119,7 @@ def control(
     ms = [c * 1e3 for c in controls]
     return {
         "bench": "control",
+        "hosting": "ray actors" if ray else "processes",
         "engines": engines,
         "refits": refits,
         "mode": mode,

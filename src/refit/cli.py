@@ -249,10 +249,15 @@ def _bench(args: argparse.Namespace) -> int:
             f"bench control: starting {args.engines} engine processes, 3 warm-up refits, then {args.refits} refits ...",
             file=sys.stderr, flush=True,
         )  # fmt: skip
-        report = bench.control(engines=args.engines, refits=args.refits, mode=args.mode, progress=progress)
+        from refit.demo import ray_cluster
+
+        with ray_cluster(args.ray):
+            report = bench.control(
+                engines=args.engines, refits=args.refits, mode=args.mode, progress=progress, ray=args.ray
+            )
         print(
-            f"control plane: {report['engines']} engine processes, {report['refits']} refits ({report['mode']}), "
-            f"{report['buckets_per_refit']} bucket each"
+            f"control plane: {report['engines']} engine {report['hosting']}, {report['refits']} refits "
+            f"({report['mode']}), {report['buckets_per_refit']} bucket each"
         )
         print(f"  round trips per refit: {report['round_trips_per_refit']:g} (goal <= 2)")
         print(
@@ -329,6 +334,21 @@ def _demo_problem(args: argparse.Namespace) -> str | None:
         return "--ranks runs engines as processes; drop --in-thread"
     if args.in_thread and args.engine_tp != 1:
         return "--in-thread engines have TP=1; drop --engine-tp or --in-thread"
+    if args.ray:
+        flags = (
+            ("--in-thread", args.in_thread), ("--ranks", args.ranks > 1), ("--engine-tp", args.engine_tp != 1),
+            ("--engine", args.engine != "reference"),
+        )  # fmt: skip
+        other = [flag for flag, on in flags if on]
+        if other:
+            return (
+                f"--ray hosts TP=1 reference engines as Ray actors, with one trainer process; drop {', '.join(other)} "
+                "(trainer ranks as Ray actors and TP engines on Ray are not built yet)"
+            )
+        try:
+            import ray  # noqa: F401
+        except ImportError:
+            return "--ray needs Ray: pip install -e '.[ray]'"
     from refit.reference.model import ModelConfig
 
     try:
@@ -391,6 +411,9 @@ def _demo_arguments(p: argparse.ArgumentParser) -> None:
         "(keys: engine, bucket, call, kind = raise | hang | kill | corrupt)",
     )
     p.add_argument("--in-thread", action="store_true", help="run engines on threads instead of processes")
+    p.add_argument(
+        "--ray", action="store_true", help="host the engines as Ray actors on a local Ray cluster the demo starts"
+    )
     p.add_argument("--ranks", type=_count(1), default=1, help="trainer ranks; >1: FSDP2 on gloo processes (default 1)")
     p.add_argument(
         "--engine-tp", type=_count(1), default=1, help="TP processes per engine, each with a shard (default 1)"
@@ -446,6 +469,7 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
         "floor; broadcast: two GPUs, NCCL vs the broadcast floor",
     )  # fmt: skip
     bench_p.add_argument("--engines", type=_count(1), default=8, help="control: engine processes (default 8)")
+    bench_p.add_argument("--ray", action="store_true", help="control: the engines are Ray actors (a local cluster)")
     bench_p.add_argument(
         "--refits",
         type=_count(1),

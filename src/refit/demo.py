@@ -15,11 +15,12 @@ picks shared memory or the broadcast side group. The same loop (`refit_loop`) ru
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -94,9 +95,34 @@ def start_engines(args: argparse.Namespace, names: list[str], config: ModelConfi
             )
             for n in names
         ]
+    if getattr(args, "ray", False):
+        from refit.drivers.ray_actors import RayEngine, RayLock
+
+        lock = RayLock(f"refit-demo-lock-{os.getpid()}")  # the engine set's lock, hosted by a Ray actor
+        return [RayEngine.start(n, config, seed=args.seed, lock=lock) for n in names]
     if args.in_thread:
         return [ReferenceEngine.in_thread(n, config, seed=args.seed) for n in names]
     return ReferenceEngine.spawn_many(names, config, seed=args.seed, tp=args.engine_tp)
+
+
+@contextlib.contextmanager
+def ray_cluster(enabled: bool) -> Iterator[None]:
+    """A local Ray cluster for `--ray` (2 CPUs, no dashboard), shut down on the way out."""
+    if not enabled:
+        yield
+        return
+    import ray
+
+    if ray.is_initialized():  # the caller's cluster: used, not shut down
+        yield
+        return
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a local, single-user cluster
+    print("starting a local Ray cluster (2 CPUs, no dashboard) ...", flush=True)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
 
 
 def train(model: Any, opt: torch.optim.Optimizer, gen: torch.Generator, steps: int, vocab: int) -> float:
@@ -308,13 +334,20 @@ def run_demo(args: argparse.Namespace) -> int:
     """`refit demo` with options already validated by the CLI (`refit.cli._demo_problem`)."""
     if args.ranks > 1:
         return _run_ranks(args)
+    with ray_cluster(getattr(args, "ray", False)):
+        return _run_one_trainer(args)
+
+
+def _run_one_trainer(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     config = ModelConfig()
     model = TinyLlama(config, seed=args.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     gen = torch.Generator().manual_seed(args.seed + 1)
     names = [f"engine-{i}" for i in range(args.engines)]
-    if args.in_thread:
+    if getattr(args, "ray", False):
+        what = f"{args.engines} reference engines as Ray actors"
+    elif args.in_thread:
         what = f"{args.engines} reference engine threads"
     else:
         what = f"{args.engines} reference engine processes" + (f" of TP={args.engine_tp}" if args.engine_tp > 1 else "")

@@ -1,0 +1,346 @@
+"""Ray hosting (extra `[ray]`): reference engines as Ray actors, an owner-token lock in a Ray actor,
+and engine death seen through Ray. Nothing in the core knows it is on Ray: `RayEngine` is the
+reference engine's driver over an actor, `RayLock` an `EngineLock`.
+
+  engine actor  a synchronous, single-threaded Ray actor (Ray runs one submitter's calls to it in
+                submission order, the per-engine order the protocol needs) hosting one reference
+                engine on a thread of the actor's process (`ReferenceEngine.in_thread`'s loop).
+                Each call returns as soon as the engine answered; generation is submitted and
+                polled, never awaited inside the actor. An engine killed by an armed fault takes
+                its actor with it, as a crashed engine process would. A restarted actor (Ray's
+                `max_restarts`) starts out of service: it holds the checkpoint, not the weights
+                its version names, until a refit completes.
+  RayEngine     `ReferenceEngine` over `RayClient`: each wave's steps for the engine are one actor
+                call whose ObjectRef's own future the runner waits on (no thread per pending call).
+                Refit errors come back from the actor as data (kind, message) and are rebuilt, so
+                they keep their kind; an actor that died (ActorDiedError, its node lost) is
+                `EngineDied`; after a restart the engine reports a new incarnation (its new
+                process), so the runner reconnects it and refits it fully.
+  RayLock       an `EngineLock` hosted by a named Ray actor; every call is bounded.
+
+Lifecycle per state: the reference engine's (refit.drivers.reference), unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+import os
+import signal
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future
+from typing import Any
+
+from refit.drivers.reference import ReferenceEngine
+from refit.errors import EngineDied, EngineError
+from refit.protocol.lock import EngineLock
+
+ACTOR_CALL_TIMEOUT_S = 3600.0  # inside the actor; the caller's own deadline bounds every call
+POLL_S = 0.005  # how often a pending generation is polled
+
+
+class EngineActor:
+    """The engine actor's class (`ray.remote` is applied when an engine starts, so `import refit`
+    never imports Ray)."""
+
+    def __init__(self, name: str, config: dict[str, Any], seed: int, version: int, serving: bool) -> None:
+        import ray
+
+        from refit.reference.client import start_thread
+        from refit.reference.model import ModelConfig
+
+        restarted = bool(ray.get_runtime_context().was_current_actor_reconstructed)
+        self.client = start_thread(
+            name, ModelConfig(**config), seed, version=version, serving=serving and not restarted
+        )
+        self.identity = {"pid": os.getpid(), "restarted": restarted}
+        self.tickets: dict[int, Future[Any]] = {}
+        self.ids = itertools.count()
+
+    def ident(self) -> dict[str, Any]:
+        return self.identity
+
+    def call(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+        try:
+            return ("ok", self.client.call(method, *args, timeout=ACTOR_CALL_TIMEOUT_S, **kwargs))
+        except EngineDied:  # the engine is gone (an armed kill, a crash): so is its actor
+            os.kill(os.getpid(), signal.SIGKILL)
+            raise
+        except EngineError as exc:
+            return ("err", exc.kind, exc.message, exc.data)
+        except TimeoutError as exc:
+            return ("timeout", str(exc))
+        except Exception as exc:
+            return ("err", "internal", f"{type(exc).__name__}: {exc}", None)
+
+    def submit(self, prompt: list[int], max_new_tokens: int) -> int:
+        ticket = next(self.ids)
+        self.tickets[ticket] = self.client.call_async("generate", prompt, max_new_tokens)
+        return ticket
+
+    def poll(self, tickets: list[int]) -> dict[int, tuple[Any, ...]]:
+        done = {}
+        for t in tickets:
+            fut = self.tickets.get(t)
+            if fut is None:
+                done[t] = ("err", "bad_request", f"no generation {t}", None)
+            elif fut.done():
+                del self.tickets[t]
+                exc = fut.exception()
+                if exc is None:
+                    done[t] = ("ok", fut.result())
+                elif isinstance(exc, EngineError):
+                    done[t] = ("err", exc.kind, exc.message, exc.data)
+                else:
+                    done[t] = ("err", "internal", f"{type(exc).__name__}: {exc}", None)
+        return done
+
+    def shutdown(self) -> None:
+        self.client.close()
+
+
+@functools.cache
+def _engine_actor_class() -> Any:
+    import ray
+
+    # synchronous and single-threaded: Ray runs one submitter's calls in submission order
+    return ray.remote(num_cpus=0, max_concurrency=1)(EngineActor)
+
+
+def _settle(reply: tuple[Any, ...], out: Future[Any]) -> None:
+    tag, *rest = reply
+    if tag == "ok":
+        out.set_result(rest[0])
+    elif tag == "timeout":
+        out.set_exception(TimeoutError(rest[0]))
+    else:
+        kind, message, data = rest
+        out.set_exception(EngineError(kind, message, data) if data else EngineError(kind, message))
+
+
+class RayClient:
+    """The `EngineClient` interface over an engine actor (what `ReferenceEngine` drives)."""
+
+    tp = 1
+
+    def __init__(self, actor: Any, name: str, *, timeout: float = 120.0) -> None:
+        import ray
+
+        self.actor = actor
+        self.name = name
+        self._dead: EngineDied | None = None
+        self.pid: int | None = None
+        self.pid = int(ray.get(actor.ident.remote(), timeout=timeout)["pid"])
+        self._generations: dict[int, Future[Any]] = {}
+        self._poller: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def alive(self) -> bool:
+        return self._dead is None
+
+    def _died(self, exc: BaseException) -> EngineDied:
+        self._dead = EngineDied(f"engine {self.name}: its Ray actor died ({type(exc).__name__}: {str(exc)[:200]})")
+        return self._dead
+
+    def _translate(self, exc: BaseException) -> BaseException:
+        import ray
+
+        if isinstance(exc, ray.exceptions.RayActorError):  # ActorDiedError, ActorUnavailableError, node loss
+            return self._died(exc)
+        return exc
+
+    def refresh(self, timeout: float = 2.0) -> None:
+        """After a death: if Ray restarted the actor, take up its new process (a new incarnation)."""
+        if self._dead is None:
+            return
+        import ray
+
+        try:
+            ident = ray.get(self.actor.ident.remote(), timeout=timeout)
+        except Exception:
+            return  # still dead (or not back yet)
+        self.pid, self._dead = int(ident["pid"]), None
+
+    def call_async(self, method: str, *args: Any, **kwargs: Any) -> Future[Any]:
+        out: Future[Any] = Future()
+        if self._dead is not None:
+            out.set_exception(self._dead)
+            return out
+        if method == "generate":
+            return self._generate(*args)
+        try:
+            ref = self.actor.call.remote(method, args, kwargs)
+        except Exception as exc:
+            out.set_exception(self._translate(exc))
+            return out
+
+        def done(f: Future[Any]) -> None:
+            exc = f.exception()
+            if exc is not None:
+                out.set_exception(self._translate(exc))
+            else:
+                _settle(f.result(), out)
+
+        ref.future().add_done_callback(done)
+        return out
+
+    def call(self, method: str, *args: Any, timeout: float, **kwargs: Any) -> Any:
+        try:
+            return self.call_async(method, *args, **kwargs).result(timeout=max(timeout, 0.0))
+        except TimeoutError:
+            raise TimeoutError(f"engine {self.name}: {method} did not answer within {timeout:.3g}s") from None
+
+    # ---- generation: submitted, then polled (the actor never blocks on it) ----------------------
+
+    def _generate(self, prompt: Sequence[int], max_new_tokens: int) -> Future[Any]:
+        import ray
+
+        out: Future[Any] = Future()
+        try:
+            ticket = ray.get(self.actor.submit.remote(list(prompt), max_new_tokens), timeout=30)
+        except Exception as exc:
+            out.set_exception(self._translate(exc))
+            return out
+        with self._lock:
+            self._generations[ticket] = out
+            if self._poller is None:
+                self._poller = threading.Thread(target=self._poll, name=f"refit-ray-{self.name}", daemon=True)
+                self._poller.start()
+        return out
+
+    def _poll(self) -> None:
+        import ray
+
+        while True:
+            with self._lock:
+                tickets = list(self._generations)
+                if not tickets:
+                    self._poller = None
+                    return
+            try:
+                done = ray.get(self.actor.poll.remote(tickets), timeout=30)
+            except Exception as exc:
+                err = self._translate(exc)
+                with self._lock:
+                    pending, self._generations = self._generations, {}
+                    self._poller = None
+                for fut in pending.values():
+                    fut.set_exception(err)
+                return
+            for ticket, reply in done.items():
+                with self._lock:
+                    fut = self._generations.pop(int(ticket), None)
+                if fut is not None:
+                    _settle(reply, fut)
+            time.sleep(POLL_S)
+
+    def close(self, timeout: float = 10.0) -> None:
+        import ray
+
+        if self._dead is None:
+            with contextlib.suppress(Exception):
+                ray.get(self.actor.shutdown.remote(), timeout=timeout)
+        with contextlib.suppress(Exception):
+            ray.kill(self.actor, no_restart=True)
+        self._dead = self._dead or EngineDied(f"engine {self.name} was closed")
+
+
+class RayEngine(ReferenceEngine):
+    """A reference engine hosted by a Ray actor (see the module docstring)."""
+
+    def __init__(self, client: RayClient, lock: EngineLock | None = None) -> None:
+        super().__init__(client)  # type: ignore[arg-type]
+        self._lock = lock
+
+    @classmethod
+    def start(
+        cls,
+        name: str,
+        config: Any = None,
+        seed: int = 0,
+        *,
+        version: int = 0,
+        serving: bool = True,
+        max_restarts: int = 0,
+        lock: EngineLock | None = None,
+        timeout: float = 120.0,
+    ) -> RayEngine:
+        """An engine actor on the connected Ray cluster (`ray.init()` first). `max_restarts`: Ray
+        restarts a dead actor this many times (each restart is a new incarnation, out of service
+        until refit). `lock`: the engine set's shared lock (e.g. a `RayLock`)."""
+        from refit.reference.model import ModelConfig
+
+        actor_cls = _engine_actor_class()
+        actor = actor_cls.options(max_restarts=max_restarts, max_task_retries=0).remote(
+            name, (config or ModelConfig()).to_dict(), seed, version, serving
+        )
+        return cls(RayClient(actor, name, timeout=timeout), lock)
+
+    @property
+    def incarnation(self) -> str:
+        self.client.refresh()  # type: ignore[attr-defined]
+        return super().incarnation
+
+    def engine_lock(self) -> EngineLock | None:
+        return self._lock
+
+
+class LockActor:
+    """The lock actor's class: one holder at a time, by owner token."""
+
+    def __init__(self) -> None:
+        self.holder: str | None = None
+
+    def acquire(self, owner: str) -> bool:
+        if self.holder is None or self.holder == owner:
+            self.holder = owner
+            return True
+        return False
+
+    def release(self, owner: str) -> bool:
+        if self.holder != owner:
+            return False
+        self.holder = None
+        return True
+
+    def get_holder(self) -> str | None:
+        return self.holder
+
+
+@functools.cache
+def _lock_actor_class() -> Any:
+    import ray
+
+    return ray.remote(num_cpus=0)(LockActor)
+
+
+class RayLock:
+    """An owner-token lock in a named Ray actor: every process that names it shares it (trainers
+    on several nodes, a rollout manager). Every call waits at most `timeout` seconds."""
+
+    def __init__(self, name: str = "refit-engine-lock", *, timeout: float = 5.0) -> None:
+        self.name = name
+        self.timeout = timeout
+        self.actor = _lock_actor_class().options(name=name, get_if_exists=True).remote()
+
+    def _get(self, ref: Any, what: str) -> Any:
+        import ray
+
+        try:
+            return ray.get(ref, timeout=self.timeout)
+        except ray.exceptions.GetTimeoutError:
+            raise TimeoutError(f"lock actor {self.name!r}: {what} did not answer within {self.timeout:.3g}s") from None
+
+    def acquire(self, owner: str) -> bool:
+        return bool(self._get(self.actor.acquire.remote(owner), "acquire"))
+
+    def release(self, owner: str) -> bool:
+        return bool(self._get(self.actor.release.remote(owner), "release"))
+
+    @property
+    def holder(self) -> str | None:
+        return self._get(self.actor.get_holder.remote(), "holder")

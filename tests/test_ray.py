@@ -1,0 +1,187 @@
+"""Reference engines as Ray actors on a real local Ray cluster (2 CPUs, no dashboard): full refits,
+errors keeping their kind across Ray, an actor that dies (between refits and mid-transfer), an
+actor Ray restarts (a new incarnation, out of service until refit), and the lock in a Ray actor."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import ray  # the [ray] extra (scripts/setup installs it)
+import torch
+
+from refit import protocol
+from refit.drivers.ray_actors import RayEngine, RayLock
+from refit.drivers.shm import SharedMemoryTransport
+from refit.drivers.torch_source import TorchSource
+from refit.errors import DriverCallError, EngineDied, EngineError, RefitBusyError
+from refit.reference.model import TinyLlama, greedy
+
+from .conftest import CONFIG, SMALL_BUCKET, perturbed
+
+pytestmark = pytest.mark.e2e
+PROMPT = [5, 17, 3, 99, 42]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cluster() -> Iterator[None]:
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture
+def engines() -> Iterator[list[RayEngine]]:
+    made: list[RayEngine] = []
+    yield made
+    for e in made:
+        e.close()
+
+
+def _exact(engine: RayEngine, model: TinyLlama) -> bool:
+    state = engine.state_dict()
+    return all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+
+
+def _ctx(model: TinyLlama, engines: list[RayEngine], **kw: Any) -> protocol.RefitContext:
+    return protocol.RefitContext(
+        TorchSource(model), SharedMemoryTransport(), engines, bucket_bytes=SMALL_BUCKET, deadline_s=60, **kw
+    )
+
+
+def test_refits_into_ray_actor_engines(engines: list[RayEngine]) -> None:
+    """Two engines hosted by Ray actors: weights bit for bit, greedy tokens equal, two control
+    round trips per refit once connected, the lock held by a Ray actor released after each run."""
+    lock = RayLock("refit-test-lock-1")
+    engines += [RayEngine.start(f"ray-{i}", CONFIG, seed=0, lock=lock) for i in range(2)]
+    model = perturbed(TinyLlama(CONFIG, seed=0), seed=1)
+    ctx = _ctx(model, engines)
+    assert ctx.lock is lock
+    try:
+        trips = []
+        for i in range(3):
+            perturbed(model, seed=10 + i)
+            result = protocol.run(ctx).raise_for_error()
+            trips.append(result.round_trips)
+            assert lock.holder is None
+            for e in engines:
+                assert _exact(e, model)
+                assert e.generate(PROMPT, 8)["output"] == greedy(model, PROMPT, 8)
+        assert trips[1:] == [2, 2]
+    finally:
+        ctx.close()
+
+
+def test_refit_errors_keep_their_kind_across_ray(engines: list[RayEngine]) -> None:
+    engines.append(RayEngine.start("ray-err", CONFIG, seed=0))
+    e = engines[0]
+    with pytest.raises(EngineError) as info:
+        e.continue_generation(timeout=10)
+        e.publish(1, timeout=10)  # no finalized update: refused by the engine, named
+    assert info.value.kind == "not_ready"
+    with pytest.raises(EngineError) as info:
+        e.pause("sideways", timeout=10)  # type: ignore[arg-type]
+    assert info.value.kind == "bad_request" and "sideways" in info.value.message
+
+
+def test_an_actor_that_dies_is_a_dead_engine(engines: list[RayEngine]) -> None:
+    """Killed between refits (ray.kill) or mid-transfer (an armed kill takes the actor down with its
+    engine): the run reports that engine failed, inside its deadline, publishes nothing to it, and
+    the other engine is updated; the lock is released."""
+    lock = RayLock("refit-test-lock-2")
+    engines += [RayEngine.start(f"ray-d{i}", CONFIG, seed=0, lock=lock) for i in range(3)]
+    model = perturbed(TinyLlama(CONFIG, seed=0), seed=2)
+    ctx = _ctx(model, engines[:2])
+    try:
+        protocol.run(ctx).raise_for_error()
+        ray.kill(engines[1].client.actor)
+        perturbed(model, seed=3)
+        result = protocol.run(ctx)
+        assert {n: o.status for n, o in result.engines.items()} == {"ray-d0": "updated", "ray-d1": "failed"}
+        assert "its Ray actor died" in str(result.error)
+        assert not engines[1].alive and lock.holder is None
+        assert _exact(engines[0], model)
+    finally:
+        ctx.close()
+    kill = protocol.FaultPlan().fail_at("transferring", engine=1, bucket=3, kind="kill")
+    ctx = _ctx(model, [engines[0], engines[2]], faults=kill, version=engines[0].info()["version"])
+    try:
+        perturbed(model, seed=4)
+        t0 = time.monotonic()
+        result = protocol.run(ctx)
+        assert time.monotonic() - t0 < 60
+        assert result.engines["ray-d2"].status == "failed" and result.engines["ray-d0"].status == "updated"
+        with pytest.raises(EngineDied):
+            engines[2].info(timeout=10)
+        assert lock.holder is None and _exact(engines[0], model)
+    finally:
+        ctx.close()
+
+
+def test_a_restarted_actor_is_a_new_incarnation_out_of_service_until_refit(engines: list[RayEngine]) -> None:
+    """Ray restarts the actor (`max_restarts=1`) after its process is killed: the engine comes back
+    with the checkpoint, refuses to serve, and reports a new incarnation; the next refit reconnects
+    it and refits it fully, after which it serves the trainer's weights."""
+    engines.append(RayEngine.start("ray-r", CONFIG, seed=0, max_restarts=1))
+    e = engines[0]
+    model = perturbed(TinyLlama(CONFIG, seed=0), seed=5)
+    ctx = _ctx(model, engines)
+    try:
+        protocol.run(ctx).raise_for_error()
+        before = e.incarnation
+        os.kill(e.client.pid, signal.SIGKILL)
+        with pytest.raises(EngineDied):
+            e.info(timeout=30)
+        deadline = time.monotonic() + 60
+        while e.incarnation == before and time.monotonic() < deadline:
+            time.sleep(0.2)  # Ray brings the actor back in a new process
+        assert e.incarnation != before and e.alive
+        with pytest.raises(EngineError) as info:
+            e.generate(PROMPT, 4, timeout=30)
+        assert info.value.kind == "quarantined"  # checkpoint weights: out of service
+        perturbed(model, seed=6)
+        result = protocol.run(ctx).raise_for_error()
+        assert any(call == "connect" for call, _, _ in result.rank_stats[0].steps)
+        assert _exact(e, model) and e.generate(PROMPT, 8)["output"] == greedy(model, PROMPT, 8)
+    finally:
+        ctx.close()
+
+
+def test_the_lock_actor_is_shared_and_bounded(engines: list[RayEngine]) -> None:
+    """Two handles to one named lock actor share it: a run finds it held by another owner and is
+    refused as busy, changing nothing; a lock actor that does not answer fails the run in time."""
+    first, second = RayLock("refit-test-lock-3"), RayLock("refit-test-lock-3")
+    assert first.acquire("someone-else") and not second.acquire("me") and not second.release("me")
+    engines.append(RayEngine.start("ray-l", CONFIG, seed=0, lock=second))
+    model = TinyLlama(CONFIG, seed=0)
+    ctx = _ctx(model, engines)
+    try:
+        with pytest.raises(RefitBusyError):
+            protocol.run(ctx).raise_for_error()
+        assert engines[0].info()["version"] == 0
+        assert first.release("someone-else") and first.holder is None
+        ray.kill(first.actor)  # the lock actor is gone: the run fails on the lock, inside its budget
+        t0 = time.monotonic()
+        with pytest.raises(DriverCallError, match=r"lock\.acquire failed: ActorDiedError"):
+            protocol.run(ctx)
+        assert time.monotonic() - t0 < 15
+        assert engines[0].info()["version"] == 0
+    finally:
+        ctx.close()
+
+
+def test_demo_ray_runs_on_the_cluster(capsys: pytest.CaptureFixture[str]) -> None:
+    """`refit demo --ray`: the demo's engines as Ray actors (on this cluster: the demo starts one
+    only when none is connected), every refit matching the trainer."""
+    from refit.cli import main
+
+    assert main(["demo", "--ray", "--refits", "2", "--engines", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "2 reference engines as Ray actors" in out and "all 2 refits matched the trainer" in out
+    assert main(["demo", "--ray", "--engine-tp", "2"]) == 2
+    assert "--ray hosts TP=1 reference engines as Ray actors" in capsys.readouterr().err
