@@ -135,8 +135,8 @@ def test_a_restarted_actor_is_a_new_incarnation_out_of_service_until_refit(engin
         protocol.run(ctx).raise_for_error()
         before = e.incarnation
         os.kill(e.client.pid, signal.SIGKILL)
-        with pytest.raises(EngineDied):
-            e.info(timeout=30)
+        with pytest.raises((EngineDied, TimeoutError), match=r"Ray actor (died|is unavailable)"):
+            e.info(timeout=30)  # dead, or (Ray's account) unavailable while it restarts
         deadline = time.monotonic() + 60
         while e.incarnation == before and time.monotonic() < deadline:
             time.sleep(0.2)  # Ray brings the actor back in a new process
@@ -185,3 +185,54 @@ def test_demo_ray_runs_on_the_cluster(capsys: pytest.CaptureFixture[str]) -> Non
     assert "2 reference engines as Ray actors" in out and "all 2 refits matched the trainer" in out
     assert main(["demo", "--ray", "--engine-tp", "2"]) == 2
     assert "--ray hosts TP=1 reference engines as Ray actors" in capsys.readouterr().err
+
+
+def test_a_restart_no_call_saw_is_still_a_new_incarnation(engines: list[RayEngine]) -> None:
+    """Ray restarts the actor between two refits with no call in between: the next run still sees
+    a new process (the incarnation is asked of the actor), reconnects it and refits it fully."""
+    engines.append(RayEngine.start("ray-s", CONFIG, seed=0, max_restarts=1))
+    e = engines[0]
+    model = perturbed(TinyLlama(CONFIG, seed=0), seed=7)
+    ctx = _ctx(model, engines)
+    try:
+        protocol.run(ctx).raise_for_error()
+        before = e.incarnation
+        os.kill(e.client.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while e.incarnation == before and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert e.incarnation != before
+        perturbed(model, seed=8)
+        result = protocol.run(ctx).raise_for_error()
+        assert any(call == "connect" for call, _, _ in result.rank_stats[0].steps)
+        assert _exact(e, model) and e.generate(PROMPT, 8)["output"] == greedy(model, PROMPT, 8)
+    finally:
+        ctx.close()
+    e.close()
+    assert e.incarnation == e.incarnation and not e.alive  # closed stays closed
+
+
+def test_a_lock_lease_frees_a_lock_whose_holder_died() -> None:
+    lock = RayLock("refit-test-lease", lease_s=0.5)
+    assert lock.acquire("died-holding-it") and not lock.acquire("next")
+    time.sleep(0.7)
+    assert lock.acquire("next") and lock.holder == "next"
+    assert not lock.release("died-holding-it") and lock.release("next")
+
+
+def test_generation_is_bounded_by_the_callers_timeout_while_the_actor_is_busy(engines: list[RayEngine]) -> None:
+    """The actor is stuck in a hanging call: a generation asked for meanwhile fails with the
+    caller's own timeout (TimeoutError), not the actor's."""
+    import threading
+
+    engines.append(RayEngine.start("ray-g", CONFIG, seed=0))
+    e = engines[0]
+    e.arm_fault("hang", "info", bucket=None, seconds=4.0, timeout=10)
+    threading.Thread(target=lambda: e.info(timeout=10), daemon=True).start()
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError):
+        e.generate(PROMPT, 4, timeout=1.0)
+    assert time.monotonic() - t0 < 3.0
+    time.sleep(4.0)
+    assert e.generate(PROMPT, 4, timeout=30)["output"]  # the actor answers again after the hang

@@ -243,10 +243,20 @@ def _bench(args: argparse.Namespace) -> int:
 
     if args.what in ("gpu", "broadcast"):
         return _bench_gpu(args)
+    if args.ray and args.what != "control":
+        print(f"refit bench {args.what}: --ray applies to `refit bench control` only", file=sys.stderr)
+        return 2
+    if args.ray:
+        try:
+            import ray  # noqa: F401
+        except ImportError:
+            print("refit bench control --ray needs Ray: pip install -e '.[ray]'", file=sys.stderr)
+            return 2
     progress = Progress(f"bench {args.what}")
     if args.what == "control":
         print(
-            f"bench control: starting {args.engines} engine processes, 3 warm-up refits, then {args.refits} refits ...",
+            f"bench control: starting {args.engines} engine {'Ray actors' if args.ray else 'processes'}, 3 warm-up "
+            f"refits, then {args.refits} refits ...",
             file=sys.stderr, flush=True,
         )  # fmt: skip
         from refit.demo import ray_cluster

@@ -116,9 +116,13 @@ def ray_cluster(enabled: bool) -> Iterator[None]:
     if ray.is_initialized():  # the caller's cluster: used, not shut down
         yield
         return
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a local, single-user cluster
-    print("starting a local Ray cluster (2 CPUs, no dashboard) ...", flush=True)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    if os.environ.get("RAY_ADDRESS"):  # inside a Ray job: join its cluster
+        print(f"connecting to the Ray cluster at {os.environ['RAY_ADDRESS']} ...", flush=True)
+        ray.init(log_to_driver=False)
+    else:
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a local, single-user cluster
+        print("starting a local Ray cluster (2 CPUs, no dashboard) ...", flush=True)
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         yield
     finally:

@@ -14,9 +14,13 @@ reference engine's driver over an actor, `RayLock` an `EngineLock`.
                 call whose ObjectRef's own future the runner waits on (no thread per pending call).
                 Refit errors come back from the actor as data (kind, message) and are rebuilt, so
                 they keep their kind; an actor that died (ActorDiedError, its node lost) is
-                `EngineDied`; after a restart the engine reports a new incarnation (its new
-                process), so the runner reconnects it and refits it fully.
-  RayLock       an `EngineLock` hosted by a named Ray actor; every call is bounded.
+                `EngineDied` (`ActorUnavailableError`, transient by Ray's account, is a timeout:
+                state unknown). The incarnation is the actor's current process, asked at each run
+                start (bounded): a restart, seen by a failed call or not, is a new incarnation, so
+                the runner reconnects it and refits it fully.
+  RayLock       an `EngineLock` hosted by a named Ray actor in a fixed namespace (shared by every
+                process of the cluster that names it), every call bounded, with an optional lease
+                for a holder that died holding it.
 
 Lifecycle per state: the reference engine's (refit.drivers.reference), unchanged.
 """
@@ -30,6 +34,7 @@ import os
 import signal
 import threading
 import time
+import warnings
 from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -52,7 +57,9 @@ class EngineActor:
         from refit.reference.client import start_thread
         from refit.reference.model import ModelConfig
 
-        restarted = bool(ray.get_runtime_context().was_current_actor_reconstructed)
+        with warnings.catch_warnings():  # Ray marks the property deprecated and has no replacement for it
+            warnings.simplefilter("ignore")
+            restarted = bool(ray.get_runtime_context().was_current_actor_reconstructed)
         self.client = start_thread(
             name, ModelConfig(**config), seed, version=version, serving=serving and not restarted
         )
@@ -131,6 +138,7 @@ class RayClient:
 
         self.actor = actor
         self.name = name
+        self._closed = False
         self._dead: EngineDied | None = None
         self.pid: int | None = None
         self.pid = int(ray.get(actor.ident.remote(), timeout=timeout)["pid"])
@@ -149,20 +157,28 @@ class RayClient:
     def _translate(self, exc: BaseException) -> BaseException:
         import ray
 
-        if isinstance(exc, ray.exceptions.RayActorError):  # ActorDiedError, ActorUnavailableError, node loss
+        unavailable = getattr(ray.exceptions, "ActorUnavailableError", ())
+        if unavailable and isinstance(exc, unavailable):  # transient (Ray says so): state unknown, not dead
+            return TimeoutError(f"engine {self.name}: its Ray actor is unavailable ({str(exc)[:200]})")
+        if isinstance(exc, ray.exceptions.RayActorError):  # ActorDiedError, node loss
             return self._died(exc)
+        if isinstance(exc, ray.exceptions.GetTimeoutError):
+            return TimeoutError(f"engine {self.name}: {exc}")
         return exc
 
     def refresh(self, timeout: float = 2.0) -> None:
-        """After a death: if Ray restarted the actor, take up its new process (a new incarnation)."""
-        if self._dead is None:
+        """Ask the actor which process serves it now (bounded): Ray may have restarted it since the
+        last call, with or without any call seeing the death; a new process is a new incarnation."""
+        if self._closed:
             return
         import ray
 
         try:
             ident = ray.get(self.actor.ident.remote(), timeout=timeout)
-        except Exception:
-            return  # still dead (or not back yet)
+        except Exception as exc:
+            if self._dead is None and isinstance(exc, ray.exceptions.ActorDiedError):
+                self._died(exc)
+            return  # dead, or not back yet: the incarnation stays the last one seen
         self.pid, self._dead = int(ident["pid"]), None
 
     def call_async(self, method: str, *args: Any, **kwargs: Any) -> Future[Any]:
@@ -189,27 +205,37 @@ class RayClient:
         return out
 
     def call(self, method: str, *args: Any, timeout: float, **kwargs: Any) -> Any:
+        fut = self.call_async(method, *args, **kwargs)
         try:
-            return self.call_async(method, *args, **kwargs).result(timeout=max(timeout, 0.0))
+            return fut.result(timeout=max(timeout, 0.0))
         except TimeoutError:
+            if fut.done():  # the call's own outcome (an unavailable actor), not our wait
+                raise
             raise TimeoutError(f"engine {self.name}: {method} did not answer within {timeout:.3g}s") from None
 
     # ---- generation: submitted, then polled (the actor never blocks on it) ----------------------
 
     def _generate(self, prompt: Sequence[int], max_new_tokens: int) -> Future[Any]:
-        import ray
-
+        """Submitted without waiting (the caller's own timeout bounds the wait for the result)."""
         out: Future[Any] = Future()
         try:
-            ticket = ray.get(self.actor.submit.remote(list(prompt), max_new_tokens), timeout=30)
+            ref = self.actor.submit.remote(list(prompt), max_new_tokens)
         except Exception as exc:
             out.set_exception(self._translate(exc))
             return out
-        with self._lock:
-            self._generations[ticket] = out
-            if self._poller is None:
-                self._poller = threading.Thread(target=self._poll, name=f"refit-ray-{self.name}", daemon=True)
-                self._poller.start()
+
+        def submitted(f: Future[Any]) -> None:
+            exc = f.exception()
+            if exc is not None:
+                out.set_exception(self._translate(exc))
+                return
+            with self._lock:
+                self._generations[int(f.result())] = out
+                if self._poller is None:
+                    self._poller = threading.Thread(target=self._poll, name=f"refit-ray-{self.name}", daemon=True)
+                    self._poller.start()
+
+        ref.future().add_done_callback(submitted)
         return out
 
     def _poll(self) -> None:
@@ -221,8 +247,8 @@ class RayClient:
                 if not tickets:
                     self._poller = None
                     return
-            try:
-                done = ray.get(self.actor.poll.remote(tickets), timeout=30)
+            try:  # no limit of its own: each caller's timeout bounds its wait; a dead actor ends it
+                done = ray.get(self.actor.poll.remote(tickets))
             except Exception as exc:
                 err = self._translate(exc)
                 with self._lock:
@@ -244,6 +270,7 @@ class RayClient:
         if self._dead is None:
             with contextlib.suppress(Exception):
                 ray.get(self.actor.shutdown.remote(), timeout=timeout)
+        self._closed = True
         with contextlib.suppress(Exception):
             ray.kill(self.actor, no_restart=True)
         self._dead = self._dead or EngineDied(f"engine {self.name} was closed")
@@ -268,14 +295,17 @@ class RayEngine(ReferenceEngine):
         max_restarts: int = 0,
         lock: EngineLock | None = None,
         timeout: float = 120.0,
+        options: dict[str, Any] | None = None,
     ) -> RayEngine:
         """An engine actor on the connected Ray cluster (`ray.init()` first). `max_restarts`: Ray
         restarts a dead actor this many times (each restart is a new incarnation, out of service
-        until refit). `lock`: the engine set's shared lock (e.g. a `RayLock`)."""
+        until refit). `lock`: the engine set's shared lock (e.g. a `RayLock`). `options`: more
+        `.options(...)` for the actor, e.g. a `scheduling_strategy` that keeps it on the trainer's
+        node (transports that share memory need the same host)."""
         from refit.reference.model import ModelConfig
 
         actor_cls = _engine_actor_class()
-        actor = actor_cls.options(max_restarts=max_restarts, max_task_retries=0).remote(
+        actor = actor_cls.options(max_restarts=max_restarts, max_task_retries=0, **(options or {})).remote(
             name, (config or ModelConfig()).to_dict(), seed, version, serving
         )
         return cls(RayClient(actor, name, timeout=timeout), lock)
@@ -290,14 +320,18 @@ class RayEngine(ReferenceEngine):
 
 
 class LockActor:
-    """The lock actor's class: one holder at a time, by owner token."""
+    """The lock actor's class: one holder at a time, by owner token; with a lease, a holder that has
+    not released after `lease_s` is taken to be gone (its process died holding the lock)."""
 
-    def __init__(self) -> None:
+    def __init__(self, lease_s: float | None = None) -> None:
         self.holder: str | None = None
+        self.lease_s = lease_s
+        self.since = 0.0
 
     def acquire(self, owner: str) -> bool:
-        if self.holder is None or self.holder == owner:
-            self.holder = owner
+        expired = self.lease_s is not None and time.monotonic() - self.since > self.lease_s
+        if self.holder is None or self.holder == owner or expired:
+            self.holder, self.since = owner, time.monotonic()
             return True
         return False
 
@@ -319,13 +353,23 @@ def _lock_actor_class() -> Any:
 
 
 class RayLock:
-    """An owner-token lock in a named Ray actor: every process that names it shares it (trainers
-    on several nodes, a rollout manager). Every call waits at most `timeout` seconds."""
+    """An owner-token lock in a named Ray actor, in Ray namespace `namespace`: every process of the
+    cluster that names it shares it (trainers on several nodes, a rollout manager). The actor lives
+    as long as the job that made it; `detached=True` keeps it across jobs (kill it when done).
+    `lease_s`: a holder that has not released after this long is taken to be gone, so a trainer
+    that died holding the lock does not block every later refit; set it above your runs' deadline
+    plus cleanup grace (None: no lease). Every call waits at most `timeout` seconds."""
 
-    def __init__(self, name: str = "refit-engine-lock", *, timeout: float = 5.0) -> None:
+    def __init__(
+        self, name: str = "refit-engine-lock", *, namespace: str = "refit", timeout: float = 5.0,
+        lease_s: float | None = None, detached: bool = False,
+    ) -> None:  # fmt: skip
         self.name = name
         self.timeout = timeout
-        self.actor = _lock_actor_class().options(name=name, get_if_exists=True).remote()
+        opts: dict[str, Any] = {"name": name, "namespace": namespace, "get_if_exists": True}
+        if detached:
+            opts["lifetime"] = "detached"
+        self.actor = _lock_actor_class().options(**opts).remote(lease_s)
 
     def _get(self, ref: Any, what: str) -> Any:
         import ray
