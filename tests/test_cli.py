@@ -377,3 +377,38 @@ def test_with_no_logging_configured_the_warning_reaches_stderr() -> None:
         r"^refit run \S+ failed in PAUSING \(ended DONE; engines: e0 unchanged, e1 updated\)", proc.stderr, re.M
     )
     assert "trace: not written (RefitContext(trace=PATH) writes one)" in proc.stderr
+
+
+def test_demo_logit_check_scales_with_the_logits() -> None:
+    """fp32 rounding from a fused matmul grows with the logits' size as training sharpens them: the
+    demo allows 1e-5 x max(1, max|logit|), so a long run with large logits is not a false mismatch,
+    while twice that allowance still fails."""
+    import torch
+
+    from refit.demo import PROMPTS, check_engine
+    from refit.reference.model import ModelConfig, TinyLlama, greedy, prompt_logits
+
+    model = TinyLlama(ModelConfig(), seed=0)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(100.0)  # large logits, as after long training
+    logits = [prompt_logits(model, list(p)) for p in PROMPTS]
+    big = float(max(t.abs().max() for t in logits))
+    assert big > 10
+
+    class Engine:  # serves the trainer's tokens and weights, and its logits off by `delta`
+        def __init__(self, delta: float) -> None:
+            self.delta = delta
+
+        def generate(self, prompt: list[int], n: int) -> dict[str, list[int]]:
+            return {"output": greedy(model, list(prompt), n)}
+
+        def score(self, prompt: list[int]) -> torch.Tensor:
+            return prompt_logits(model, list(prompt)) + self.delta
+
+        def state_dict(self) -> dict[str, torch.Tensor]:
+            return model.state_dict()
+
+    previous = [t - 1.0 for t in logits]  # the old weights' logits: far enough for the check to bite
+    within = check_engine(Engine(0.5e-5 * big), model, previous)  # type: ignore[arg-type]
+    assert within["ok"] and within["max_diff"] > 1e-5
+    assert not check_engine(Engine(2e-5 * big), model, previous)["ok"]  # type: ignore[arg-type]

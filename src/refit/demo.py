@@ -33,7 +33,9 @@ from refit.reference.model import ModelConfig, TinyLlama, greedy, prompt_logits
 
 PROMPTS = ([5, 6, 7, 8], [100, 101, 102], [250, 251, 252, 253, 254], [40])
 NEW_TOKENS = 8
-LOGIT_ATOL = 1e-5  # fused q/k/v (and TP partial sums) may add in another order than the trainer
+# fused q/k/v (and TP partial sums) may add in another order than the trainer: fp32 rounding, which
+# grows with the logits' size as training sharpens them; allowed: LOGIT_TOL x max(1, max |logit|)
+LOGIT_TOL = 1e-5
 MIN_CHANGE = 1e-3  # logits of the previous weights must differ by more, so the check can fail
 
 PHASES = (
@@ -145,16 +147,18 @@ def train(model: Any, opt: torch.optim.Optimizer, gen: torch.Generator, steps: i
 
 def check_engine(engine: ReferenceEngine, model: TinyLlama, previous: list[torch.Tensor]) -> dict[str, Any]:
     """Compare one engine with the trainer: tokens, logits (and their distance to the old weights), weights."""
-    tokens_ok, max_diff, min_change = True, 0.0, float("inf")
+    tokens_ok, max_diff, min_change, logits_ok = True, 0.0, float("inf"), True
     for prompt, prev in zip(PROMPTS, previous, strict=True):
         out = engine.generate(prompt, NEW_TOKENS)
         tokens_ok &= out["output"] == greedy(model, list(prompt), NEW_TOKENS)
         got, want = engine.score(prompt), prompt_logits(model, list(prompt))
-        max_diff = max(max_diff, float((got - want).abs().max()))
+        diff = float((got - want).abs().max())
+        logits_ok &= diff <= LOGIT_TOL * max(1.0, float(want.abs().max()))
+        max_diff = max(max_diff, diff)
         min_change = min(min_change, float((got - prev).abs().max()))
     state = engine.state_dict()
     weights_ok = all(torch.equal(state[k], v) for k, v in model.state_dict().items())
-    ok = tokens_ok and weights_ok and max_diff <= LOGIT_ATOL and min_change > MIN_CHANGE
+    ok = tokens_ok and weights_ok and logits_ok and min_change > MIN_CHANGE
     return {"ok": ok, "tokens": tokens_ok, "weights": weights_ok, "max_diff": max_diff, "min_change": min_change}
 
 
@@ -175,7 +179,7 @@ LEGEND = f"""columns:
   rt                 control round trips (2 in steady state; the first refit also connects)
   bkts, KiB          buckets and KiB moved; peak KiB: the most extra trainer memory the refit held
   tokens             the engines' greedy tokens vs the trainer's (equal | DIFFER)
-  max|dlogit|        largest logit difference from the trainer (must be <= {LOGIT_ATOL:g})
+  max|dlogit|        largest logit difference from the trainer (must be <= {LOGIT_TOL:g} x max(1, max|logit|))
   prev               how far the logits moved from the old weights (must be > {MIN_CHANGE:g}, so the check can fail)
   weights            the engines' weights read back vs the trainer's, bit for bit (exact | DIFFER)"""
 
@@ -319,8 +323,8 @@ def verdict(
     else:
         peak = max(e["trainer_peak_bytes"] for e in entries)
         print(
-            f"all {refits} refits matched the trainer: tokens equal, logits within {LOGIT_ATOL:g}, weights "
-            f"bit-exact; extra trainer memory at most {peak / 1024:.0f} KiB"
+            f"all {refits} refits matched the trainer: tokens equal, logits within {LOGIT_TOL:g} x max(1, max|logit|), "
+            f"weights bit-exact; extra trainer memory at most {peak / 1024:.0f} KiB"
         )
     return code
 
