@@ -54,6 +54,13 @@ def _ctx(model: TinyLlama, engines: list[RayEngine], **kw: Any) -> protocol.Refi
     )
 
 
+def _wait_for_restart(e: RayEngine, before: str, within_s: float = 60.0) -> None:
+    """Until Ray brings the actor back in a new process (a new incarnation), or `within_s` passed."""
+    deadline = time.monotonic() + within_s
+    while e.incarnation == before and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+
 def test_refits_into_ray_actor_engines(engines: list[RayEngine]) -> None:
     """Two engines hosted by Ray actors: weights bit for bit, greedy tokens equal, two control
     round trips per refit once connected, the lock held by a Ray actor released after each run."""
@@ -137,9 +144,7 @@ def test_a_restarted_actor_is_a_new_incarnation_out_of_service_until_refit(engin
         os.kill(e.client.pid, signal.SIGKILL)
         with pytest.raises((EngineDied, TimeoutError), match=r"Ray actor (died|is unavailable)"):
             e.info(timeout=30)  # dead, or (Ray's account) unavailable while it restarts
-        deadline = time.monotonic() + 60
-        while e.incarnation == before and time.monotonic() < deadline:
-            time.sleep(0.2)  # Ray brings the actor back in a new process
+        _wait_for_restart(e, before)
         assert e.incarnation != before and e.alive
         with pytest.raises(EngineError) as info:
             e.generate(PROMPT, 4, timeout=30)
@@ -198,9 +203,7 @@ def test_a_restart_no_call_saw_is_still_a_new_incarnation(engines: list[RayEngin
         protocol.run(ctx).raise_for_error()
         before = e.incarnation
         os.kill(e.client.pid, signal.SIGKILL)
-        deadline = time.monotonic() + 60
-        while e.incarnation == before and time.monotonic() < deadline:
-            time.sleep(0.2)
+        _wait_for_restart(e, before)
         assert e.incarnation != before
         perturbed(model, seed=8)
         result = protocol.run(ctx).raise_for_error()

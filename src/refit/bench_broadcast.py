@@ -32,8 +32,7 @@ from typing import Any
 import torch
 
 from refit import protocol
-from refit.bench import _window
-from refit.bench_gpu import SHAPES, _step
+from refit.bench_gpu import SHAPES, _step, refit_times
 from refit.drivers.broadcast import BroadcastTransport, _broadcast, _group, close_group
 from refit.drivers.buckets import BucketManifest, TensorMeta, plan_buckets, tensor_digest
 from refit.drivers.reference import ReferenceEngine
@@ -156,15 +155,11 @@ def _refit(
             tick(f"refit {i + 1}/{refits + 1}")
             if i == 0:
                 continue
-            info = engine.info()
-            window = _window(engine.audit(), since)
-            if window is None or info.get("copies_landed_at") is None:
-                raise RuntimeError("the engine's audit shows no pause/load/continue for this refit")
-            landed = max(window[3], info["copies_landed_at"])
-            stalls.append(window[1] - window[0])
-            transfers.append(landed - window[2])
-            pre.append(window[2] - window[0])
-            post.append(window[1] - landed)
+            times = refit_times(engine, since)
+            stalls.append(times["stall"])
+            transfers.append(times["transfer"])
+            pre.append(times["pre"])
+            post.append(times["post"])
         got = engine.digests(timeout=600)
         want = {n: tensor_digest(t) for n, t in state.items()}
     finally:

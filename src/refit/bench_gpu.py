@@ -112,6 +112,21 @@ def cold_floor_ms(state: dict[str, torch.Tensor], idle_s: float = 0.05, repeats:
     return statistics.median(times) * 1e3
 
 
+def refit_times(engine: ReferenceEngine, since: float) -> dict[str, float]:
+    """One refit on the engine's own clock (its audit, CLOCK_MONOTONIC): stall (pause start ->
+    continue end), transfer (first bucket's load start -> its copies landed at finalize), pre (pause
+    -> first load), post (copies landed -> continue end), span (GPU time of its queued copies)."""
+    info = engine.info()
+    window = _window(engine.audit(), since)
+    if window is None or info.get("copies_landed_at") is None:
+        raise RuntimeError(f"{engine.name}: the engine's audit shows no pause/load/continue for this refit")
+    landed = max(window[3], info["copies_landed_at"])
+    return {
+        "stall": window[1] - window[0], "transfer": landed - window[2], "pre": window[2] - window[0],
+        "post": window[1] - landed, "span": info.get("copy_span_s") or 0.0,
+    }  # fmt: skip
+
+
 def _step(state: dict[str, torch.Tensor]) -> None:
     """An in-place optimizer step: every weight negated (new bits everywhere, the same storages)."""
     with torch.no_grad():
@@ -154,16 +169,12 @@ def run_path(
             tick(f"{path} refit {i + 1}/{refits + 1}")
             if i == 0:
                 continue
-            info = engine.info()
-            window = _window(engine.audit(), since)
-            if window is None or info.get("copies_landed_at") is None:
-                raise RuntimeError(f"{path}: the engine's audit shows no pause/load/continue for this refit")
-            landed = max(window[3], info["copies_landed_at"])
-            stalls.append(window[1] - window[0])
-            transfers.append(landed - window[2])
-            pre.append(window[2] - window[0])  # pause start -> first bucket's load start
-            post.append(window[1] - landed)  # copies landed -> continue end
-            spans.append(info.get("copy_span_s") or 0.0)
+            times = refit_times(engine, since)
+            stalls.append(times["stall"])
+            transfers.append(times["transfer"])
+            pre.append(times["pre"])
+            post.append(times["post"])
+            spans.append(times["span"])
             phases.append(result.phase_seconds)
         info = engine.info()
         trainer_extra = torch.cuda.max_memory_allocated() - trainer_base
