@@ -12,83 +12,18 @@ torch must see "no triton" before the stand-in exists (its inductor caches that 
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
-import importlib.util
-import sys
 import types
 import warnings
 from typing import Any
 
+from .standins import install
+
 CUDA_ONLY = ("triton", "torchvision")
 
 
-class _Anything(type):
-    """A stand-in class: any attribute is another stand-in; used as a decorator it returns the
-    function unchanged (`@triton.jit`)."""
-
-    def __getattr__(cls, key: str) -> Any:
-        if key.startswith("__"):
-            raise AttributeError(key)
-        return _Anything(f"{cls.__name__}.{key}", (), {})
-
-    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
-        if len(args) == 1 and not kwargs and callable(args[0]) and not isinstance(args[0], _Anything):
-            return args[0]
-        return _Anything(f"{cls.__name__}()", (), {})
-
-    def __getitem__(cls, key: Any) -> Any:
-        return cls
-
-    def __or__(cls, other: Any) -> Any:
-        return cls
-
-    __ror__ = __or__
-
-    def __iter__(cls) -> Any:
-        return iter(())
-
-    def __bool__(cls) -> bool:
-        return False
-
-
-class _StandIn(types.ModuleType):
-    def __getattr__(self, key: str) -> Any:
-        if key.startswith("__"):
-            raise AttributeError(key)
-        return _Anything(f"{self.__name__}.{key}", (), {})
-
-
-class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    def __init__(self, roots: set[str]) -> None:
-        self.roots = roots
-
-    def find_spec(self, name: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
-        if name.split(".", maxsplit=1)[0] in self.roots:
-            return importlib.machinery.ModuleSpec(name, self, is_package=True)
-        return None
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
-        module = _StandIn(spec.name)
-        module.__path__ = []
-        module.__version__ = "0.0.0+stand-in"
-        return module
-
-    def exec_module(self, module: types.ModuleType) -> None:
-        pass
-
-
 def install_shim() -> list[str]:
-    """Stand-ins for the CUDA-only packages that are absent; returns their names. Idempotent."""
-    if any(isinstance(f, _Finder) for f in sys.meta_path):
-        return []
-    import torch._inductor.compile_fx  # noqa: F401 - torch decides "no triton" before a stand-in exists
-    import torch.utils._triton as torch_triton
-
-    torch_triton.has_triton()
-    missing = [r for r in CUDA_ONLY if importlib.util.find_spec(r) is None]
-    sys.meta_path.append(_Finder(set(missing)))
-    return missing
+    """Stand-ins for SGLang's CUDA-only imports that are absent; returns their names. Idempotent."""
+    return install(CUDA_ONLY)
 
 
 def sglang() -> types.SimpleNamespace:

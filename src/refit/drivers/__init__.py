@@ -2,6 +2,7 @@
 
 Backends live one per module and are imported on demand, so importing this package stays light:
   refit.drivers.torch_source.TorchSource         torch nn.Module / state dict (DTensor aware)
+  refit.drivers.megatron.MegatronSource          Megatron-Core through megatron-bridge's HF export
   refit.drivers.shm.SharedMemoryTransport        CPU shared memory (/dev/shm)
   refit.drivers.reference.ReferenceEngine        the reference CPU engine (process or thread)
 """
