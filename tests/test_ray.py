@@ -20,6 +20,7 @@ from refit.drivers.shm import SharedMemoryTransport
 from refit.drivers.torch_source import TorchSource
 from refit.errors import DriverCallError, EngineDied, EngineError, RefitBusyError
 from refit.reference.model import TinyLlama, greedy
+from refit.trace import TraceRecorder
 
 from .conftest import CONFIG, SMALL_BUCKET, perturbed
 
@@ -181,15 +182,20 @@ def test_the_lock_actor_is_shared_and_bounded(engines: list[RayEngine]) -> None:
 
 
 def test_demo_ray_runs_on_the_cluster(capsys: pytest.CaptureFixture[str]) -> None:
-    """`refit demo --ray`: the demo's engines as Ray actors (on this cluster: the demo starts one
-    only when none is connected), every refit matching the trainer."""
+    """`refit demo --ray`: two FSDP2 trainer ranks and a TP=2 engine, all Ray actors (on this
+    cluster: the demo starts one only when none is connected), refits over the broadcast
+    transport, every refit matching the trainer."""
     from refit.cli import main
 
-    assert main(["demo", "--ray", "--refits", "2", "--engines", "2"]) == 0
+    argv = ["demo", "--ray", "--ranks", "2", "--engine-tp", "2", "--transport", "broadcast", "--engines", "1"]
+    assert main([*argv, "--refits", "2"]) == 0
     out = capsys.readouterr().out
-    assert "2 reference engines as Ray actors" in out and "all 2 refits matched the trainer" in out
-    assert main(["demo", "--ray", "--engine-tp", "2"]) == 2
-    assert "--ray hosts TP=1 reference engines as Ray actors" in capsys.readouterr().err
+    assert "2 trainer rank actor(s) (FSDP2 over gloo) and 1 reference engine actors (TP=2)" in out
+    assert "all 2 refits matched the trainer" in out
+    assert main(["demo", "--ray", "--in-thread"]) == 2
+    assert "--ray hosts the trainer ranks and reference engines as Ray actors; drop --in-thread" in (
+        capsys.readouterr().err
+    )
 
 
 def test_a_restart_no_call_saw_is_still_a_new_incarnation(engines: list[RayEngine]) -> None:
@@ -239,3 +245,82 @@ def test_generation_is_bounded_by_the_callers_timeout_while_the_actor_is_busy(en
     assert time.monotonic() - t0 < 3.0
     time.sleep(4.0)
     assert e.generate(PROMPT, 4, timeout=30)["output"]  # the actor answers again after the hang
+
+
+# ---- trainer ranks as Ray actors ------------------------------------------------------------------
+
+
+class _KillRankAt(TraceRecorder):
+    """A trace recorder that kills a trainer rank's actor (ray.kill: its process dies) right after
+    the leader recorded the step `call` of bucket `bucket`: a rank lost mid-refit."""
+
+    def __init__(self, actor: Any, call: str, bucket: int) -> None:
+        super().__init__()
+        self.actor, self.call, self.bucket, self.fired = actor, call, bucket, False
+
+    def emit(self, kind: str, event: str, **fields: Any) -> dict[str, Any]:
+        record = super().emit(kind, event, **fields)
+        if not self.fired and kind == "call" and event == self.call and fields.get("bucket") == self.bucket:
+            self.fired = True
+            ray.kill(self.actor, no_restart=True)
+        return record
+
+
+def _ranks_ctx(trainer: Any, engines: list[RayEngine], **kw: Any) -> protocol.RefitContext:
+    return protocol.RefitContext(
+        source=None, transport=SharedMemoryTransport(), engines=engines, ranks=trainer.ranks,
+        bucket_bytes=SMALL_BUCKET, deadline_s=30, call_timeout_s=10, **kw,
+    )  # fmt: skip
+
+
+def test_trainer_ranks_as_ray_actors_refit_and_a_rank_lost_mid_refit_is_handled(engines: list[RayEngine]) -> None:
+    """Two FSDP2 trainer ranks as Ray actors (their steps through RankHost, numbered and ordered),
+    the driver leading: a refit lands bit-exact; then rank 1's actor is killed mid-transfer: the
+    run fails inside its deadline naming rank 1, no engine serves mixed weights, the lock is
+    released; a fresh trainer then refits the same engines."""
+    from refit.ray_job import start_ranks
+
+    trainer = start_ranks(2, {"seed": 3})
+    engines.extend(RayEngine.start(f"ranks-e{i}", CONFIG, seed=0) for i in range(2))
+    ctx = _ranks_ctx(trainer, engines)
+    try:
+        trainer.train(2)
+        first = protocol.run(ctx)
+        assert first.ok, first.error
+        assert first.buckets > 3 and len(first.rank_stats) == 2
+        ref = trainer.reference()
+        assert all(_exact(e, ref) for e in engines)
+        assert greedy(ref, PROMPT, 6) == engines[0].generate(PROMPT, 6)["output"]
+        ctx.close()
+
+        trainer.train(2)
+        killer = _KillRankAt(trainer.actors[1], "pack", 2)
+        ctx = _ranks_ctx(trainer, engines, trace=killer, version=first.version)
+        t0 = time.monotonic()
+        lost = protocol.run(ctx)
+        assert killer.fired and time.monotonic() - t0 < 30 + 10
+        assert not lost.ok and "rank 1" in str(lost.error) and "died" in str(lost.error), lost.error
+        assert ctx.lock is not None and ctx.lock.holder is None
+        for e in engines:  # out of service (quarantined), or serving the old weights whole: never a mix
+            info = e.info()
+            assert info["quarantined"] or (_exact(e, ref) and not info["dirty"] and not info["paused"]), info
+        ctx.close()
+    finally:
+        trainer.close()
+
+    fresh = start_ranks(2, {"seed": 3})
+    try:
+        fresh.train(1)
+        ctx = _ranks_ctx(fresh, engines, version=first.version)
+        again = protocol.run(ctx)
+        assert again.ok, again.error
+        ref = fresh.reference()
+        assert all(_exact(e, ref) and not e.info()["quarantined"] for e in engines)
+        ctx.close()
+    finally:
+        fresh.close()
+
+
+def test_ray_ranks_refuse_a_context_without_source_unless_hosted_elsewhere() -> None:
+    with pytest.raises(protocol.ConfigError, match="source is required"):
+        protocol.RefitContext(source=None, transport=SharedMemoryTransport(), engines=[])

@@ -345,15 +345,12 @@ def _demo_problem(args: argparse.Namespace) -> str | None:
     if args.in_thread and args.engine_tp != 1:
         return "--in-thread engines have TP=1; drop --engine-tp or --in-thread"
     if args.ray:
-        flags = (
-            ("--in-thread", args.in_thread), ("--ranks", args.ranks > 1), ("--engine-tp", args.engine_tp != 1),
-            ("--engine", args.engine != "reference"),
-        )  # fmt: skip
+        flags = (("--in-thread", args.in_thread), ("--engine", args.engine != "reference"))
         other = [flag for flag, on in flags if on]
         if other:
             return (
-                f"--ray hosts TP=1 reference engines as Ray actors, with one trainer process; drop {', '.join(other)} "
-                "(trainer ranks as Ray actors and TP engines on Ray are not built yet)"
+                f"--ray hosts the trainer ranks and reference engines as Ray actors; drop {', '.join(other)} "
+                "(SGLang's and vLLM's engines on Ray are not built here)"
             )
         try:
             import ray  # noqa: F401
@@ -422,7 +419,9 @@ def _demo_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--in-thread", action="store_true", help="run engines on threads instead of processes")
     p.add_argument(
-        "--ray", action="store_true", help="host the engines as Ray actors on a local Ray cluster the demo starts"
+        "--ray",
+        action="store_true",
+        help="trainer ranks and engines as Ray actors (a local Ray cluster, or RAY_ADDRESS's)",
     )
     p.add_argument("--ranks", type=_count(1), default=1, help="trainer ranks; >1: FSDP2 on gloo processes (default 1)")
     p.add_argument(

@@ -101,7 +101,7 @@ def start_engines(args: argparse.Namespace, names: list[str], config: ModelConfi
         from refit.drivers.ray_actors import RayEngine, RayLock
 
         lock = RayLock(f"refit-demo-lock-{os.getpid()}")  # the engine set's lock, hosted by a Ray actor
-        return [RayEngine.start(n, config, seed=args.seed, lock=lock) for n in names]
+        return [RayEngine.start(n, config, seed=args.seed, lock=lock, tp=args.engine_tp) for n in names]
     if args.in_thread:
         return [ReferenceEngine.in_thread(n, config, seed=args.seed) for n in names]
     return ReferenceEngine.spawn_many(names, config, seed=args.seed, tp=args.engine_tp)
@@ -340,10 +340,53 @@ def _trace_path(args: argparse.Namespace) -> tuple[str, bool]:
 
 def run_demo(args: argparse.Namespace) -> int:
     """`refit demo` with options already validated by the CLI (`refit.cli._demo_problem`)."""
+    if getattr(args, "ray", False):
+        with ray_cluster(True):
+            return _run_ray(args)
     if args.ranks > 1:
         return _run_ranks(args)
-    with ray_cluster(getattr(args, "ray", False)):
-        return _run_one_trainer(args)
+    return _run_one_trainer(args)
+
+
+def _run_ray(args: argparse.Namespace) -> int:
+    """The job as RL frameworks run it on Ray: trainer ranks and engines as actors, this process
+    (the loop's controller) leading each refit (refit.ray_job)."""
+    from refit.ray_job import start_ranks
+
+    config = ModelConfig()
+    names = [f"engine-{i}" for i in range(args.engines)]
+    trainers = "FSDP2 over gloo" if args.ranks > 1 else "one process"
+    print(
+        f"starting {args.ranks} trainer rank actor(s) ({trainers}) and {args.engines} reference engine actors "
+        f"(TP={args.engine_tp}) on Ray | mode {args.mode} | transport {args.transport} ...",
+        flush=True,
+    )
+    t0 = time.perf_counter()
+    trainer = start_ranks(args.ranks, {"seed": args.seed, "transport": args.transport})
+    engines: list[Any] = []
+    trace, temporary = _trace_path(args)
+    try:
+        engines = start_engines(args, names, config)
+        print(f"actors ready in {time.perf_counter() - t0:.1f}s", flush=True)
+        ctx = protocol.RefitContext(
+            source=None, transport=make_transport(args.transport), engines=engines, ranks=trainer.ranks,
+            mode=args.mode, pause_mode=args.pause_mode, bucket_bytes=args.bucket_bytes, deadline_s=args.deadline,
+            retries=args.retries, call_timeout_s=args.call_timeout, trace=trace,
+        )  # fmt: skip
+        try:
+            faults = {1: args.fail_at} if args.fail_at else None
+            entries = refit_loop(
+                ctx, engines, Trainer(trainer.train, trainer.reference), refits=args.refits, steps=args.steps,
+                faults=faults,
+            )  # fmt: skip
+        finally:
+            ctx.close()
+    finally:
+        for e in engines:
+            e.close()
+        trainer.close()
+    unfired = any(e.get("fault_unfired") for e in entries)
+    return verdict(entries, args.refits, trace, unfired=unfired, temporary=temporary)
 
 
 def _run_one_trainer(args: argparse.Namespace) -> int:
@@ -353,9 +396,7 @@ def _run_one_trainer(args: argparse.Namespace) -> int:
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     gen = torch.Generator().manual_seed(args.seed + 1)
     names = [f"engine-{i}" for i in range(args.engines)]
-    if getattr(args, "ray", False):
-        what = f"{args.engines} reference engines as Ray actors"
-    elif args.in_thread:
+    if args.in_thread:
         what = f"{args.engines} reference engine threads"
     else:
         what = f"{args.engines} reference engine processes" + (f" of TP={args.engine_tp}" if args.engine_tp > 1 else "")

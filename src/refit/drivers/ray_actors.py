@@ -1,6 +1,7 @@
-"""Ray hosting (extra `[ray]`): reference engines as Ray actors, an owner-token lock in a Ray actor,
-and engine death seen through Ray. Nothing in the core knows it is on Ray: `RayEngine` is the
-reference engine's driver over an actor, `RayLock` an `EngineLock`.
+"""Ray hosting (extra `[ray]`): reference engines and trainer ranks as Ray actors, an owner-token
+lock in a Ray actor, and engine or rank death seen through Ray. Nothing in the core knows it is on
+Ray: `RayEngine` is the reference engine's driver over an actor, `RayRanks` a `Ranks` hosting,
+`RayLock` an `EngineLock`.
 
   engine actor  a synchronous, single-threaded Ray actor (Ray runs one submitter's calls to it in
                 submission order, the per-engine order the protocol needs) hosting one reference
@@ -22,7 +23,20 @@ reference engine's driver over an actor, `RayLock` an `EngineLock`.
                 process of the cluster that names it), every call bounded, with an optional lease
                 for a holder that died holding it.
 
-Lifecycle per state: the reference engine's (refit.drivers.reference), unchanged.
+  RankHost      a trainer rank's side of `RayRanks`, kept by the user's trainer actor (one per
+                rank, over that rank's own Source and Transport): the actor exposes one method
+                that hands each step to it (`await host.step(...)` in an async actor). Steps are
+                numbered by the leader and start in that order whatever order Ray delivers them
+                in (Ray orders calls only for synchronous single-threaded actors, which would
+                also serialize the send lane behind packing); each runs on the participant's
+                ordered lanes (pack of bucket k+1 while bucket k is sent). Errors come back as
+                data; every answer carries whether this rank's transport is connected.
+  RayRanks      the leader (the driver process, which holds no source): each step is one actor
+                call per rank, awaited through the ObjectRef's own future; a rank actor that died
+                (ActorDiedError, node loss) is a `RankError` naming the rank.
+
+Lifecycle per state: the reference engine's (refit.drivers.reference) and the participant's
+(refit.protocol.ranks), unchanged.
 """
 
 from __future__ import annotations
@@ -39,9 +53,11 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
 
+from refit.drivers.base import Source, Transport
 from refit.drivers.reference import ReferenceEngine
-from refit.errors import EngineDied, EngineError
+from refit.errors import EngineDied, EngineError, RankError
 from refit.protocol.lock import EngineLock
+from refit.protocol.ranks import Participant, Ranks, RankStep, _combine, _Lanes
 
 ACTOR_CALL_TIMEOUT_S = 3600.0  # inside the actor; the caller's own deadline bounds every call
 POLL_S = 0.005  # how often a pending generation is polled
@@ -51,19 +67,23 @@ class EngineActor:
     """The engine actor's class (`ray.remote` is applied when an engine starts, so `import refit`
     never imports Ray)."""
 
-    def __init__(self, name: str, config: dict[str, Any], seed: int, version: int, serving: bool) -> None:
+    def __init__(self, name: str, config: dict[str, Any], seed: int, version: int, serving: bool, tp: int = 1) -> None:
         import ray
 
-        from refit.reference.client import start_thread
+        from refit.reference.client import await_ready, launch_process, start_thread
         from refit.reference.model import ModelConfig
 
         with warnings.catch_warnings():  # Ray marks the property deprecated and has no replacement for it
             warnings.simplefilter("ignore")
             restarted = bool(ray.get_runtime_context().was_current_actor_reconstructed)
-        self.client = start_thread(
-            name, ModelConfig(**config), seed, version=version, serving=serving and not restarted
-        )
-        self.identity = {"pid": os.getpid(), "restarted": restarted}
+        model = ModelConfig(**config)
+        serving = serving and not restarted
+        if tp == 1:
+            self.client = start_thread(name, model, seed, version=version, serving=serving)
+        else:  # TP ranks are the actor's child processes (as an inference server's workers are)
+            model.check_tp(tp)
+            self.client = await_ready(launch_process(name, model, seed, version=version, serving=serving, tp=tp))
+        self.identity = {"pid": os.getpid(), "restarted": restarted, "tp": tp}
         self.tickets: dict[int, Future[Any]] = {}
         self.ids = itertools.count()
 
@@ -131,8 +151,6 @@ def _settle(reply: tuple[Any, ...], out: Future[Any]) -> None:
 class RayClient:
     """The `EngineClient` interface over an engine actor (what `ReferenceEngine` drives)."""
 
-    tp = 1
-
     def __init__(self, actor: Any, name: str, *, timeout: float = 120.0) -> None:
         import ray
 
@@ -140,8 +158,9 @@ class RayClient:
         self.name = name
         self._closed = False
         self._dead: EngineDied | None = None
-        self.pid: int | None = None
-        self.pid = int(ray.get(actor.ident.remote(), timeout=timeout)["pid"])
+        ident = ray.get(actor.ident.remote(), timeout=timeout)
+        self.pid: int | None = int(ident["pid"])
+        self.tp = int(ident.get("tp", 1))
         self._generations: dict[int, Future[Any]] = {}
         self._poller: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -292,21 +311,24 @@ class RayEngine(ReferenceEngine):
         *,
         version: int = 0,
         serving: bool = True,
+        tp: int = 1,
         max_restarts: int = 0,
         lock: EngineLock | None = None,
         timeout: float = 120.0,
         options: dict[str, Any] | None = None,
     ) -> RayEngine:
-        """An engine actor on the connected Ray cluster (`ray.init()` first). `max_restarts`: Ray
+        """An engine actor on the connected Ray cluster (`ray.init()` first). `tp`: TP ranks (more
+        than one: the actor's child processes, each holding a shard). `max_restarts`: Ray
         restarts a dead actor this many times (each restart is a new incarnation, out of service
         until refit). `lock`: the engine set's shared lock (e.g. a `RayLock`). `options`: more
         `.options(...)` for the actor, e.g. a `scheduling_strategy` that keeps it on the trainer's
         node (transports that share memory need the same host)."""
         from refit.reference.model import ModelConfig
 
+        (config or ModelConfig()).check_tp(tp)  # refused here, not as an actor that fails to start
         actor_cls = _engine_actor_class()
         actor = actor_cls.options(max_restarts=max_restarts, max_task_retries=0, **(options or {})).remote(
-            name, (config or ModelConfig()).to_dict(), seed, version, serving
+            name, (config or ModelConfig()).to_dict(), seed, version, serving, tp
         )
         return cls(RayClient(actor, name, timeout=timeout), lock)
 
@@ -388,3 +410,123 @@ class RayLock:
     @property
     def holder(self) -> str | None:
         return self._get(self.actor.get_holder.remote(), "holder")
+
+
+# ---- trainer ranks as Ray actors ------------------------------------------------------------------
+
+
+class RankHost:
+    """One trainer rank's share of every step, inside that rank's Ray actor (see the module doc).
+
+    In the user's trainer actor (async: any `async def` method makes it one):
+
+        self.refit = RankHost(source, transport, rank, world)        # once, next to the model
+        async def refit_step(self, session, seq, step):              # what RayRanks calls
+            return await self.refit.step(session, seq, step)
+    """
+
+    def __init__(self, source: Source, transport: Transport, rank: int, world: int) -> None:
+        self.participant = Participant(source, transport, rank, world)
+        self._lanes = _Lanes(self.participant)
+        self._lock = threading.Lock()
+        self._session: str | None = None
+        self._next = 0
+        self._arrived: dict[int, RankStep] = {}
+        self._answers: dict[int, Future[tuple[Any, ...]]] = {}
+
+    def submit(self, session: str, seq: int, step: RankStep) -> Future[tuple[Any, ...]]:
+        """Queue step `seq` of the leader's `session`: it starts once every earlier step has;
+        the future holds the answer (never raises)."""
+        with self._lock:
+            if session != self._session:  # a new leader (a new context): numbering starts again
+                self._session, self._next = session, 0
+                stale = list(self._answers.values())
+                self._arrived, self._answers = {}, {}
+                for fut in stale:
+                    fut.set_result(("err", "superseded: a new refit context leads these ranks", self.connected))
+            answer = self._answers.setdefault(seq, Future())
+            self._arrived[seq] = step
+            while self._next in self._arrived:
+                n = self._next
+                self._next += 1
+                self._lanes.submit(self._arrived.pop(n)).add_done_callback(
+                    functools.partial(self._answer, self._answers.pop(n))
+                )
+        return answer
+
+    async def step(self, session: str, seq: int, step: RankStep) -> tuple[Any, ...]:
+        """`submit`, awaited without blocking the actor's event loop."""
+        import asyncio
+
+        return await asyncio.wrap_future(self.submit(session, seq, step))
+
+    @property
+    def connected(self) -> bool:
+        return bool(self.participant.transport.connected)
+
+    def _answer(self, out: Future[tuple[Any, ...]], fut: Future[Any]) -> None:
+        if fut.cancelled():
+            out.set_result(("err", "cancelled: the rank's lanes were shut down", self.connected))
+            return
+        exc = fut.exception()
+        if exc is None:
+            out.set_result(("ok", fut.result(), self.connected))
+        else:
+            text = exc.message if isinstance(exc, RankError) else f"{type(exc).__name__}: {exc}"
+            out.set_result(("err", text, self.connected))
+
+    def close(self) -> None:
+        self._lanes.shutdown()
+
+
+class RayRanks(Ranks):
+    """Trainer ranks hosted by Ray actors (one per rank, in rank order), reached through the actor
+    method that hands steps to their `RankHost` (see the module doc)."""
+
+    remote = True
+
+    def __init__(self, actors: Sequence[Any], *, method: str = "refit_step") -> None:
+        if not actors:
+            raise ValueError("RayRanks needs at least one trainer rank actor")
+        self.actors = list(actors)
+        self.world = len(self.actors)
+        self.method = method
+        self._session = f"{os.getpid()}-{id(self):x}-{time.monotonic_ns()}"
+        self._seq = itertools.count()
+        self._connected = [False] * self.world
+
+    @property
+    def connected(self) -> bool:
+        return all(self._connected)
+
+    def start(self, step: RankStep, *, timeout: float) -> Future[list[Any]]:
+        seq = next(self._seq)
+        return _combine([self._call(rank, actor, seq, step) for rank, actor in enumerate(self.actors)])
+
+    def _call(self, rank: int, actor: Any, seq: int, step: RankStep) -> Future[Any]:
+        import ray
+
+        out: Future[Any] = Future()
+        try:
+            ref = getattr(actor, self.method).remote(self._session, seq, step)
+        except Exception as exc:
+            out.set_exception(RankError(rank, f"could not reach its Ray actor: {type(exc).__name__}: {exc}"))
+            return out
+
+        def done(f: Future[Any]) -> None:
+            exc = f.exception()
+            if exc is not None:
+                died = isinstance(exc, ray.exceptions.RayActorError)
+                self._connected[rank] = False if died else self._connected[rank]
+                what = "its Ray actor died" if died else "its Ray actor call failed"
+                out.set_exception(RankError(rank, f"{what} ({type(exc).__name__}: {str(exc)[:300]})"))
+                return
+            tag, value, connected = f.result()
+            self._connected[rank] = bool(connected)
+            if tag == "ok":
+                out.set_result(value)
+            else:
+                out.set_exception(RankError(rank, str(value)))
+
+        ref.future().add_done_callback(done)
+        return out

@@ -100,7 +100,9 @@ class _Shared:
 class RefitContext:
     """Everything one refit needs.
 
-    source, transport: this trainer rank's source and transport (one per rank).
+    source, transport: this trainer rank's source and transport (one per rank). With `ranks` that
+        all live in other processes (`ranks.remote`: Ray actors), the leader holds no source (None)
+        and its transport, of the ranks' kind, only plans, routes and assembles payloads.
     engines: the engine drivers (read on the leader; followers may pass none).
     mode: "colocated" runs offload the trainer and restore it afterwards; "disaggregated" skips both.
     pause_mode: one of the engines' `pause_modes` (in_place only with engines that declare
@@ -123,7 +125,7 @@ class RefitContext:
     check_invariants: check every run's events against refit.invariants and raise on violation.
     """
 
-    source: Source
+    source: Source | None
     transport: Transport
     engines: Sequence[EngineDriver] = ()
     mode: Mode = "disaggregated"
@@ -147,6 +149,7 @@ class RefitContext:
         self.engines = list(self.engines)
         self.validate()
         if self.ranks is None:
+            assert self.source is not None  # validate() refused a missing source
             self.ranks = default_ranks(self.source, self.transport)
         if self.leader:
             self.validate_engines()
@@ -162,7 +165,10 @@ class RefitContext:
 
     def validate(self) -> None:
         """Refuse, before anything starts, what cannot be done safely (every rank)."""
-        if not isinstance(self.source, Source):
+        remote = self.ranks is not None and self.ranks.remote
+        if self.source is None and not remote:
+            raise ConfigError("source is required (only trainer ranks hosted elsewhere, e.g. RayRanks, need none here)")
+        if self.source is not None and not isinstance(self.source, Source):
             raise ConfigError(f"source must implement refit.drivers.Source, got {type(self.source).__name__}")
         if not isinstance(self.transport, Transport):
             raise ConfigError(f"transport must implement refit.drivers.Transport, got {type(self.transport).__name__}")
@@ -215,6 +221,13 @@ class RefitContext:
         return self.ranks is None or self.ranks.leader
 
     @property
+    def transport_connected(self) -> bool:
+        """Whether the trainer ranks' transport is connected: as their hosting last heard it when
+        they live elsewhere, this process's transport otherwise."""
+        remote = self.ranks.connected if self.ranks is not None else None
+        return self.transport.connected if remote is None else remote
+
+    @property
     def colocated(self) -> bool:
         return self.mode == "colocated"
 
@@ -225,7 +238,7 @@ class RefitContext:
 
     def describe(self) -> dict[str, Any]:
         return {
-            "source": type(self.source).__name__,
+            "source": type(self.source).__name__ if self.source is not None else f"on {type(self.ranks).__name__}",
             "transport": type(self.transport).__name__,
             "engines": [f"{type(e).__name__}:{e.name}" for e in self.engines],
             "mode": self.mode,

@@ -12,7 +12,9 @@ trainer-side step when told, so every rank makes the same calls (and collectives
                 they run the command on their participant and post the reply. A leader that stops
                 waiting for a rank (deadline) simply moves on: commands are numbered, never
                 collective, so a late or stuck rank cannot make the next command mismatch.
-  (Ray actors: a later hosting, the same Participant in each actor, `start` as actor calls.)
+  RayRanks      (refit.drivers.ray_actors, extra [ray]) trainer ranks as Ray actors: the leader is
+                the driver process; each rank's actor hosts its Participant (`RankHost`); each step
+                is one actor call per rank, awaited through Ray's own futures.
 
 Each participant runs its steps on two lanes, each in order: `send` (a collective transport's
 transfer) and `main` (everything else), so bucket k+1 is gathered and packed while bucket k is
@@ -206,11 +208,19 @@ class Ranks(ABC):
 
     world: int = 1
     leader: bool = True
+    remote: bool = False  # every rank lives in another process: the leader holds no source of its own
 
     @abstractmethod
     def start(self, step: RankStep, *, timeout: float) -> Future[list[Any]]:
         """Run `step` on every rank; the future holds the per-rank values in rank order, or a
         RankError naming the first rank that failed."""
+
+    @property
+    def connected(self) -> bool | None:
+        """For a hosting whose ranks all live in other processes: whether every rank's transport is
+        connected, as of their last answers. None: the leader's own transport (`ctx.transport`,
+        rank 0's) tells."""
+        return None
 
     def finish(self, result: Any) -> None:  # noqa: B027 - SPMD followers receive the run's result
         """The run is over: hand `result` to the ranks that follow."""

@@ -649,7 +649,7 @@ class _Run:
         shared = self.ctx._shared
         return not (
             shared.connection_key == self.connection_key(members)
-            and self.transport.connected
+            and self.ctx.transport_connected
             and shared.attached >= {e.incarnation for e in members}
         )
 
@@ -663,7 +663,7 @@ class _Run:
         reason of their own rather than because the group could not form)."""
         ctx, shared = self.ctx, self.ctx._shared
         while True:
-            if self.transport.connected or shared.connection_key is not None:
+            if self.ctx.transport_connected or shared.connection_key is not None:
                 self.teardown(cleanup=False)
             self.connection_dirty = True
             budget = self._budget(False)
@@ -991,7 +991,7 @@ def _rendezvous_only(e: _Engine, attach: list[tuple[Step, StepResult]]) -> bool:
 def disconnect(ctx: RefitContext, *, timeout: float, run: _Run | None = None) -> None:
     """Engines detach, every trainer rank disconnects; best effort, bounded, recorded."""
     shared = ctx._shared
-    if not ctx.transport.connected and shared.connection_key is None:
+    if not ctx.transport_connected and shared.connection_key is None:
         return
     attached = list(ctx.engines)  # every engine: detaching one that is not attached changes nothing
     shared.connection_key, shared.attached = None, set()
