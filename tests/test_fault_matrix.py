@@ -44,24 +44,34 @@ def cases(transport: str = "shm") -> list[tuple[str, str, str, int, int | None]]
     return out
 
 
-def run_case(transport: str, state: str, kind: str, engine: int, bucket: int | None) -> list[str]:
-    """One refit with one fault; returns every violation found (empty: the case passed)."""
+def run_case(
+    transport: str, state: str, kind: str, engine: int | None, bucket: int | None, *, steady: bool = False,
+    call: str | None = None,
+) -> list[str]:  # fmt: skip
+    """One refit with one fault; returns every violation found (empty: the case passed). `steady`:
+    a disaggregated context whose first refit succeeds; the fault hits its second, whose bucket 0
+    rides the pause wave (every engine where the first left it). `call`: only that call faults."""
     engines = [ReferenceEngine.in_thread(f"m{i}", CONFIG, seed=0) for i in range(2)]
-    old = TinyLlama(CONFIG, seed=0).state_dict()
     model = perturbed(TinyLlama(CONFIG, seed=0), seed=7)
-    new = model.state_dict()
+    versions = {0: TinyLlama(CONFIG, seed=0).state_dict(), 1: {k: v.clone() for k, v in model.state_dict().items()}}
     faults = protocol.FaultPlan()
     retries = 0
     if state == "RECONNECTING":
         faults.fail_at("TRANSFERRING", engine=1, bucket=1, kind="kill")
         retries = 1
-    faults.fail_at(state, engine=engine, bucket=bucket, kind=kind)
+    faults.fail_at(state, engine=engine, bucket=bucket, kind=kind, call=call)
     ctx = protocol.RefitContext(
-        TorchSource(model), TRANSPORTS[transport](), engines, mode="colocated", bucket_bytes=64 << 10,
-        deadline_s=5.0, cleanup_grace_s=2.0, call_timeout_s=0.3, retries=retries, faults=faults,
+        TorchSource(model), TRANSPORTS[transport](), engines, mode="disaggregated" if steady else "colocated",
+        bucket_bytes=64 << 10, deadline_s=5.0, cleanup_grace_s=2.0, call_timeout_s=0.3, retries=retries,
+        faults=None if steady else faults,
     )  # fmt: skip
     found: list[str] = []
     try:
+        if steady:
+            protocol.run(ctx).raise_for_error()
+            perturbed(model, seed=8)
+            versions[2] = model.state_dict()
+            ctx.faults = faults
         try:
             result = protocol.run(ctx)
         except protocol.InvariantViolation as exc:
@@ -87,7 +97,7 @@ def run_case(transport: str, state: str, kind: str, engine: int, bucket: int | N
             failed = result.engines[e.name].status == "failed"
             found += [str(v) for v in invariants.check_engine_audit(audit, engine=e.name, open_session_ok=failed)]
             found += [str(v) for v in invariants.check_acks(audit, ctx.recorder.events, engine=e.name)]
-            found += serving_problems(e, old, new, result, failed)
+            found += serving_problems(e, versions, result, failed)
     finally:
         for e in engines:
             e.close()
@@ -95,9 +105,8 @@ def run_case(transport: str, state: str, kind: str, engine: int, bucket: int | N
 
 
 def serving_problems(
-    e: ReferenceEngine, old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], result: protocol.RefitResult,
-    failed: bool,
-) -> list[str]:  # fmt: skip
+    e: ReferenceEngine, versions: dict[int, dict[str, torch.Tensor]], result: protocol.RefitResult, failed: bool
+) -> list[str]:
     info = e.info(timeout=10)
     outcome = result.engines[e.name]
     if info["quarantined"]:
@@ -113,8 +122,8 @@ def serving_problems(
     if info["paused"]:
         return [] if failed else [f"{e.name} left paused but reported {outcome.status}"]
     state = e.state_dict()
-    want = new if info["version"] == 1 else old
-    if info["version"] not in (0, 1) or any(not torch.equal(state[k], v) for k, v in want.items()):
+    want = versions.get(info["version"])
+    if want is None or any(not torch.equal(state[k], v) for k, v in want.items()):
         return [f"{e.name} serves weights that version {info['version']} does not name"]
     if not failed and outcome.version != info["version"]:  # a hung engine's late answers are unknown
         return [f"{e.name} serves version {info['version']} but is reported at {outcome.version}"]
@@ -142,3 +151,22 @@ def test_fault_matrix(transport: str) -> None:
         + (f"; {len(redone)} case(s) run again because the fault missed its step" if redone else "")
     )
     assert not violations, "\n".join(f"{case}: {problems}" for case, problems in violations.items())
+
+
+# the steady state's pause wave (probe, pause, flush, begin, load of bucket 0) and bucket 0's pack
+STEADY_STATES = (("CONNECTING", None), ("PAUSING", None), ("INVALIDATING", None), ("TRANSFERRING", 0))
+
+
+def test_fault_matrix_steady_state_first_bucket_rides_the_pause_wave() -> None:
+    """Every fault kind, on either engine, at every step of the wave that carries bucket 0 in the
+    steady state (a second refit of a disaggregated context), and at bucket 0's pack (raise, hang):
+    the same checks as the matrix above."""
+    matrix = [("shm", st, kind, engine, b) for st, b in STEADY_STATES for kind in KINDS for engine in (0, 1)]
+    violations = {case: problems for case in matrix if (problems := run_case(*case, steady=True))}
+    packs = {("pack", kind): problems for kind in ("raise", "hang")
+             if (problems := run_case("shm", "TRANSFERRING", kind, None, 0, steady=True, call="pack"))}  # fmt: skip
+    SUMMARY.append(
+        f"fault matrix (shm, steady state): {len(matrix) + 2} cases (the wave carrying bucket 0 x 4 kinds x 2 engines, "
+        f"+ bucket 0's pack x 2 kinds), {sum(len(v) for v in [*violations.values(), *packs.values()])} violations"
+    )
+    assert not violations and not packs, {**violations, **packs}

@@ -279,13 +279,24 @@ def check_pause_continue(events: Sequence[Event]) -> list[Violation]:
     return out
 
 
+def _covers(before: Event, after: Event) -> bool:
+    """`before` (a step that must precede `after` on the engine) covers it: it succeeded, or `after`
+    came in the same batch and its own effect is unknown or nil (not ok): an engine runs a batch's
+    steps in order and stops at the first that fails, so `after` can have had an effect only if
+    `before` succeeded. An `after` that succeeded needs a `before` that succeeded."""
+    if before.get("outcome") == "ok":
+        return True
+    same = before.get("batch") is not None and before.get("batch") == after.get("batch")
+    return same and after.get("outcome") != "ok"
+
+
 def check_kv_fresh(events: Sequence[Event]) -> list[Violation]:
     out: list[Violation] = []
     for name in _engines(events):
-        pauses = _ok(_calls(events, "pause", engine=name))
         for a in sorted({e.get("attempt", 0) for e in _calls(events, "load", engine=name)}):
             first = _calls(events, "load", engine=name, attempt=a)[0]
-            flushes = [f for f in _ok(_calls(events, "flush", engine=name)) if f["seq"] < first["seq"]]
+            flushes = [f for f in _calls(events, "flush", engine=name) if f["seq"] < first["seq"] and _covers(f, first)]
+            pauses = [p for p in _calls(events, "pause", engine=name) if flushes and _covers(p, flushes[-1])]
             if not flushes:
                 msg = f"engine {name} received bucket {first.get('bucket')} before its KV cache was flushed"
                 out.append(_v("kv_fresh", msg, first, events))

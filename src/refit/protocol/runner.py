@@ -193,6 +193,7 @@ class _Run:
         self.broken = False  # a collective group a member broke: rebuild before streaming again
         self.inflight: deque[_Bucket] = deque()
         self.held: list[tuple[_Engine, Step, StepResult, int]] = []  # finalizes that rode on last buckets
+        self.rode = 0  # 1: bucket 0 rode the pause wave (`ride_first_bucket`)
         self.first_error: RefitError | None = None
         self.error: RefitError | None = None
         self.round_trips = 0
@@ -565,11 +566,14 @@ class _Run:
             self.connect([e for e in members if e.active], "CONNECTING")
             self.require_engines("attached to the transport")
             self.wave({e: list(tail) for e in members if e.active})
+        elif self.first_bucket_can_ride(members):
+            self.ride_first_bucket(members, head + tail)
+            self.check_probes()
         else:
             self.wave({e: head + tail for e in members})
             self.check_probes()
         self.require_engines("paused, flushed and in an update session")
-        self.stream([e for e in self.engines if e.active and e.state == E.OPEN])
+        self.stream([e for e in self.engines if e.active and e.state == E.OPEN], start=self.rode)
         while retry := self.retryable():
             self.attempt += 1
             for e in retry:
@@ -711,12 +715,66 @@ class _Run:
 
     # ---- the bucket loop ------------------------------------------------------------------------
 
-    def stream(self, engines: list[_Engine]) -> None:
-        """TRANSFERRING then POST_PROCESSING for one attempt of `engines`."""
-        self.enter(T.TRANSFER)
+    def first_bucket_can_ride(self, members: Sequence[_Engine]) -> bool:
+        """Whether bucket 0 may ride the pause wave: a disaggregated run over a point-to-point
+        transport, every engine the incarnation this context last saw and at a version it knows
+        to be below this run's (so no probe can refuse: bytes move only where nothing can)."""
+        shared = self.ctx._shared
+        if self.ctx.colocated or self.transport.collective or not self.plan:
+            return False
+        for e in members:
+            known = shared.engine_versions.get(e.name)
+            if shared.incarnations.get(e.name) != e.incarnation or not isinstance(known, int) or known >= self.version:
+                return False
+        return True
+
+    def ride_first_bucket(self, members: list[_Engine], steps: list[Step]) -> None:
+        """Steady state, every engine where this context left it (`first_bucket_can_ride`): bucket
+        0 is packed before any engine pauses and each engine's pause wave carries its load (and
+        the finalize, for a one-bucket plan): the engines stall for one round trip less. The
+        wave's steps are recorded state by state as any wave's, the pack in TRANSFERRING; a pack
+        that fails sends the wave without the load (the run then fails in TRANSFERRING, with no
+        byte moved, as it would have)."""
+        manifest = self.plan[0]
+        pack = self.rank_start(RankStep("pack", "TRANSFERRING", (0, self.attempt), 0), manifest=manifest.summary())
+        concurrent.futures.wait([pack.future], timeout=max(pack.started + pack.budget - time.monotonic(), 0.0))
+        packed = pack.future.done() and pack.future.exception() is None
+        plan = {e: list(steps) for e in members}
+        if packed:
+            assert self.topology is not None
+            payloads = self.transport.payloads(manifest, pack.future.result(), self.topology)
+            self.bytes_moved += manifest.payload_bytes
+            for e in members:
+                plan[e].append(Step("load", "TRANSFERRING", (payloads[e.name],), 0))
+                if len(self.plan) == 1:
+                    plan[e].append(Step("finalize", "POST_PROCESSING"))
+        w = self.start_wave(plan)
+        results = self.wait_wave(w)
+        held = {e: [(s, r) for s, r in pairs if s.call == "finalize"] for e, pairs in results.items()}
+        failed = self.absorb(
+            {e: [(s, r) for s, r in pairs if s.call != "finalize"] for e, pairs in results.items()},
+            w.batch,
+            alongside=pack,
+        )
+        if failed is not None:
+            raise self._wrap(failed, "pack", "TRANSFERRING", None, 0) from failed
+        for e, pairs in held.items():  # recorded in POST_PROCESSING, as a last bucket's finalize is
+            self.held.extend((e, s, r, w.batch) for s, r in pairs)
+        timed_out = any(s.call == "load" and r.outcome == "timeout" for pairs in results.values() for s, r in pairs)
+        if timed_out:
+            self.connection_dirty = True  # an engine may still read this buffer: not reused next run
+        call = "abandon" if timed_out else "release"
+        self.rank_call(RankStep(call, "TRANSFERRING", (0,), 0))
+        self.rode = 1
+
+    def stream(self, engines: list[_Engine], start: int = 0) -> None:
+        """TRANSFERRING then POST_PROCESSING for one attempt of `engines`, from bucket `start` (1:
+        bucket 0 rode the pause wave and the run is in TRANSFERRING already)."""
+        if start == 0:
+            self.enter(T.TRANSFER)
         n = len(self.plan)
         slots = max(self.transport.slots, 1)
-        for manifest in self.plan if engines else ():
+        for manifest in self.plan[start:] if engines else ():
             k = manifest.index
             if k > 0:
                 self.enter(T.NEXT_BUCKET, bucket=k)

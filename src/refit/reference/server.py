@@ -14,6 +14,11 @@ Batches. `steps(list of (call, args))` runs consecutive protocol calls in one re
 the first that fails, and answers with one (ok, value-or-error, seconds) per step run: a refit's
 control calls take one round trip per wave instead of one per call.
 
+Hosted in the caller's threads. `HostedEngine` runs a TP=1 engine without a channel, for a host
+that has threads of its own (a Ray actor): a call runs on the calling thread under the engine's
+lock, generation steps on a thread of its own between calls (one lock hand-off per call, instead
+of two thread hops and a reply thread).
+
 Tensor parallelism. An engine with TP=t is t processes: the head (TP rank 0) talks to the driver
 and forwards every request that touches the model to its followers over their own sockets before
 running it itself; every rank runs it on its own core (sharded weights, replicated scheduler), and
@@ -47,7 +52,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from refit.drivers.base import ConnectInfo, Payload, Receiver
-from refit.errors import EngineError
+from refit.errors import EngineDied, EngineError
 from refit.reference.engine import EngineCore
 
 SHUTDOWN = "__shutdown__"
@@ -455,6 +460,102 @@ def serve(channel: Channel, server: EngineServer) -> None:
     finally:
         server._detach()
         channel.close()
+
+
+class HostedEngine:
+    """A TP=1 engine run by its host's threads (see the module doc), with `EngineClient`'s call
+    interface: `call` runs one request on the calling thread under the engine's lock (its timeout
+    is the host's to enforce: the call is not handed to anyone); `call_async("generate", ...)`
+    submits a generation whose future the step thread settles when it finishes. The step thread
+    advances generations whenever no call waits for the engine. An armed kill ends the engine and
+    raises `EngineDied` (the host decides how to die)."""
+
+    def __init__(self, core: EngineCore, name: str) -> None:
+        from concurrent.futures import Future
+
+        self.name = name
+        self.tp = 1
+        self.pid = os.getpid()
+        self.server = EngineServer(core, name, in_process=True)
+        self.core = core
+        self._future = Future
+        self._cond = threading.Condition(threading.Lock())
+        self._count = threading.Lock()
+        self._callers = 0  # calls waiting for the engine: the step thread lets them go first
+        self._waiters: dict[int, Any] = {}  # request id -> its Future
+        self._dead: EngineDied | None = None
+        self._stepper = threading.Thread(target=self._steps, name=f"refit-engine-{name}", daemon=True)
+        self._stepper.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._dead is None
+
+    @contextlib.contextmanager
+    def _locked(self) -> Any:
+        with self._count:
+            self._callers += 1
+        try:
+            with self._cond:  # held by the step thread for at most one decode step
+                if self._dead is not None:
+                    raise self._dead
+                yield
+                self._settle()
+        finally:
+            with self._count:
+                self._callers -= 1
+            with self._cond:
+                self._cond.notify_all()  # the step thread: the call is done (and may have made work)
+
+    def _settle(self) -> None:
+        for rid in self.core.pop_finished():
+            fut = self._waiters.pop(rid, None)
+            if fut is not None:
+                fut.set_result(self.core.result(rid))
+
+    def _steps(self) -> None:
+        with self._cond:
+            while self._dead is None:
+                if self._callers or not self.core.has_work():
+                    self._cond.wait()
+                    continue
+                self.core.step()
+                self._settle()
+
+    def call(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
+        with self._locked():
+            try:
+                return self.server.dispatch(method, encode(args, kwargs))
+            except _Killed as exc:
+                self._end(EngineDied(f"engine {self.name}: killed by an armed fault at {exc}"))
+                raise self._dead from None  # type: ignore[misc]
+
+    def call_async(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        fut = self._future()
+        try:
+            if method != "generate":
+                fut.set_result(self.call(method, *args, **kwargs))
+                return fut
+            with self._locked():
+                self._waiters[self.core.submit(*args, **kwargs)] = fut
+        except Exception as exc:
+            fut.set_exception(exc)
+        return fut
+
+    def _end(self, why: EngineDied) -> None:
+        """Under the lock: the engine is gone; pending generations fail with it."""
+        self._dead = why
+        waiters, self._waiters = self._waiters, {}
+        for fut in waiters.values():
+            fut.set_exception(why)
+        self._cond.notify_all()
+
+    def close(self, timeout: float = 10.0) -> None:
+        with self._cond:
+            if self._dead is None:
+                self._end(EngineDied(f"engine {self.name} was shut down"))
+        self._stepper.join(timeout)
+        self.server._detach()
 
 
 def follow(channel: Channel, server: EngineServer) -> None:

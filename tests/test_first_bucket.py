@@ -1,0 +1,113 @@
+"""Bucket 0 rides the pause wave in the steady state (`_Run.ride_first_bucket`): a disaggregated
+context over a point-to-point transport whose engines are where its last run left them sends each
+engine's probe, pause, flush, begin and load of bucket 0 as one request, so the engines stall one
+round trip less. Anywhere else the wave stays as it was. The fault matrix's steady-state part
+(tests/test_fault_matrix.py) covers faults in that wave."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from refit import protocol
+from refit.cli import main
+from refit.drivers.broadcast import BroadcastTransport
+from refit.drivers.reference import ReferenceEngine
+from refit.drivers.shm import SharedMemoryTransport
+from refit.drivers.torch_source import TorchSource
+from refit.reference.model import TinyLlama
+from refit.replay import replay
+
+from .conftest import CONFIG, SMALL_BUCKET, perturbed
+
+
+def _batches(events: list[dict[str, Any]], run: str, engine: str) -> dict[str, int | None]:
+    """The batch (engine request) each of `engine`'s pause and load-of-bucket-0 went in, in `run`."""
+    out = {}
+    for e in events:
+        mine = e.get("run") == run and e.get("kind") == "call" and e.get("engine") == engine
+        if mine and (e["event"] == "pause" or (e["event"] == "load" and e.get("bucket") == 0 and "load" not in out)):
+            out[e["event"]] = e.get("batch")
+    return out
+
+
+def _run_ids(events: list[dict[str, Any]]) -> list[str]:
+    return [e["run"] for e in events if (e.get("kind"), e.get("event")) == ("run", "start")]
+
+
+def _exact(engine: ReferenceEngine, model: TinyLlama) -> bool:
+    state = engine.state_dict()
+    return all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+
+
+def test_bucket_0_rides_the_pause_wave_once_the_engines_are_known(tmp_path: Path) -> None:
+    engines = [ReferenceEngine.in_thread(f"r{i}", CONFIG, seed=0) for i in range(2)]
+    model = perturbed(TinyLlama(CONFIG, seed=0), seed=1)
+    trace = tmp_path / "ride.jsonl"
+    ctx = protocol.RefitContext(
+        TorchSource(model), SharedMemoryTransport(), engines, bucket_bytes=SMALL_BUCKET, deadline_s=30, trace=trace
+    )
+    try:
+        results = []
+        for seed in (2, 3):
+            results.append(protocol.run(ctx))
+            assert results[-1].ok and all(_exact(e, model) for e in engines)
+            perturbed(model, seed=seed)
+        ctx.close()
+    finally:
+        for e in engines:
+            e.close()
+    events = list(ctx.recorder.events)
+    first, second = _run_ids(events)
+    for e in engines:
+        connected = _batches(events, first, e.name)  # the first run connects: bucket 0 goes after the pause wave
+        assert connected["load"] != connected["pause"]
+        steady = _batches(events, second, e.name)
+        assert steady["load"] == steady["pause"] is not None
+    assert results[0].buckets == results[1].buckets > 3 and results[1].round_trips == 2
+    assert main(["check", str(trace)]) == 0  # invariants and the replayed decisions
+    assert replay(trace).divergence is None
+
+
+def _rides(ctx: protocol.RefitContext, model: TinyLlama) -> list[bool]:
+    out = []
+    for seed in (2, 3):
+        result = protocol.run(ctx)
+        assert result.ok, result.error
+        events = [e for e in ctx.recorder.events if e.get("run") == _run_ids(list(ctx.recorder.events))[-1]]
+        name = ctx.engines[0].name
+        batches = _batches(events, events[0]["run"], name)
+        out.append(batches.get("load") == batches.get("pause"))
+        perturbed(model, seed=seed)
+    return out
+
+
+def test_bucket_0_does_not_ride_colocated_collective_or_after_a_failed_engine() -> None:
+    engines = [ReferenceEngine.in_thread(f"n{i}", CONFIG, seed=0) for i in range(2)]
+    model = perturbed(TinyLlama(CONFIG, seed=0), seed=1)
+    version = 0
+    try:
+        for transport, mode in ((SharedMemoryTransport(), "colocated"), (BroadcastTransport(), "disaggregated")):
+            ctx = protocol.RefitContext(
+                TorchSource(model), transport, engines, mode=mode, bucket_bytes=SMALL_BUCKET, deadline_s=30,
+                version=version,
+            )  # fmt: skip
+            assert _rides(ctx, model) == [False, False], (type(transport).__name__, mode)
+            version = ctx.published_version
+            ctx.close()
+        # an engine quarantined by the last run (its version unknown to the context): no ride
+        ctx = protocol.RefitContext(
+            TorchSource(model), SharedMemoryTransport(), engines, bucket_bytes=SMALL_BUCKET, deadline_s=30,
+            call_timeout_s=5, retries=0, version=version,
+        )  # fmt: skip
+        assert protocol.run(ctx).ok
+        ctx.faults = protocol.FaultPlan().fail_at("transferring", engine=1, bucket=1, kind="corrupt")
+        assert protocol.run(ctx).engines["n1"].status == "quarantined"
+        ctx.faults = None
+        assert _rides(ctx, model) == [False, True]  # the next run refits n1 in full; the one after rides
+        ctx.close()
+    finally:
+        for e in engines:
+            e.close()
