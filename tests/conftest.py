@@ -88,8 +88,22 @@ def matches(engine: ReferenceEngine, model: TinyLlama) -> bool:
 
 
 SUMMARY: list[str] = []  # lines tests want printed at the end of the run (matrix sizes, counts)
+_REPORTED: list[str] = []  # the same lines as the process that prints them got them (xdist: from workers)
+
+
+@pytest.fixture(autouse=True)
+def _summary_lines(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A test's SUMMARY lines travel in its report, so they reach the terminal under xdist too."""
+    yield
+    while SUMMARY:
+        request.node.user_properties.append(("refit-summary", SUMMARY.pop(0)))
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.when == "teardown":
+        _REPORTED.extend(str(v) for k, v in report.user_properties if k == "refit-summary")
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    for line in SUMMARY:
+    for line in _REPORTED:
         terminalreporter.write_line(line)

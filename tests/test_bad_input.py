@@ -3,6 +3,7 @@ and the engine (a real process) keeps serving its previous weights, logits uncha
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -44,7 +45,7 @@ class Sneaky:
     """Unpickles into a call of an arbitrary function (the classic pickle attack)."""
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (print, ("this must never run in the engine",))
+        return (os.system, ("echo this must never run in the engine",))  # (print: Ray replaces builtins.print)
 
 
 class TruncatingTransport(SharedMemoryTransport):
@@ -147,7 +148,7 @@ def test_a_bad_manifest_is_refused_before_any_byte(engine: ReferenceEngine, make
     [
         (TruncatingTransport, TorchSource, "bucket 0 does not match the plan"),
         (EvilPayloadTransport, TorchSource, "blocked class tests.test_bad_input.Evil"),
-        (SneakyPayloadTransport, TorchSource, "blocked class builtins.print"),
+        (SneakyPayloadTransport, TorchSource, "blocked class posix.system"),
         (SharedMemoryTransport, DuplicateSource, "tensor 'model.embed_tokens.weight' appears twice"),
     ],
     ids=["truncated-bucket", "non-allowlisted-class", "pickled-call", "duplicate-tensor"],
