@@ -369,6 +369,8 @@ class Receiver(ABC):
                 "(in transit, or written during the refit)"
             )
 
+    copy_stream: Any = None  # a CUDA stream the engine copies this receiver's tensors out on (None: its own)
+
     def consumed(self, payload: Payload) -> None:  # noqa: B027 - optional hook
         """The engine has applied (queued every copy out of) this bucket: a transport whose buffers
         a device reads asynchronously orders the sender's reuse on it. Called before the ack."""

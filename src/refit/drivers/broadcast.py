@@ -28,7 +28,12 @@ NCCL (`backend="nccl"`): buffers live on the GPU (the trainer's current device; 
 rank's current device), bucket checksums are off (they are computed on the host), and both sides
 must agree on `NCCL_CUMEM_ENABLE` (a mismatch makes NCCL's peer-to-peer setup fail or hang): the
 trainer's value travels in the connect info and an engine whose environment leaves it unset takes
-it; one that sets another value is refused at attach, naming both.
+it; one that sets another value is refused at attach, naming both. Streams: `send` leaves the
+broadcast on NCCL's stream without making the packing stream wait for it (bucket k+1 is packed
+while k is on the wire); `release` makes the stream wait for it before the buffer is packed again.
+The receiver alternates two buffers and names a side stream (`copy_stream`) the engine copies a
+bucket out on while the next one arrives; a buffer is received into again only after the event
+`consumed()` recorded behind its copy-out (the engine's finalize syncs the whole device).
 """
 
 from __future__ import annotations
@@ -95,12 +100,18 @@ def align_cumem(trainer: str | None) -> None:
     )
 
 
-def _broadcast(group: Any, tensor: torch.Tensor) -> None:
+def _broadcast(group: Any, tensor: torch.Tensor, *, wait: bool = True) -> Any:
+    """Broadcast from the source rank. `wait`: the caller's stream (gloo: the host) waits for it;
+    otherwise the Work is returned and nothing waits (NCCL: the collective runs on its own stream,
+    and the caller orders any reuse of `tensor` on `work.wait()`)."""
     import torch.distributed as dist
 
     opts = dist.BroadcastOptions()
     opts.rootRank = SOURCE_RANK
-    group.broadcast([tensor], opts).wait()
+    work = group.broadcast([tensor], opts)
+    if wait:
+        work.wait()
+    return work
 
 
 class BroadcastTransport(Transport):
@@ -128,6 +139,7 @@ class BroadcastTransport(Transport):
         self._sender = False
         self._store: Any = None
         self._group: Any = None
+        self._works: dict[int, Any] = {}  # NCCL: bucket -> its broadcast, waited on before the buffer is reused
         self._info: dict[str, Any] = {}
         self._buffers: list[torch.Tensor] = []
         self._busy: list[int | None] = []
@@ -237,7 +249,10 @@ class BroadcastTransport(Transport):
         if not self._sender:
             return
         manifest, buffer = self._sending(index)
-        _broadcast(self._group, buffer[: manifest.nbytes])
+        if self.backend == "nccl":  # the stream packing the next bucket does not wait for this one
+            self._works[index] = _broadcast(self._group, buffer[: manifest.nbytes], wait=False)
+        else:
+            _broadcast(self._group, buffer[: manifest.nbytes])
 
     def _sending(self, index: int) -> tuple[BucketManifest, torch.Tensor]:
         """Bucket `index`'s manifest and the buffer it was packed into, once the group formed."""
@@ -259,11 +274,15 @@ class BroadcastTransport(Transport):
     def release(self, index: int) -> None:
         if not self._sender:
             return
+        work = self._works.pop(index, None)
+        if work is not None:  # what is packed into this buffer next is ordered after its broadcast
+            work.wait()
         if self._own.pop(index, None) is None:
             self._busy[self._slot_of(index)] = None
 
     def abandon(self, index: int) -> None:
         """A send still in flight keeps its tensor alive; this rank never writes into it again."""
+        self._works.pop(index, None)  # the Work keeps its tensor alive until the broadcast ends
         if not self._sender or self._own.pop(index, None) is not None:
             return
         slot = self._slot_of(index)
@@ -275,6 +294,7 @@ class BroadcastTransport(Transport):
         self._group = None  # dropping the group closes its connections: peers blocked on it fail
         self._store = None
         self._buffers, self._busy, self._own, self._info, self._plan = [], [], {}, {}, {}
+        self._works = {}
 
 
 class BroadcastReceiver(Receiver):
@@ -304,15 +324,44 @@ class BroadcastReceiver(Receiver):
         self._store = store
         self._backend = str(f.get("backend"))
         self._device = torch.device("cuda", torch.cuda.current_device()) if nccl else None
-        self._buffer = torch.empty(int(f.get("slot_bytes", 0)), dtype=torch.uint8, device=self._device)
+        # NCCL: two buffers, and the engine copies out of one on a side stream (`copy_stream`) while
+        # the next bucket arrives in the other; a buffer is received into again only once its
+        # copy-out is done (`consumed` records it). gloo: one host buffer, copied out in place.
+        slots = 2 if nccl else 1
+        self._buffers = [
+            torch.empty(int(f.get("slot_bytes", 0)), dtype=torch.uint8, device=self._device) for _ in range(slots)
+        ]
+        self._copied: list[Any] = [None] * slots
+        self._slot: dict[int, int] = {}  # bucket index -> the buffer it was received into
+        self._next = 0
+        self.copy_stream = torch.cuda.Stream(self._device) if nccl else None
 
     def read(self, payload: Payload) -> list[tuple[str, torch.Tensor]]:
         import torch
 
         n = payload.manifest.nbytes
-        buffer = self._buffer if n <= self._buffer.numel() else torch.empty(n, dtype=torch.uint8, device=self._device)
+        slot = self._next
+        self._next = (self._next + 1) % len(self._buffers)
+        buffer = self._buffers[slot]
+        if n > buffer.numel():
+            buffer = torch.empty(n, dtype=torch.uint8, device=self._device)
+        elif self._copied[slot] is not None:  # its last bucket's copy-out has read it
+            torch.cuda.current_stream(self._device).wait_event(self._copied[slot])
+            self._copied[slot] = None
         _broadcast(self._group, buffer[:n])
+        if self.copy_stream is not None:
+            self.copy_stream.wait_stream(torch.cuda.current_stream(self._device))  # the bytes are in
+            self._slot[payload.manifest.index] = slot
         return unpack(buffer, payload.manifest)
+
+    def consumed(self, payload: Payload) -> None:
+        import torch
+
+        slot = self._slot.pop(payload.manifest.index, None)
+        if self.copy_stream is not None and slot is not None:
+            event = torch.cuda.Event()
+            event.record(self.copy_stream)
+            self._copied[slot] = event
 
     def expected(self, payload: Payload) -> int | None:
         return payload.fields.get("xxh3")

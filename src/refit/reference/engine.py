@@ -554,10 +554,10 @@ class EngineCore:
             )
         t0 = time.perf_counter()
         if self.device.type == "cuda":  # the buckets' queued copies have landed (once per session)
-            if self._copy_events:
+            torch.cuda.synchronize(self.device)  # every stream: a receiver may copy out on its own
+            if self._copy_events:  # ends once every copy has landed (an upper bound: after the sync)
                 self._copy_events[1].record()
-            torch.cuda.current_stream(self.device).synchronize()
-            if self._copy_events:
+                self._copy_events[1].synchronize()
                 self.copy_span_s = self._copy_events[0].elapsed_time(self._copy_events[1]) / 1e3
                 self._copy_events = []
         landed = time.perf_counter() - t0

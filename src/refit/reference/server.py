@@ -398,11 +398,22 @@ class EngineServer:
             self.core.break_session(f"bucket {index} could not be read on TP rank {bad[0][0]}")
             rank, text = bad[0]
             raise EngineError("bad_payload", f"bucket {index} (TP rank {rank}): {text}")
+        stream = receiver.copy_stream
         try:
-            self.core.load(payload.manifest, tensors, expected=receiver.expected(payload) if fused else None)
+            with torch_stream(stream):
+                self.core.load(payload.manifest, tensors, expected=receiver.expected(payload) if fused else None)
         finally:
             receiver.consumed(payload)  # the copies from its buffer are queued: the transport's side may order on them
         comm.gather_objects(None)  # the ack leaves only once every rank has copied its shard
+
+
+def torch_stream(stream: Any) -> Any:
+    """`torch.cuda.stream(stream)`, or nothing to enter for None (CPU receivers)."""
+    if stream is None:
+        return contextlib.nullcontext()
+    import torch
+
+    return torch.cuda.stream(stream)
 
 
 def _damaged(tensors: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
