@@ -142,6 +142,15 @@ class EngineActor:
         self.client.close()
 
 
+def _why(exc: BaseException, limit: int = 400) -> str:
+    """What a Ray error says went wrong: the remote exception's own text (a RayTaskError's text
+    starts with the remote traceback), else the end of the error's text."""
+    cause = getattr(exc, "cause", None)
+    text = f"{type(cause).__name__}: {cause}" if isinstance(cause, BaseException) else str(exc)
+    text = " ".join(text.split())
+    return text if len(text) <= limit else "..." + text[-limit:]
+
+
 @functools.cache
 def _engine_actor_class() -> Any:
     import ray
@@ -183,7 +192,7 @@ class RayClient:
         return self._dead is None
 
     def _died(self, exc: BaseException) -> EngineDied:
-        self._dead = EngineDied(f"engine {self.name}: its Ray actor died ({type(exc).__name__}: {str(exc)[:200]})")
+        self._dead = EngineDied(f"engine {self.name}: its Ray actor died ({type(exc).__name__}: {_why(exc)})")
         return self._dead
 
     def _translate(self, exc: BaseException) -> BaseException:
@@ -191,7 +200,7 @@ class RayClient:
 
         unavailable = getattr(ray.exceptions, "ActorUnavailableError", ())
         if unavailable and isinstance(exc, unavailable):  # transient (Ray says so): state unknown, not dead
-            return TimeoutError(f"engine {self.name}: its Ray actor is unavailable ({str(exc)[:200]})")
+            return TimeoutError(f"engine {self.name}: its Ray actor is unavailable ({_why(exc)})")
         if isinstance(exc, ray.exceptions.RayActorError):  # ActorDiedError, node loss
             return self._died(exc)
         if isinstance(exc, ray.exceptions.GetTimeoutError):
@@ -532,7 +541,13 @@ class RayRanks(Ranks):
                 died = isinstance(exc, ray.exceptions.RayActorError)
                 self._connected[rank] = False if died else self._connected[rank]
                 what = "its Ray actor died" if died else "its Ray actor call failed"
-                out.set_exception(RankError(rank, f"{what} ({type(exc).__name__}: {str(exc)[:300]})"))
+                why = _why(exc)
+                if "coroutine" in why:
+                    why += (
+                        f" (the actor's {self.method} must be `async def` and `await` RankHost.step: a synchronous "
+                        "method hands Ray the coroutine instead of the answer)"
+                    )
+                out.set_exception(RankError(rank, f"{what} ({type(exc).__name__}: {why})"))
                 return
             tag, value, connected = f.result()
             self._connected[rank] = bool(connected)
