@@ -111,3 +111,39 @@ def test_bucket_0_does_not_ride_colocated_collective_or_after_a_failed_engine() 
     finally:
         for e in engines:
             e.close()
+
+
+def test_no_ride_after_another_run_took_the_lock_so_a_refusing_probe_moves_nothing() -> None:
+    """Context B, sharing the engines' lock, refits e0 past A's next version between two runs of
+    A. A's next run must not ride (the lock was taken by someone else in between): e0's probe
+    refuses and no byte reaches e1 or e2, which keep serving (found by an adversarial review:
+    with the ride, they were loaded and then quarantined)."""
+    engines = [ReferenceEngine.in_thread(f"s{i}", CONFIG, seed=0) for i in range(3)]
+    model = perturbed(TinyLlama(CONFIG, seed=0), seed=1)
+    a = protocol.RefitContext(TorchSource(model), SharedMemoryTransport(), engines, bucket_bytes=SMALL_BUCKET)
+    b = protocol.RefitContext(
+        TorchSource(perturbed(TinyLlama(CONFIG, seed=0), seed=9)), SharedMemoryTransport(), engines[:1],
+        bucket_bytes=SMALL_BUCKET, version=10, lock=a.lock,
+    )  # fmt: skip
+    try:
+        assert protocol.run(a).ok
+        assert protocol.run(b).ok  # e0 now holds version 11
+        perturbed(model, seed=2)
+        refused = protocol.run(a)
+        assert not refused.ok and "already hold version" in str(refused.error)
+        assert {n: o.status for n, o in refused.engines.items()} == {
+            "s0": "unchanged",
+            "s1": "unchanged",
+            "s2": "unchanged",
+        }
+        served = TinyLlama(CONFIG, seed=0)
+        served.load_state_dict(perturbed(TinyLlama(CONFIG, seed=0), seed=1).state_dict())
+        for e in engines[1:]:
+            info = e.info()
+            assert not info["quarantined"] and not info["paused"] and not info["dirty"] and info["version"] == 1
+            assert _exact(e, served)
+    finally:
+        a.close()
+        b.close()
+        for e in engines:
+            e.close()

@@ -419,10 +419,17 @@ class ReplayLock:
 
     def __init__(self, script: _Script) -> None:
         self.script = script
+        self._taken: int | None = None
 
     def acquire(self, owner: str) -> bool:
         event = self.script.claim("lock", "acquire")
+        self._taken = None if event is None else event.get("taken")
         return event is None or event.get("outcome") == "ok"
+
+    @property
+    def acquisitions(self) -> int | None:
+        """The acquisition count the recorded lock reported (None: not recorded)."""
+        return self._taken
 
     def release(self, owner: str) -> bool:
         event = self.script.claim("lock", "release")

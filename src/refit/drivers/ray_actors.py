@@ -371,13 +371,18 @@ class LockActor:
         self.holder: str | None = None
         self.lease_s = lease_s
         self.since = 0.0
+        self.taken = 0
 
     def acquire(self, owner: str) -> bool:
         expired = self.lease_s is not None and time.monotonic() - self.since > self.lease_s
         if self.holder is None or self.holder == owner or expired:
             self.holder, self.since = owner, time.monotonic()
+            self.taken += 1
             return True
         return False
+
+    def acquisitions(self) -> int:
+        return self.taken
 
     def release(self, owner: str) -> bool:
         if self.holder != owner:
@@ -432,6 +437,11 @@ class RayLock:
     @property
     def holder(self) -> str | None:
         return self._get(self.actor.get_holder.remote(), "holder")
+
+    @property
+    def acquisitions(self) -> int:
+        """How many times the lock was taken (see `LocalLock.acquisitions`)."""
+        return int(self._get(self.actor.acquisitions.remote(), "acquisitions"))
 
 
 # ---- trainer ranks as Ray actors ------------------------------------------------------------------

@@ -92,6 +92,7 @@ class _Shared:
     topology: Any = None  # the open connection's Topology
     engine_versions: dict[str, int | None] = field(default_factory=dict)  # None: stale, must not serve
     incarnations: dict[str, str] = field(default_factory=dict)  # last incarnation seen per engine name
+    lock_taken: int | None = None  # the lock's acquisition count at the last run (None: unknown)
     lanes: dict[str, concurrent.futures.ThreadPoolExecutor] = field(default_factory=dict)  # per engine name
     closed: bool = False
 

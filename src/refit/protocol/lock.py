@@ -33,13 +33,21 @@ class LocalLock:
     def __init__(self) -> None:
         self._mutex = threading.Lock()
         self._holder: str | None = None
+        self._acquisitions = 0
 
     def acquire(self, owner: str) -> bool:
         with self._mutex:
             if self._holder is None or self._holder == owner:
                 self._holder = owner
+                self._acquisitions += 1
                 return True
             return False
+
+    @property
+    def acquisitions(self) -> int:
+        """How many times the lock was taken: a run that sees it one above what it saw at its
+        previous run knows no other run refit these engines in between (optional for locks)."""
+        return self._acquisitions
 
     def release(self, owner: str) -> bool:
         with self._mutex:

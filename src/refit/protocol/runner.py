@@ -35,6 +35,7 @@ How a run proceeds (on the leader; other trainer ranks follow, see `refit.protoc
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import itertools
 import logging
 import threading
@@ -194,6 +195,7 @@ class _Run:
         self.inflight: deque[_Bucket] = deque()
         self.held: list[tuple[_Engine, Step, StepResult, int]] = []  # finalizes that rode on last buckets
         self.rode = 0  # 1: bucket 0 rode the pause wave (`ride_first_bucket`)
+        self.lock_taken: int | None = None  # the lock's acquisition count once this run took it
         self.first_error: RefitError | None = None
         self.error: RefitError | None = None
         self.round_trips = 0
@@ -717,10 +719,14 @@ class _Run:
 
     def first_bucket_can_ride(self, members: Sequence[_Engine]) -> bool:
         """Whether bucket 0 may ride the pause wave: a disaggregated run over a point-to-point
-        transport, every engine the incarnation this context last saw and at a version it knows
-        to be below this run's (so no probe can refuse: bytes move only where nothing can)."""
+        transport, no other run has taken the engines' lock since this context's last run (the
+        lock counts its acquisitions; a lock that cannot say means no ride), and every engine is
+        the incarnation this context last saw, at a version it knows to be below this run's. So no
+        probe can refuse: bytes move only where nothing would stop them."""
         shared = self.ctx._shared
         if self.ctx.colocated or self.transport.collective or not self.plan:
+            return False
+        if self.lock_taken is None or shared.lock_taken is None or self.lock_taken != shared.lock_taken + 1:
             return False
         for e in members:
             known = shared.engine_versions.get(e.name)
@@ -1181,7 +1187,10 @@ def _lead(ctx: RefitContext) -> RefitResult:
         r.emit("lock", "acquire", owner=r.owner, outcome="busy", holder=holder)
         r.emit("run", "end", result="busy")
         raise RefitBusyError(f"engines {[e.name for e in r.engines]} are being refit by another run", state="IDLE")
-    r.emit("lock", "acquire", owner=r.owner, outcome="ok", holder=holder)
+    if hasattr(lock, "acquisitions"):  # optional: lets a steady-state run know nobody refit in between
+        with contextlib.suppress(Exception):
+            r.lock_taken = int(_within(_on_thread(lambda: lock.acquisitions), lock_deadline.remaining(), "the lock"))
+    r.emit("lock", "acquire", owner=r.owner, outcome="ok", holder=holder, taken=r.lock_taken)
     interrupt: BaseException | None = None
     t0 = ctx.clock()
     stats: list[Any] = []
@@ -1204,6 +1213,7 @@ def _lead(ctx: RefitContext) -> RefitResult:
         outcomes = r.outcomes()
         ctx._shared.engine_versions.update({name: o.version for name, o in outcomes.items()})
         ctx._shared.incarnations.update({e.name: e.incarnation for e in r.engines})
+        ctx._shared.lock_taken = r.lock_taken
         now = ctx.clock()
         r.phase_seconds[str(r.machine.state)] = r.phase_seconds.get(str(r.machine.state), 0.0) + now - r._phase_t0
         published = r.version if any(e.published for e in r.engines) else None
