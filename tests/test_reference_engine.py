@@ -286,3 +286,35 @@ def test_bad_requests_are_refused(core: EngineCore) -> None:
         core.pause("sleep")
     with pytest.raises(EngineError, match="unknown memory tags"):
         core.release_memory(["cuda_graph_pool"])
+
+
+def test_hosted_engine_settles_generations_outside_its_lock_and_closes_promptly() -> None:
+    """HostedEngine (the TP=1 engine of a Ray engine actor): a generation's done-callback that
+    calls the engine again (a rollout loop chaining its next prompt) must not deadlock it; close()
+    during generation returns promptly and fails what is still running (found by an adversarial
+    review: the callback ran under the engine's lock, and close waited for every generation)."""
+    import threading
+
+    from refit.errors import EngineDied
+    from refit.reference.engine import EngineCore
+    from refit.reference.server import HostedEngine
+
+    from .conftest import CONFIG
+
+    engine = HostedEngine(EngineCore(CONFIG, 0), "hosted")
+    chained: list[dict] = []
+    done = threading.Event()
+
+    def next_prompt(fut) -> None:
+        chained.append(engine.call("info"))  # calls the engine from the settling thread
+        if len(chained) < 3:
+            engine.call_async("generate", [1, 2, 3], 4).add_done_callback(next_prompt)
+        else:
+            done.set()
+
+    engine.call_async("generate", [5, 6], 4).add_done_callback(next_prompt)
+    assert done.wait(30), "a callback calling the engine deadlocked it"
+    long = [engine.call_async("generate", [7] * 4, 200) for _ in range(20)]
+    engine.close()  # not run to the end: they fail (run to the end, they would all be ok)
+    for fut in long:
+        assert isinstance(fut.exception(timeout=10), EngineDied)

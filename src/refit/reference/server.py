@@ -506,32 +506,39 @@ class HostedEngine:
     def _locked(self) -> Any:
         with self._count:
             self._callers += 1
+        done: list[tuple[Any, Any]] = []
         try:
             with self._cond:  # held by the step thread for at most one decode step
                 if self._dead is not None:
                     raise self._dead
                 yield
-                self._settle()
+                done = self._finished()
         finally:
             with self._count:
                 self._callers -= 1
             with self._cond:
                 self._cond.notify_all()  # the step thread: the call is done (and may have made work)
+            _settle(done)  # outside the lock: a callback may call the engine again
 
-    def _settle(self) -> None:
+    def _finished(self) -> list[tuple[Any, Any]]:
+        """Under the lock: (future, result) of every generation that finished."""
+        out = []
         for rid in self.core.pop_finished():
             fut = self._waiters.pop(rid, None)
             if fut is not None:
-                fut.set_result(self.core.result(rid))
+                out.append((fut, self.core.result(rid)))
+        return out
 
     def _steps(self) -> None:
-        with self._cond:
-            while self._dead is None:
-                if self._callers or not self.core.has_work():
+        while True:
+            with self._cond:
+                while self._dead is None and (self._callers or not self.core.has_work()):
                     self._cond.wait()
-                    continue
+                if self._dead is not None:
+                    return
                 self.core.step()
-                self._settle()
+                done = self._finished()
+            _settle(done)  # outside the lock: a callback may submit the next prompt
 
     def call(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
         with self._locked():
@@ -554,19 +561,34 @@ class HostedEngine:
         return fut
 
     def _end(self, why: EngineDied) -> None:
-        """Under the lock: the engine is gone; pending generations fail with it."""
+        """Under the lock: the engine is gone; pending generations fail with it (settled on a
+        thread of their own: a callback may call the engine, which must not wait for this lock)."""
         self._dead = why
         waiters, self._waiters = self._waiters, {}
-        for fut in waiters.values():
-            fut.set_exception(why)
         self._cond.notify_all()
+        if waiters:
+            threading.Thread(
+                target=lambda: [f.set_exception(why) for f in waiters.values()], daemon=True
+            ).start()
 
     def close(self, timeout: float = 10.0) -> None:
-        with self._cond:
-            if self._dead is None:
-                self._end(EngineDied(f"engine {self.name} was shut down"))
+        """Stop now: generations still running fail (they are not run to the end)."""
+        with self._count:
+            self._callers += 1  # the step thread lets go of the engine after its current step
+        try:
+            with self._cond:
+                if self._dead is None:
+                    self._end(EngineDied(f"engine {self.name} was shut down"))
+        finally:
+            with self._count:
+                self._callers -= 1
         self._stepper.join(timeout)
         self.server._detach()
+
+
+def _settle(done: list[tuple[Any, Any]]) -> None:
+    for fut, result in done:
+        fut.set_result(result)
 
 
 def follow(channel: Channel, server: EngineServer) -> None:
