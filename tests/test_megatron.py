@@ -158,8 +158,10 @@ def test_megatron_source_learns_metas_once_and_yields_in_plan_order() -> None:
         (lambda: _tensors()[:2], "the export ended without 'c.weight'"),
         (lambda: [*_tensors()[:2], ("x.weight", torch.zeros(1)), *_tensors()[2:]], "'x.weight', which this refit"),
         (lambda: [*_tensors()[:1], *_tensors()], "yields 'a.weight' twice"),
+        (lambda: [*_tensors(), ("x.weight", torch.zeros(1))], "'x.weight' after the planned tensors"),
+        (lambda: [*_tensors(), _tensors()[1]], "yields 'b.bias' twice"),
     ],
-    ids=["dtype", "shape", "missing", "unplanned", "twice"],
+    ids=["dtype", "shape", "missing", "unplanned", "twice", "trailing-unplanned", "trailing-twice"],
 )
 def test_megatron_source_names_what_the_export_got_wrong(items: Any, message: str) -> None:
     bridge = _Bridge(_tensors)
@@ -175,3 +177,20 @@ def test_megatron_source_refuses_an_export_with_a_name_twice_or_nothing() -> Non
         MegatronSource(_Bridge(lambda: [*_tensors(), _tensors()[0]]), object()).metas()
     with pytest.raises(ValueError, match="exported no tensors"):
         MegatronSource(_Bridge(lambda: []), object()).metas()
+
+
+def test_megatron_source_copies_what_it_holds_for_a_later_bucket() -> None:
+    """A bridge may hand out one buffer per shape and overwrite it for the next tensor: what the
+    source holds for a later bucket (the export came early) must be its own copy."""
+    shared = torch.zeros(4)
+
+    def reusing() -> Any:
+        for value in (1.0, 2.0, 3.0):
+            shared.fill_(value)
+            yield f"w{int(value)}", shared
+
+    source = MegatronSource(_Bridge(reusing), object())
+    metas = source.metas()
+    plan = plan_buckets(list(reversed(metas)), 1 << 20)  # w3 first: w1 and w2 are held until their turn
+    got = {n: t.clone() for bucket in source.iter_buckets(plan) for n, t in bucket}
+    assert {n: float(t[0]) for n, t in got.items()} == {"w1": 1.0, "w2": 2.0, "w3": 3.0}

@@ -347,3 +347,26 @@ def test_the_worked_ray_rl_loop_example_runs_and_the_engines_learn() -> None:
     for it, _, versions, published in rows:
         assert {int(v) for v in versions.split(",")} == {int(it)} and int(published) == int(it) + 1
     assert float(rows[-1][1]) > float(rows[0][1]) + 0.3, out.stdout
+
+
+def test_rank_host_orders_steps_per_leader_and_refuses_a_duplicate() -> None:
+    """RankHost on its own (no Ray needed): steps start in each leader's numbering whatever order
+    they arrive in; a number seen before is answered with an error at once; two leaders (two
+    contexts over the same rank actors) each keep their own numbering (found by an adversarial
+    review: a second context made the first one's steps wait forever)."""
+    from refit.drivers.ray_actors import RankHost
+    from refit.protocol.ranks import RankStep
+
+    host = RankHost(TorchSource(TinyLlama(CONFIG, seed=0)), SharedMemoryTransport(), 0, 1)
+    try:
+        early = host.submit("a", 1, RankStep("metas", "IDLE"))
+        assert not early.done()  # step 1 waits for step 0
+        first = host.submit("a", 0, RankStep("metas", "IDLE"))
+        assert first.result(timeout=10)[0] == "ok" and early.result(timeout=10)[0] == "ok"
+        twice = host.submit("a", 0, RankStep("metas", "IDLE")).result(timeout=1)
+        assert twice[0] == "err" and "delivered twice" in twice[1]
+        other = host.submit("b", 0, RankStep("metas", "IDLE"))  # another leader: its own numbering
+        again = host.submit("a", 2, RankStep("metas", "IDLE"))  # the first one goes on where it was
+        assert other.result(timeout=10)[0] == "ok" and again.result(timeout=10)[0] == "ok"
+    finally:
+        host.close()

@@ -14,7 +14,9 @@ Lifecycle:
                           rank; per bucket, the planned tensors in plan order, each checked against
                           its meta (name, shape, dtype: a mismatch names the tensor). A tensor the
                           export yields before its bucket is held until then (a wire format may
-                          order a bucket's tensors differently); nothing is gathered twice.
+                          order a bucket's tensors differently; it is copied, since a bridge
+                          may reuse its buffers); nothing is gathered twice. What the export
+                          yields after the plan is a tensor twice or unplanned: an error.
                           A retry starts a fresh export on every rank.
   RESTORING / abort       `restore()`: the `restore` hook given, if any; idempotent by contract.
 
@@ -118,7 +120,7 @@ class MegatronSource(Source):
                 if name in seen:
                     raise ValueError(f"megatron source: the export yields {name!r} twice")
                 seen.add(name)
-                held[name] = tensor
+                held[name] = tensor if name == meta.name else tensor.clone()  # the bridge may reuse its buffer
             tensor = held.pop(meta.name)
             got = TensorMeta.of(meta.name, tensor)
             if got != meta:
@@ -128,14 +130,16 @@ class MegatronSource(Source):
                 )
             return tensor
 
-        def bucket(manifest: BucketManifest) -> Iterator[tuple[str, torch.Tensor]]:
+        def bucket(manifest: BucketManifest, last: bool) -> Iterator[tuple[str, torch.Tensor]]:
             for entry in manifest.entries:
                 yield entry.meta.name, take(entry.meta)
+            if last:  # the export runs to its end on every rank (its last collectives), inside the last pack
+                for name, _ in stream:
+                    what = "twice" if name in seen else "after the planned tensors, unplanned"
+                    raise ValueError(f"megatron source: the export yields {name!r} {what}")
 
         try:
-            for manifest in plan:
-                yield bucket(manifest)
-            for _ in stream:  # the export's last collectives run on every rank, even past the plan
-                pass
+            for i, manifest in enumerate(plan):
+                yield bucket(manifest, i == len(plan) - 1)
         finally:
             held.clear()

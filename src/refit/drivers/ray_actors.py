@@ -461,28 +461,30 @@ class RankHost:
         self.participant = Participant(source, transport, rank, world)
         self._lanes = _Lanes(self.participant)
         self._lock = threading.Lock()
-        self._session: str | None = None
-        self._next = 0
-        self._arrived: dict[int, RankStep] = {}
-        self._answers: dict[int, Future[tuple[Any, ...]]] = {}
+        self._sessions: dict[str, _Session] = {}  # per leader (context): its own numbering
 
     def submit(self, session: str, seq: int, step: RankStep) -> Future[tuple[Any, ...]]:
-        """Queue step `seq` of the leader's `session`: it starts once every earlier step has;
-        the future holds the answer (never raises)."""
+        """Queue step `seq` of the leader's `session`: it starts once every earlier step of that
+        session has; the future holds the answer (never raises). A number already seen (a
+        duplicate delivery) is answered with an error at once."""
         with self._lock:
-            if session != self._session:  # a new leader (a new context): numbering starts again
-                self._session, self._next = session, 0
-                stale = list(self._answers.values())
-                self._arrived, self._answers = {}, {}
-                for fut in stale:
-                    fut.set_result(("err", "superseded: a new refit context leads these ranks", self.connected))
-            answer = self._answers.setdefault(seq, Future())
-            self._arrived[seq] = step
-            while self._next in self._arrived:
-                n = self._next
-                self._next += 1
-                self._lanes.submit(self._arrived.pop(n)).add_done_callback(
-                    functools.partial(self._answer, self._answers.pop(n))
+            s = self._sessions.get(session)
+            if s is None:
+                s = self._sessions[session] = _Session()
+                for old in list(self._sessions)[:-MAX_SESSIONS]:  # leaders long gone: drop their waits
+                    for fut in self._sessions.pop(old).answers.values():
+                        fut.set_result(("err", "superseded: newer refit contexts lead these ranks", self.connected))
+            if seq < s.next or seq in s.arrived:
+                out: Future[tuple[Any, ...]] = Future()
+                out.set_result(("err", f"step {seq} was delivered twice (this rank already has it)", self.connected))
+                return out
+            answer = s.answers.setdefault(seq, Future())
+            s.arrived[seq] = step
+            while s.next in s.arrived:
+                n = s.next
+                s.next += 1
+                self._lanes.submit(s.arrived.pop(n)).add_done_callback(
+                    functools.partial(self._answer, s.answers.pop(n))
                 )
         return answer
 
@@ -509,6 +511,18 @@ class RankHost:
 
     def close(self) -> None:
         self._lanes.shutdown()
+
+
+MAX_SESSIONS = 4  # leaders whose numbering a RankHost keeps (a new context is a new leader)
+
+
+class _Session:
+    """One leader's numbering on a RankHost: the next step to start, those that came early."""
+
+    def __init__(self) -> None:
+        self.next = 0
+        self.arrived: dict[int, RankStep] = {}
+        self.answers: dict[int, Future[tuple[Any, ...]]] = {}
 
 
 class RayRanks(Ranks):

@@ -567,9 +567,7 @@ class HostedEngine:
         waiters, self._waiters = self._waiters, {}
         self._cond.notify_all()
         if waiters:
-            threading.Thread(
-                target=lambda: [f.set_exception(why) for f in waiters.values()], daemon=True
-            ).start()
+            threading.Thread(target=lambda: [f.set_exception(why) for f in waiters.values()], daemon=True).start()
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop now: generations still running fail (they are not run to the end)."""
