@@ -334,6 +334,7 @@ class BroadcastReceiver(Receiver):
         self._copied: list[Any] = [None] * slots
         self._slot: dict[int, int] = {}  # bucket index -> the buffer it was received into
         self._next = 0
+        self._views: dict[tuple[int, int], tuple[BucketManifest, list[tuple[str, torch.Tensor]]]] = {}
         self.copy_stream = torch.cuda.Stream(self._device) if nccl else None
 
     def read(self, payload: Payload) -> list[tuple[str, torch.Tensor]]:
@@ -352,7 +353,13 @@ class BroadcastReceiver(Receiver):
         if self.copy_stream is not None:
             self.copy_stream.wait_stream(torch.cuda.current_stream(self._device))  # the bytes are in
             self._slot[payload.manifest.index] = slot
-        return unpack(buffer, payload.manifest)
+        if buffer is not self._buffers[slot]:  # an oversized bucket's own buffer
+            return unpack(buffer, payload.manifest)
+        key = (slot, payload.manifest.index)  # the views into a kept buffer are kept (same manifest)
+        kept = self._views.get(key)
+        if kept is None or kept[0] != payload.manifest:
+            kept = self._views[key] = (payload.manifest, unpack(buffer, payload.manifest))
+        return list(kept[1])
 
     def consumed(self, payload: Payload) -> None:
         import torch

@@ -246,6 +246,7 @@ class EngineCore:
             raise ValueError(f"device {device!r} with TP {self.comm.size}: a reference engine on a GPU has one TP rank")
         self.layout = WeightLayout(config, self.comm.rank, self.comm.size)
         self.params: dict[str, torch.Tensor] = {name: self._zeros(name) for name in self.layout.engine_shapes}
+        self._dst_views: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # name -> (its param, the view into it)
         self._load_checkpoint(seed)
         self.head_serving = self._head()
         self.version = version
@@ -486,12 +487,18 @@ class EngineCore:
 
     def _write_all(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
         """Keep this rank's shard of each tensor: one batched copy (`torch._foreach_copy_`) for the
-        bucket, queued on the current stream without a host sync when on a GPU."""
+        bucket, queued on the current stream without a host sync when on a GPU. The destination
+        views are kept per tensor while its parameter is the same object (building views costs
+        microseconds each on a GPU: a bucket of many small tensors is bound by them)."""
         dsts, srcs = [], []
         for name, tensor in tensors:
             target, dim, src, dst, n = self.layout.targets[name]
-            dsts.append(self.params[target].narrow(dim, dst, n))
-            srcs.append(tensor.narrow(dim, src, n))
+            param = self.params[target]
+            kept = self._dst_views.get(name)
+            if kept is None or kept[0] is not param:
+                kept = self._dst_views[name] = (param, param.narrow(dim, dst, n))
+            dsts.append(kept[1])
+            srcs.append(tensor if src == 0 and n == tensor.shape[dim] else tensor.narrow(dim, src, n))
         if dsts:
             torch._foreach_copy_(dsts, srcs)
 
@@ -620,6 +627,7 @@ class EngineCore:
         if "weights" in tags and not self.weights_released:
             self._backup = {k: v.to("cpu", copy=True) for k, v in self.params.items()} if cpu_backup else None
             self.params = {k: torch.empty(0) for k in self.params}
+            self._dst_views = {}  # they hold the released parameters
             self.head_serving = torch.empty(0)
             self.weights_released = True
 
