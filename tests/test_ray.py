@@ -354,6 +354,7 @@ def test_rank_host_orders_steps_per_leader_and_refuses_a_duplicate() -> None:
     they arrive in; a number seen before is answered with an error at once; two leaders (two
     contexts over the same rank actors) each keep their own numbering (found by an adversarial
     review: a second context made the first one's steps wait forever)."""
+    from refit.drivers import ray_actors
     from refit.drivers.ray_actors import RankHost
     from refit.protocol.ranks import RankStep
 
@@ -368,5 +369,13 @@ def test_rank_host_orders_steps_per_leader_and_refuses_a_duplicate() -> None:
         other = host.submit("b", 0, RankStep("metas", "IDLE"))  # another leader: its own numbering
         again = host.submit("a", 2, RankStep("metas", "IDLE"))  # the first one goes on where it was
         assert other.result(timeout=10)[0] == "ok" and again.result(timeout=10)[0] == "ok"
+        # a host that never got a leader's earlier steps (a restarted actor's fresh host): it says so
+        # once they have not come within GAP_S, and refuses that leader's later steps at once
+        stranded = host.submit("c", 7, RankStep("metas", "IDLE"))
+        assert not stranded.done()
+        tag, why, _ = stranded.result(timeout=ray_actors.GAP_S + 5)
+        assert tag == "err" and "never got step 0" in why and "start a new context" in why
+        assert host.submit("c", 8, RankStep("metas", "IDLE")).result(timeout=1)[0] == "err"
+        assert host.submit("a", 3, RankStep("metas", "IDLE")).result(timeout=10)[0] == "ok"  # others unaffected
     finally:
         host.close()

@@ -466,7 +466,10 @@ class RankHost:
     def submit(self, session: str, seq: int, step: RankStep) -> Future[tuple[Any, ...]]:
         """Queue step `seq` of the leader's `session`: it starts once every earlier step of that
         session has; the future holds the answer (never raises). A number already seen (a
-        duplicate delivery) is answered with an error at once."""
+        duplicate delivery) is answered with an error at once. A step that waits on an earlier
+        one that does not come within `GAP_S` (Ray delivers a submitter's calls microseconds
+        apart) fails, with every later step of that leader: this host lost them (its actor was
+        restarted, which gives it a fresh host) and the leader needs a new context."""
         with self._lock:
             s = self._sessions.get(session)
             if s is None:
@@ -474,11 +477,14 @@ class RankHost:
                 for old in list(self._sessions)[:-MAX_SESSIONS]:  # leaders long gone: drop their waits
                     for fut in self._sessions.pop(old).answers.values():
                         fut.set_result(("err", "superseded: newer refit contexts lead these ranks", self.connected))
+            out: Future[tuple[Any, ...]] = Future()
+            if s.lost is not None:
+                out.set_result(("err", s.lost, self.connected))
+                return out
             if seq < s.next or seq in s.arrived:
-                out: Future[tuple[Any, ...]] = Future()
                 out.set_result(("err", f"step {seq} was delivered twice (this rank already has it)", self.connected))
                 return out
-            answer = s.answers.setdefault(seq, Future())
+            answer = s.answers.setdefault(seq, out)
             s.arrived[seq] = step
             while s.next in s.arrived:
                 n = s.next
@@ -486,7 +492,31 @@ class RankHost:
                 self._lanes.submit(s.arrived.pop(n)).add_done_callback(
                     functools.partial(self._answer, s.answers.pop(n))
                 )
+            if s.arrived and s.timer is None:  # a gap: give the missing steps GAP_S to arrive
+                s.timer = threading.Timer(GAP_S, self._gap, (session, s.next))
+                s.timer.daemon = True
+                s.timer.start()
         return answer
+
+    def _gap(self, session: str, missing: int) -> None:
+        with self._lock:
+            s = self._sessions.get(session)
+            if s is None:
+                return
+            s.timer = None
+            if s.next > missing:  # it came: look again at what still waits
+                if s.arrived:
+                    s.timer = threading.Timer(GAP_S, self._gap, (session, s.next))
+                    s.timer.daemon = True
+                    s.timer.start()
+                return
+            s.lost = (
+                f"this rank never got step {missing} of the leader's refit context (its actor was restarted, "
+                "which gives it a fresh RankHost, or a call was lost): start a new context"
+            )
+            waiting, s.arrived, s.answers = s.answers, {}, {}
+        for fut in waiting.values():
+            fut.set_result(("err", s.lost, self.connected))
 
     async def step(self, session: str, seq: int, step: RankStep) -> tuple[Any, ...]:
         """`submit`, awaited without blocking the actor's event loop."""
@@ -516,6 +546,9 @@ class RankHost:
 MAX_SESSIONS = 4  # leaders whose numbering a RankHost keeps (a new context is a new leader)
 
 
+GAP_S = 2.0  # how long a step waits for an earlier one before the leader's numbering counts as lost
+
+
 class _Session:
     """One leader's numbering on a RankHost: the next step to start, those that came early."""
 
@@ -523,6 +556,8 @@ class _Session:
         self.next = 0
         self.arrived: dict[int, RankStep] = {}
         self.answers: dict[int, Future[tuple[Any, ...]]] = {}
+        self.timer: threading.Timer | None = None
+        self.lost: str | None = None  # why this leader's steps can no longer run here
 
 
 class RayRanks(Ranks):
