@@ -52,7 +52,7 @@ import signal
 import threading
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -222,15 +222,12 @@ class RayClient:
             return  # dead, or not back yet: the incarnation stays the last one seen
         self.pid, self._dead = int(ident["pid"]), None
 
-    def call_async(self, method: str, *args: Any, **kwargs: Any) -> Future[Any]:
+    def _remote(self, submit: Callable[[], Any], settle: Callable[[Any, Future[Any]], None]) -> Future[Any]:
+        """One actor call: `submit()` makes it; its ObjectRef's own future hands the answer to
+        `settle(answer, out)`; Ray's errors (at submission or on the reply) are translated."""
         out: Future[Any] = Future()
-        if self._dead is not None:
-            out.set_exception(self._dead)
-            return out
-        if method == "generate":
-            return self._generate(*args)
         try:
-            ref = self.actor.call.remote(pickle.dumps((method, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL))
+            ref = submit()
         except Exception as exc:
             out.set_exception(self._translate(exc))
             return out
@@ -240,10 +237,22 @@ class RayClient:
             if exc is not None:
                 out.set_exception(self._translate(exc))
             else:
-                _settle(pickle.loads(f.result()), out)
+                settle(f.result(), out)
 
         ref.future().add_done_callback(done)
         return out
+
+    def call_async(self, method: str, *args: Any, **kwargs: Any) -> Future[Any]:
+        if self._dead is not None:
+            out: Future[Any] = Future()
+            out.set_exception(self._dead)
+            return out
+        if method == "generate":
+            return self._generate(*args)
+        request = pickle.dumps((method, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
+        return self._remote(
+            lambda: self.actor.call.remote(request), lambda reply, out: _settle(pickle.loads(reply), out)
+        )
 
     def call(self, method: str, *args: Any, timeout: float, **kwargs: Any) -> Any:
         fut = self.call_async(method, *args, **kwargs)
@@ -258,26 +267,15 @@ class RayClient:
 
     def _generate(self, prompt: Sequence[int], max_new_tokens: int) -> Future[Any]:
         """Submitted without waiting (the caller's own timeout bounds the wait for the result)."""
-        out: Future[Any] = Future()
-        try:
-            ref = self.actor.submit.remote(list(prompt), max_new_tokens)
-        except Exception as exc:
-            out.set_exception(self._translate(exc))
-            return out
 
-        def submitted(f: Future[Any]) -> None:
-            exc = f.exception()
-            if exc is not None:
-                out.set_exception(self._translate(exc))
-                return
+        def submitted(ticket: Any, out: Future[Any]) -> None:  # settled later, by the poller
             with self._lock:
-                self._generations[int(f.result())] = out
+                self._generations[int(ticket)] = out
                 if self._poller is None:
                     self._poller = threading.Thread(target=self._poll, name=f"refit-ray-{self.name}", daemon=True)
                     self._poller.start()
 
-        ref.future().add_done_callback(submitted)
-        return out
+        return self._remote(lambda: self.actor.submit.remote(list(prompt), max_new_tokens), submitted)
 
     def _poll(self) -> None:
         import ray

@@ -49,6 +49,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any, Protocol
 
 from refit.drivers.base import ConnectInfo, Payload, Receiver
@@ -482,14 +483,11 @@ class HostedEngine:
     raises `EngineDied` (the host decides how to die)."""
 
     def __init__(self, core: EngineCore, name: str) -> None:
-        from concurrent.futures import Future
-
         self.name = name
         self.tp = 1
         self.pid = os.getpid()
         self.server = EngineServer(core, name, in_process=True)
         self.core = core
-        self._future = Future
         self._cond = threading.Condition(threading.Lock())
         self._count = threading.Lock()
         self._callers = 0  # calls waiting for the engine: the step thread lets them go first
@@ -549,7 +547,7 @@ class HostedEngine:
                 raise self._dead from None  # type: ignore[misc]
 
     def call_async(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        fut = self._future()
+        fut: Future[Any] = Future()
         try:
             if method != "generate":
                 fut.set_result(self.call(method, *args, **kwargs))
