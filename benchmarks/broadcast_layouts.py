@@ -1,6 +1,6 @@
 """Where a disaggregated NCCL refit's time goes (issue 11 probe, two GPUs on one host).
 
-The same 7B-shaped bucket stream (refit.bench_gpu's state, 512 MiB buckets) is sent from GPU 0 to
+The same 7B-shaped (or `--shape`) bucket stream (refit.bench_gpu's state, 512 MiB buckets) is sent from GPU 0 to
 GPU 1 in several layouts; the receiver's wall time per pass (from a line-up broadcast to the last
 copy landed) is reported, median of the repeats, with a bit-exact check of the last layout.
 
@@ -11,6 +11,10 @@ copy landed) is reported, median of the repeats, with a bit-exact check of the l
                 broadcast; a buffer is reused only once its broadcast is done)
   recv_overlap  the receiver copies k out on a side stream while k+1 arrives in the other buffer
   both          both of the above
+  direct_T[g]   no pack and no copy-out for tensors of T MiB or more: each is broadcast straight
+                from the trainer's tensor into the receiver's (one op each); the smaller ones
+                between them are packed into the buffer as before and go as one op per run;
+                `g`: a bucket's ops go as one NCCL group (coalesced)
 
     python benchmarks/broadcast_layouts.py [--repeats N] [--json PATH]     (spawns GPU 1's side)
 """
@@ -34,7 +38,19 @@ from refit.drivers.broadcast import close_group
 from refit.drivers.buckets import tensor_digest
 from refit.reference.model import init_weights
 
-LAYOUTS = ("raw", "serial", "send_overlap", "recv_overlap", "both")
+LAYOUTS = (
+    "raw",
+    "serial",
+    "send_overlap",
+    "recv_overlap",
+    "both",
+    "direct_0",
+    "direct_4",
+    "direct_16",
+    "direct_64",
+    "direct_0g",
+    "direct_16g",
+)
 
 
 def _bcast(group: Any, tensor: torch.Tensor, *, wait: bool) -> Any:
@@ -58,8 +74,81 @@ def _views(buffer: torch.Tensor, manifest: Any, state: dict[str, torch.Tensor]) 
     return dst, src
 
 
+def _segments(manifest: Any, threshold: int) -> list[tuple[str, Any]]:
+    """("big", entry) for a tensor sent straight; ("small", [entries]) for a run packed together."""
+    out: list[tuple[str, Any]] = []
+    for e in manifest.entries:
+        if e.meta.nbytes >= threshold:
+            out.append(("big", e))
+        elif out and out[-1][0] == "small":
+            out[-1][1].append(e)
+        else:
+            out.append(("small", [e]))
+    return out
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t.view(-1).view(torch.uint8)
+
+
+def direct_pass(layout: str, rank: int, group: Any, plan: list[Any], state: dict[str, torch.Tensor], bufs: list[Any],
+                side: torch.cuda.Stream) -> float:  # fmt: skip
+    grouped = layout.endswith("g")
+    threshold = int(layout.split("_")[1].rstrip("g")) << 20
+    _bcast(group, torch.zeros(1, device="cuda"), wait=True)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    works: list[Any] = [None, None]
+    copied: list[Any] = [None, None]
+    for k, m in enumerate(plan):
+        slot = k % 2
+        segs = _segments(m, threshold)
+        small = [e for kind, x in segs if kind == "small" for e in x]
+        if rank == 0:
+            if works[slot] is not None:
+                works[slot].wait()
+            if small:
+                dst, src = _views(bufs[slot], _Sub(small), state)
+                torch._foreach_copy_(dst, src)
+        elif copied[slot] is not None:
+            torch.cuda.current_stream().wait_event(copied[slot])
+        if grouped:
+            group._start_coalescing()
+        work = None
+        for kind, x in segs:
+            buf = bufs[slot]
+            t = _flat(state[x.meta.name]) if kind == "big" else buf[x[0].offset : x[-1].offset + x[-1].meta.nbytes]
+            work = _bcast(group, t, wait=False)
+        if grouped:
+            work = group._end_coalescing()
+        if rank == 0:
+            works[slot] = work
+        else:
+            work.wait()
+            if small:
+                src, dst = _views(bufs[slot], _Sub(small), state)
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    torch._foreach_copy_(dst, src)
+                    ev = torch.cuda.Event()
+                    ev.record(side)
+                copied[slot] = ev
+    for w in works:
+        if w is not None:
+            w.wait()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+class _Sub:
+    def __init__(self, entries: list[Any]) -> None:
+        self.entries = entries
+
+
 def one_pass(layout: str, rank: int, group: Any, plan: list[Any], state: dict[str, torch.Tensor], bufs: list[Any],
              side: torch.cuda.Stream) -> float:  # fmt: skip
+    if layout.startswith("direct"):
+        return direct_pass(layout, rank, group, plan, state, bufs, side)
     send_overlap = layout in ("send_overlap", "both")
     recv_overlap = layout in ("recv_overlap", "both")
     _bcast(group, torch.zeros(1, device="cuda"), wait=True)  # line both sides up
@@ -99,9 +188,9 @@ def one_pass(layout: str, rank: int, group: Any, plan: list[Any], state: dict[st
     return time.perf_counter() - t0
 
 
-def side_main(rank: int, port: int, repeats: int, bucket_mb: int) -> dict[str, Any]:
+def side_main(rank: int, port: int, repeats: int, bucket_mb: int, shape: str = "7b") -> dict[str, Any]:
     torch.cuda.set_device(rank)
-    config = SHAPES["7b"]
+    config = SHAPES[shape]
     state = init_weights(config, seed=1, device="cuda")
     if rank == 1:
         state = {n: torch.empty_like(t) for n, t in state.items()}
@@ -126,21 +215,24 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--bucket-mb", type=int, default=512)
+    ap.add_argument("--shape", default="7b")
     ap.add_argument("--json")
     ap.add_argument("--side", type=int, default=None)
     ap.add_argument("--port", type=int, default=None)
     args = ap.parse_args()
     if args.side is not None:
-        print(json.dumps(side_main(args.side, args.port, args.repeats, args.bucket_mb)), flush=True)
+        print(json.dumps(side_main(args.side, args.port, args.repeats, args.bucket_mb, args.shape)), flush=True)
         return 0
     port = _free_port()
     argv = [sys.executable, __file__, "--repeats", str(args.repeats), "--bucket-mb", str(args.bucket_mb)]
+    argv += ["--shape", args.shape]
     argv += ["--port", str(port)]
     peer = subprocess.Popen([*argv, "--side", "1"], stdout=subprocess.PIPE, text=True, env=os.environ)
-    mine = side_main(0, port, args.repeats, args.bucket_mb)
+    mine = side_main(0, port, args.repeats, args.bucket_mb, args.shape)
     theirs = json.loads(peer.communicate(timeout=600)[0].strip().splitlines()[-1])
     report = {
         "device": torch.cuda.get_device_name(0), "torch": torch.__version__, "bucket_mb": args.bucket_mb,
+        "shape": args.shape,
         "buckets": mine["buckets"], "bytes": mine["bytes"], "bit_exact": mine["digest"] == theirs["digest"],
         "receiver_ms": {k: theirs[k]["ms"] for k in LAYOUTS}, "sender_ms": {k: mine[k]["ms"] for k in LAYOUTS},
         "receiver_all_ms": {k: theirs[k]["all_ms"] for k in LAYOUTS},

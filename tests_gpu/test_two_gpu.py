@@ -27,14 +27,23 @@ CFG = ModelConfig(
 )  # fmt: skip
 
 
-def test_nccl_broadcast_refit_gpu0_to_gpu1() -> None:
+@pytest.mark.parametrize(("ops", "direct_bytes"), [("tensor", 0), ("tensor", 32 << 10), ("bucket", 0)])
+def test_nccl_broadcast_refit_gpu0_to_gpu1(ops: str, direct_bytes: int) -> None:
+    """ops="tensor" (the default over NCCL): each bucket goes as one NCCL group of broadcasts,
+    tensors of `direct_bytes` or more from the trainer's parameters straight into the engine's,
+    runs of smaller ones packed (32 KiB: a mix in this model); "bucket": packed, one broadcast
+    per bucket, copied out on the engine's side stream."""
     torch.cuda.set_device(0)
     model = TinyLlama(CFG, seed=0).cuda()
     engine = ReferenceEngine.spawn("gpu1", CFG, seed=0, device="cuda:1")
+    transport = BroadcastTransport(backend="nccl", ops=ops, direct_bytes=direct_bytes)
     ctx = protocol.RefitContext(
-        TorchSource(model), BroadcastTransport(backend="nccl"), [engine], mode="disaggregated",
-        pause_mode="abort", bucket_bytes=64 << 10, deadline_s=120,
+        TorchSource(model), transport, [engine], mode="disaggregated", pause_mode="abort", bucket_bytes=64 << 10,
+        deadline_s=120,
     )  # fmt: skip
+    sizes = [t.numel() * t.element_size() for t in model.state_dict().values()]
+    direct = sum(n >= direct_bytes for n in sizes) if ops == "tensor" else 0
+    assert ops == "bucket" or 0 < direct <= len(sizes)
     try:
         for i in range(3):
             with torch.no_grad():
@@ -46,6 +55,7 @@ def test_nccl_broadcast_refit_gpu0_to_gpu1() -> None:
             for k, v in model.state_dict().items():
                 assert torch.equal(state[k], v.detach().cpu()), k
             assert engine.generate([1, 2, 3], 6)["output"] == greedy(model, [1, 2, 3], 6)
+            assert engine.info()["direct_tensors"] == (i + 1) * direct
     finally:
         ctx.close()
         engine.close()

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
@@ -353,6 +353,14 @@ class Receiver(ABC):
 
     @abstractmethod
     def read(self, payload: Payload) -> list[tuple[str, torch.Tensor]]: ...
+
+    writes_into = False  # read_into() may receive tensors straight into the engine's memory
+
+    def read_into(self, payload: Payload, into: Mapping[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+        """`read`, where the receiver may write each tensor named in `into` straight into that
+        tensor (the engine's own, whole and of the entry's shape and dtype) and return it for that
+        name: no copy-out. Only called when `writes_into`."""
+        return self.read(payload)
 
     def expected(self, payload: Payload) -> int | None:
         """The bucket's checksum (refit.drivers.buckets.checksum) as the sender computed it, if sent."""

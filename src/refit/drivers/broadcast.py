@@ -40,14 +40,25 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import os
 import socket
+import traceback
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from refit.drivers.base import ConnectInfo, EngineSpec, LazyTensors, Payload, Receiver, Topology, Transport
-from refit.drivers.buckets import BucketManifest, pack_into, slot_bytes, unpack
+from refit.drivers.buckets import (
+    BucketManifest,
+    TensorEntry,
+    TensorMeta,
+    dtype_name,
+    pack_into,
+    slot_bytes,
+    torch_dtype,
+    unpack,
+)
 from refit.errors import EngineError
 
 if TYPE_CHECKING:
@@ -100,18 +111,66 @@ def align_cumem(trainer: str | None) -> None:
     )
 
 
-def _broadcast(group: Any, tensor: torch.Tensor, *, wait: bool = True) -> Any:
-    """Broadcast from the source rank. `wait`: the caller's stream (gloo: the host) waits for it;
-    otherwise the Work is returned and nothing waits (NCCL: the collective runs on its own stream,
-    and the caller orders any reuse of `tensor` on `work.wait()`)."""
+@functools.cache
+def _options() -> Any:
     import torch.distributed as dist
 
     opts = dist.BroadcastOptions()
     opts.rootRank = SOURCE_RANK
-    work = group.broadcast([tensor], opts)
+    return opts
+
+
+def _broadcast(group: Any, tensor: torch.Tensor, *, wait: bool = True) -> Any:
+    """Broadcast from the source rank. `wait`: the caller's stream (gloo: the host) waits for it;
+    otherwise the Work is returned and nothing waits (NCCL: the collective runs on its own stream,
+    and the caller orders any reuse of `tensor` on `work.wait()`)."""
+    work = group.broadcast([tensor], _options())
     if wait:
         work.wait()
     return work
+
+
+def _broadcast_each(group: Any, tensors: Sequence[torch.Tensor], nccl: bool) -> Any:
+    """One broadcast per tensor, in order (empty ones skipped by every member); each side passes
+    the entry's own dtype and shape (no byte views: a view costs microseconds on a GPU, and a
+    bucket may hold hundreds of tensors). NCCL: as one group (one launch) whose Work is
+    returned, nothing waits; gloo: each in turn, waited."""
+    tensors = [t for t in tensors if t.numel()]
+    if not nccl:
+        for t in tensors:
+            _broadcast(group, t)
+        return None
+    group._start_coalescing()
+    try:
+        for t in tensors:
+            _broadcast(group, t, wait=False)
+    finally:
+        work = group._end_coalescing()
+    return work
+
+
+DIRECT_BYTES = 16 << 20  # ops="tensor": tensors this large or larger go as their own broadcast
+
+
+def wire_ops(manifest: BucketManifest, direct_bytes: int) -> list[int | tuple[int, int]]:
+    """ops="tensor": the bucket's broadcasts, in order, as both sides make them: an entry of
+    `direct_bytes` or more is its own (its index; the entry's dtype and shape); each run of
+    smaller entries between them is one uint8 broadcast of their byte range in the bucket."""
+    out: list[int | tuple[int, int]] = []
+    for i, e in enumerate(manifest.entries):
+        if e.meta.nbytes >= direct_bytes:
+            out.append(i)
+        elif out and isinstance(out[-1], tuple):
+            out[-1] = (out[-1][0], e.offset + e.meta.nbytes)
+        else:
+            out.append((e.offset, e.offset + e.meta.nbytes))
+    return out
+
+
+def _typed(buffer: torch.Tensor, entry: TensorEntry) -> torch.Tensor:
+    """Entry's place in a bucket buffer, as its dtype and shape."""
+    meta = entry.meta
+    return buffer[entry.offset : entry.offset + meta.nbytes].view(torch_dtype(meta.dtype)).view(meta.shape)
 
 
 class BroadcastTransport(Transport):
@@ -120,19 +179,40 @@ class BroadcastTransport(Transport):
     make_group = staticmethod(_group)  # how the side group is built from the store (a wire layout may differ)
 
     def __init__(
-        self, slots: int = 2, *, backend: str = "gloo", host: str | None = None, checksums: bool | None = None
+        self,
+        slots: int = 2,
+        *,
+        backend: str = "gloo",
+        host: str | None = None,
+        checksums: bool | None = None,
+        ops: str | None = None,
+        direct_bytes: int = DIRECT_BYTES,
     ) -> None:
         """`backend`: gloo (CPU tensors) or nccl (CUDA tensors, two GPUs or more). `host`: the
         address engines reach the trainer's store at (default MASTER_ADDR, else this host).
-        `checksums`: xxHash3 per bucket (default on for gloo; NCCL buffers are on the GPU: none)."""
+        `checksums`: xxHash3 per bucket (default on for gloo; NCCL buffers are on the GPU: none).
+        `ops`: how a bucket goes on the wire. "bucket": one broadcast of the packed buffer.
+        "tensor": one broadcast per tensor of `direct_bytes` or more (NCCL: a bucket's broadcasts
+        as one group), sent from where it lies when it is a plain contiguous tensor of its dtype
+        on the buffers' device (else packed first) and received straight into an engine's
+        parameter where it takes it (`Receiver.read_into`): no pack and no copy-out; each run of
+        smaller tensors between them is packed and goes as one broadcast (many small collectives
+        cost more than the copies). Default: tensor for nccl, bucket for gloo."""
         if not isinstance(slots, int) or slots < 1:
             raise ValueError(f"slots must be an integer >= 1, got {slots!r}")
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend {backend!r}: use gloo or nccl")
         if backend == "nccl" and checksums:
             raise ValueError("checksums are computed on the host: an NCCL broadcast (GPU buffers) has none")
+        ops = ops or ("tensor" if backend == "nccl" else "bucket")
+        if ops not in ("bucket", "tensor"):
+            raise ValueError(f"ops {ops!r}: use bucket or tensor")
+        if not isinstance(direct_bytes, int) or direct_bytes < 0:
+            raise ValueError(f"direct_bytes must be an integer >= 0, got {direct_bytes!r}")
         self.slots = slots
         self.backend = backend
+        self.ops = ops
+        self.direct_bytes = direct_bytes
         self.host = host
         self.checksums = backend == "gloo" if checksums is None else checksums
         self.temp_bytes = 0
@@ -140,6 +220,8 @@ class BroadcastTransport(Transport):
         self._store: Any = None
         self._group: Any = None
         self._works: dict[int, Any] = {}  # NCCL: bucket -> its broadcast, waited on before the buffer is reused
+        self._refs: dict[int, list[Any]] = {}  # ops="tensor": bucket -> per entry, the tensor sent as it lies (or None)
+        self._broken: str | None = None  # the send that failed: the group is not used again
         self._info: dict[str, Any] = {}
         self._buffers: list[torch.Tensor] = []
         self._busy: list[int | None] = []
@@ -177,7 +259,8 @@ class BroadcastTransport(Transport):
         self._busy = [None] * self.slots
         self._info = {
             "addr": host, "port": self._store.port, "group": f"refit-{uuid.uuid4().hex[:12]}", "world": world,
-            "timeout_s": topology.timeout_s, "backend": self.backend, "slot_bytes": self._slot_bytes,
+            "timeout_s": topology.timeout_s, "backend": self.backend, "slot_bytes": self._slot_bytes, "ops": self.ops,
+            "direct_bytes": self.direct_bytes,
         }  # fmt: skip
         if self.backend == "nccl":
             self._info["nccl_cumem"] = os.environ.get(CUMEM)
@@ -197,6 +280,7 @@ class BroadcastTransport(Transport):
         }
 
     def join(self) -> None:
+        self._broken = None
         if self._sender:
             info = self._info
             self._group = self.make_group(
@@ -209,15 +293,35 @@ class BroadcastTransport(Transport):
         if not self._sender:  # the same gathers as the source rank, nothing kept
             self.temp_bytes = pack_into(None, manifest, tensors).temp_bytes
             return None
-        buffer = self._buffer_for(manifest)
+        index = manifest.index
         try:
-            packed = pack_into(buffer, manifest, tensors, hash_bytes=self.checksums)
+            if self.ops == "tensor":  # a buffer only if some tensor must be packed
+                packed = pack_into(
+                    lambda: self._buffer_for(manifest), manifest, tensors, hash_bytes=self.checksums, refer=self._refer
+                )
+                if packed.refs is not None:
+                    self._refs[index] = packed.refs
+            else:
+                packed = pack_into(self._buffer_for(manifest), manifest, tensors, hash_bytes=self.checksums)
         except BaseException:
-            if manifest.index in self._busy or manifest.index in self._own:  # give back what it took
-                self.release(manifest.index)
+            if index in self._busy or index in self._own or index in self._refs:  # give back what it took
+                self.release(index)
             raise
         self.temp_bytes = packed.temp_bytes
         return {} if packed.checksum is None else {"xxh3": packed.checksum}
+
+    def _refer(self, meta: TensorMeta, tensor: Any) -> Any:
+        """The tensor itself, when it can be sent as it lies (ops="tensor"): a plain contiguous
+        tensor of the entry's dtype on the buffers' device. Kept until its broadcast is released."""
+        import torch
+
+        if meta.nbytes < self.direct_bytes:
+            return None  # packed with its neighbours
+        device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+        plain = hasattr(tensor, "is_contiguous") and not hasattr(tensor, "placements")
+        if not plain or tensor.device != device or dtype_name(tensor.dtype) != meta.dtype or not tensor.is_contiguous():
+            return None
+        return tensor.detach() if tensor.requires_grad else tensor
 
     def _empty(self, nbytes: int) -> torch.Tensor:
         """A send buffer: host memory for gloo, the trainer's current GPU for NCCL."""
@@ -246,22 +350,59 @@ class BroadcastTransport(Transport):
         return {e.name: Payload(self.kind, manifest, fields, parts=({},) * e.tp) for e in topology.engines}
 
     def send(self, index: int) -> None:
+        """Broadcast bucket `index`. A send that fails tears the group down at once: no member's
+        place in the stream is known (one may hold part of a bucket), so no later broadcast may be
+        matched against another receive, and members already waiting for the next bucket fail
+        now instead of at their timeout. Later sends are refused until the group is formed again."""
         if not self._sender:
             return
-        manifest, buffer = self._sending(index)
-        if self.backend == "nccl":  # the stream packing the next bucket does not wait for this one
-            self._works[index] = _broadcast(self._group, buffer[: manifest.nbytes], wait=False)
+        if self._broken is not None:
+            raise RuntimeError(f"broadcast transport: bucket {index} not sent, the group broke at {self._broken}")
+        try:
+            self._send(index)
+        except BaseException as exc:
+            self._broken = f"bucket {index} ({type(exc).__name__}: {exc})"
+            close_group(self._group, self.backend)
+            # the last reference dropped closes a gloo group's connections (its abort does not):
+            # every peer blocked on it fails. The traceback's frames hold it too: cleared.
+            self._group = None
+            traceback.clear_frames(exc.__traceback__)
+            raise
+
+    def _send(self, index: int) -> None:
+
+        nccl = self.backend == "nccl"  # the stream packing the next bucket does not wait for this one
+        if self.ops == "tensor":
+            manifest = self._plan[index]
+            refs = self._refs.get(index)
+            buffer: Any = None
+            wire = []
+            for op in wire_ops(manifest, self.direct_bytes):
+                ref = refs[op] if refs is not None and isinstance(op, int) else None
+                if ref is not None:
+                    wire.append(ref)
+                    continue
+                if buffer is None:
+                    buffer = self._buffer_of(index)
+                wire.append(buffer[op[0] : op[1]] if isinstance(op, tuple) else _typed(buffer, manifest.entries[op]))
+            work = _broadcast_each(self._group, wire, nccl)
         else:
-            _broadcast(self._group, buffer[: manifest.nbytes])
+            manifest, buffer = self._sending(index)
+            work = _broadcast(self._group, buffer[: manifest.nbytes], wait=not nccl)
+        if nccl:
+            self._works[index] = work
 
     def _sending(self, index: int) -> tuple[BucketManifest, torch.Tensor]:
         """Bucket `index`'s manifest and the buffer it was packed into, once the group formed."""
+        return self._plan[index], self._buffer_of(index)
+
+    def _buffer_of(self, index: int) -> torch.Tensor:
         if self._group is None:
             raise RuntimeError(f"{type(self).__name__}: send() before the group formed (join)")
         buffer = self._own.get(index)
         if buffer is None:
             buffer = self._buffers[self._slot_of(index)]
-        return self._plan[index], buffer
+        return buffer
 
     def _slot_of(self, index: int) -> int:
         try:
@@ -275,26 +416,29 @@ class BroadcastTransport(Transport):
         if not self._sender:
             return
         work = self._works.pop(index, None)
-        if work is not None:  # what is packed into this buffer next is ordered after its broadcast
+        if work is not None:  # what is written into its buffer or tensors next is ordered after its broadcast
             work.wait()
-        if self._own.pop(index, None) is None:
+        self._refs.pop(index, None)
+        if self._own.pop(index, None) is None and index in self._busy:  # (ops="tensor": maybe no buffer)
             self._busy[self._slot_of(index)] = None
 
     def abandon(self, index: int) -> None:
         """A send still in flight keeps its tensor alive; this rank never writes into it again."""
-        self._works.pop(index, None)  # the Work keeps its tensor alive until the broadcast ends
-        if not self._sender or self._own.pop(index, None) is not None:
+        self._works.pop(index, None)  # the Work keeps its tensors alive until the broadcast ends
+        self._refs.pop(index, None)
+        if not self._sender or self._own.pop(index, None) is not None or index not in self._busy:
             return
         slot = self._slot_of(index)
         self._buffers[slot] = self._empty(self._slot_bytes)
         self._busy[slot] = None
 
     def disconnect(self) -> None:
+        self._broken = None
         close_group(self._group, self.backend)
         self._group = None  # dropping the group closes its connections: peers blocked on it fail
         self._store = None
         self._buffers, self._busy, self._own, self._info, self._plan = [], [], {}, {}, {}
-        self._works = {}
+        self._works, self._refs = {}, {}
 
 
 class BroadcastReceiver(Receiver):
@@ -323,43 +467,98 @@ class BroadcastReceiver(Receiver):
             raise EngineError("rendezvous", f"group {f.get('group')} did not form: {exc}") from exc
         self._store = store
         self._backend = str(f.get("backend"))
+        self._ops = str(f.get("ops", "bucket"))
+        self._direct_bytes = int(f.get("direct_bytes", DIRECT_BYTES))
+        self._broken: str | None = None  # the read that failed
         self._device = torch.device("cuda", torch.cuda.current_device()) if nccl else None
         # NCCL: two buffers, and the engine copies out of one on a side stream (`copy_stream`) while
         # the next bucket arrives in the other; a buffer is received into again only once its
         # copy-out is done (`consumed` records it). gloo: one host buffer, copied out in place.
+        # Each is allocated when a bucket first needs it (ops="tensor" into a single-rank engine: never).
         slots = 2 if nccl else 1
-        self._buffers = [
-            torch.empty(int(f.get("slot_bytes", 0)), dtype=torch.uint8, device=self._device) for _ in range(slots)
-        ]
+        self._slot_bytes = int(f.get("slot_bytes", 0))
+        self._buffers: list[torch.Tensor | None] = [None] * slots
         self._copied: list[Any] = [None] * slots
         self._slot: dict[int, int] = {}  # bucket index -> the buffer it was received into
         self._next = 0
         self._views: dict[tuple[int, int], tuple[BucketManifest, list[tuple[str, torch.Tensor]]]] = {}
         self.copy_stream = torch.cuda.Stream(self._device) if nccl else None
 
+    @property
+    def writes_into(self) -> bool:
+        return self._ops == "tensor"
+
     def read(self, payload: Payload) -> list[tuple[str, torch.Tensor]]:
+        return self.read_into(payload, {})
+
+    def read_into(self, payload: Payload, into: Mapping[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+        """Receive the bucket; with ops="tensor", each tensor named in `into` straight into that
+        tensor (the engine's parameter), the others into the buffer at their offsets."""
         import torch
 
-        n = payload.manifest.nbytes
+        manifest = payload.manifest
+        entries = manifest.entries
+        ops = wire_ops(manifest, self._direct_bytes) if self._ops == "tensor" else None
+        direct = {i for i in ops if isinstance(i, int) and entries[i].meta.name in into} if ops else set()
         slot = self._next
         self._next = (self._next + 1) % len(self._buffers)
-        buffer = self._buffers[slot]
-        if n > buffer.numel():
-            buffer = torch.empty(n, dtype=torch.uint8, device=self._device)
-        elif self._copied[slot] is not None:  # its last bucket's copy-out has read it
-            torch.cuda.current_stream(self._device).wait_event(self._copied[slot])
-            self._copied[slot] = None
-        _broadcast(self._group, buffer[:n])
+        if self._broken is not None:  # a member's place in the stream is unknown: never receive again
+            raise RuntimeError(f"bucket {manifest.index} not read: the group broke at {self._broken}")
+        buffer = None if len(direct) == len(entries) else self._buffer(slot, manifest.nbytes)
+        views = None if buffer is None else self._unpacked(buffer, slot, manifest)
+        try:
+            if ops is not None:
+                wire = [
+                    buffer[op[0] : op[1]]  # type: ignore[index]
+                    if isinstance(op, tuple)
+                    else (into[entries[op].meta.name] if op in direct else views[op][1])  # type: ignore[index]
+                    for op in ops
+                ]
+                work = _broadcast_each(self._group, wire, self._backend == "nccl")
+                if work is not None:
+                    work.wait()  # the current stream waits for the bytes
+            else:
+                assert buffer is not None
+                _broadcast(self._group, buffer[: manifest.nbytes])
+        except BaseException as exc:
+            self._broken = f"bucket {manifest.index} ({type(exc).__name__}: {exc})"
+            raise
         if self.copy_stream is not None:
             self.copy_stream.wait_stream(torch.cuda.current_stream(self._device))  # the bytes are in
-            self._slot[payload.manifest.index] = slot
-        if buffer is not self._buffers[slot]:  # an oversized bucket's own buffer
-            return unpack(buffer, payload.manifest)
-        key = (slot, payload.manifest.index)  # the views into a kept buffer are kept (same manifest)
+            self._slot[manifest.index] = slot
+        if views is None:
+            return [(e.meta.name, into[e.meta.name]) for e in entries]
+        if not direct:
+            return list(views)
+        return [(name, into[name]) if i in direct else (name, view) for i, (name, view) in enumerate(views)]
+
+    def _unpacked(self, buffer: torch.Tensor, slot: int, manifest: BucketManifest) -> list[tuple[str, torch.Tensor]]:
+        """The bucket's tensors as views into `buffer`; those into a kept buffer are kept (same manifest)."""
+        if buffer is not self._buffers[slot]:
+            return unpack(buffer, manifest)
+        key = (slot, manifest.index)
         kept = self._views.get(key)
-        if kept is None or kept[0] != payload.manifest:
-            kept = self._views[key] = (payload.manifest, unpack(buffer, payload.manifest))
-        return list(kept[1])
+        if kept is None or kept[0] != manifest:
+            kept = self._views[key] = (manifest, unpack(buffer, manifest))
+        return kept[1]
+
+    def _buffer(self, slot: int, nbytes: int) -> torch.Tensor:
+        """Buffer `slot` (allocated on first need), free once its last bucket's copy-out read it; or
+        an oversized bucket's own, kept alive for the copy-out on the side stream."""
+        import torch
+
+        if nbytes > self._slot_bytes:
+            own = torch.empty(nbytes, dtype=torch.uint8, device=self._device)
+            if self.copy_stream is not None:
+                own.record_stream(self.copy_stream)  # freed only after the copies queued there ran
+            return own
+        buffer = self._buffers[slot]
+        if buffer is None:
+            buffer = self._buffers[slot] = torch.empty(self._slot_bytes, dtype=torch.uint8, device=self._device)
+        elif self._copied[slot] is not None:
+            torch.cuda.current_stream(self._device).wait_event(self._copied[slot])
+            self._copied[slot] = None
+        return buffer
 
     def consumed(self, payload: Payload) -> None:
         import torch

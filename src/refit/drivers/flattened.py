@@ -537,7 +537,7 @@ class SGLangBroadcastTransport(BroadcastTransport):
         flattened: bool = True,
         group_name: str = DEFAULT_GROUP,
     ) -> None:
-        super().__init__(slots, backend=backend, host=host, checksums=False)
+        super().__init__(slots, backend=backend, host=host, checksums=False, ops="bucket")
         self.flattened = flattened
         self.group_name = group_name
 
@@ -573,9 +573,7 @@ class SGLangBroadcastTransport(BroadcastTransport):
         fields = {"load_format": FLATTENED_BUCKET if self.flattened else None, "group_name": self.group_name}
         return {e.name: Payload(self.kind, manifest, fields, parts=({},) * e.tp) for e in topology.engines}
 
-    def send(self, index: int) -> None:
-        if not self._sender:
-            return
+    def _send(self, index: int) -> None:
         manifest, buffer = self._sending(index)
         if self.flattened:
             _broadcast(self._group, buffer[: manifest.nbytes])

@@ -269,6 +269,7 @@ class EngineCore:
         self.copies_landed_at: float | None = None  # CLOCK_MONOTONIC when the last finalize saw its copies land
         self.copy_span_s: float | None = None  # GPU time from the session's first queued copy to its last one's end
         self._copy_events: list[Any] = []
+        self.direct_tensors = 0  # tensors a receiver wrote straight into the weights (no copy-out), so far
         self.sessions = 0  # update sessions opened so far; each begin that succeeds opens the next
         self.audit: list[dict[str, Any]] = []  # what the engine itself did, for engine-side invariants
         if not serving:
@@ -485,6 +486,37 @@ class EngineCore:
             )
         self.session.loaded.add(manifest.index)
 
+    def direct_targets(self, manifest: BucketManifest) -> dict[str, torch.Tensor]:
+        """Where a receiver may write this bucket's tensors itself (`Receiver.read_into`), with no
+        copy-out: on a single-rank engine, each untied tensor whose place is its whole, contiguous
+        block of a parameter, of the entry's shape and dtype. Call after `check_load`. The weights
+        are marked dirty first (they are written outside `load`: a failed read leaves them no
+        version's)."""
+        if self.comm.size != 1 or self.weights_released or self.session is None:
+            return {}
+        out = {}
+        for entry in manifest.entries:
+            meta = entry.meta
+            place = self.layout.targets.get(meta.name)
+            if place is None or meta.name in self.layout.tied or place[2] != 0:
+                continue
+            block = self._dst_view(meta.name)
+            if block.is_contiguous() and tuple(block.shape) == meta.shape and dtype_name(block.dtype) == meta.dtype:
+                out[meta.name] = block
+        if out:
+            self.weights_epoch += 1
+            self.dirty = True
+        return out
+
+    def _dst_view(self, name: str) -> torch.Tensor:
+        """This rank's block of `name` in its parameter, kept while the parameter is the same object."""
+        target, dim, _src, dst, n = self.layout.targets[name]
+        param = self.params[target]
+        kept = self._dst_views.get(name)
+        if kept is None or kept[0] is not param:
+            kept = self._dst_views[name] = (param, param.narrow(dim, dst, n))
+        return kept[1]
+
     def _write_all(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
         """Keep this rank's shard of each tensor: one batched copy (`torch._foreach_copy_`) for the
         bucket, queued on the current stream without a host sync when on a GPU. The destination
@@ -492,12 +524,12 @@ class EngineCore:
         microseconds each on a GPU: a bucket of many small tensors is bound by them)."""
         dsts, srcs = [], []
         for name, tensor in tensors:
-            target, dim, src, dst, n = self.layout.targets[name]
-            param = self.params[target]
-            kept = self._dst_views.get(name)
-            if kept is None or kept[0] is not param:
-                kept = self._dst_views[name] = (param, param.narrow(dim, dst, n))
-            dsts.append(kept[1])
+            _target, dim, src, _dst, n = self.layout.targets[name]
+            block = self._dst_view(name)
+            if tensor is block:  # the receiver wrote it in place (direct_targets)
+                self.direct_tensors += 1
+                continue
+            dsts.append(block)
             srcs.append(tensor if src == 0 and n == tensor.shape[dim] else tensor.narrow(dim, src, n))
         if dsts:
             torch._foreach_copy_(dsts, srcs)
@@ -846,6 +878,7 @@ class EngineCore:
             "device": str(self.device),
             "copies_landed_at": self.copies_landed_at,
             "copy_span_s": self.copy_span_s,
+            "direct_tensors": self.direct_tensors,
             "gpu_allocated_bytes": torch.cuda.memory_allocated(self.device) if cuda else None,
             "gpu_peak_bytes": torch.cuda.max_memory_allocated(self.device) if cuda else None,
         }

@@ -374,7 +374,10 @@ class EngineServer:
                 receiver.close()
 
     def _load(self, payload: Payload) -> None:
-        """Every TP rank reads its own part and checks it; they vote; all apply or none does."""
+        """Every TP rank reads its own part and checks it; they vote; all apply or none does. A
+        single-rank engine whose receiver writes straight into the weights (`direct_targets`,
+        `Receiver.read_into`) has applied part of a bucket before any check: a failure then is
+        `partial_load`, never one of no effect."""
         receiver = self.receivers.get(payload.kind)
         if receiver is None:
             raise EngineError("not_attached", f"no {payload.kind!r} transport attached; attach before load")
@@ -384,8 +387,11 @@ class EngineServer:
         tensors: list[tuple[str, Any]] = []
         comm = self.core.comm
         fused = comm.size == 1  # one rank: verify while copying (TP ranks vote first, then apply)
+        into: dict[str, Any] = {}  # tensors the receiver writes straight into the weights
         try:
-            tensors = receiver.read(payload)
+            direct = fused and receiver.writes_into and receiver.expected(payload) is None
+            into = self.core.direct_targets(payload.manifest) if direct and not self._corrupt_next_load else {}
+            tensors = receiver.read_into(payload, into) if into else receiver.read(payload)
             if self._corrupt_next_load:
                 self._corrupt_next_load = False
                 tensors = _damaged(tensors)
@@ -398,11 +404,19 @@ class EngineServer:
         if bad:
             self.core.break_session(f"bucket {index} could not be read on TP rank {bad[0][0]}")
             rank, text = bad[0]
+            if into:  # not "no effect": some of it may already be in the weights
+                raise EngineError("partial_load", f"bucket {index}: {text} (it was read straight into the weights)")
             raise EngineError("bad_payload", f"bucket {index} (TP rank {rank}): {text}")
         stream = receiver.copy_stream
         try:
             with torch_stream(stream):
                 self.core.load(payload.manifest, tensors, expected=receiver.expected(payload) if fused else None)
+        except EngineError as exc:
+            if into and exc.no_effect:  # refused after the receiver already wrote part of it into the weights
+                raise EngineError(
+                    "partial_load", f"{exc.message} (bucket {index} was read straight into the weights)"
+                ) from exc
+            raise
         finally:
             receiver.consumed(payload)  # the copies from its buffer are queued: the transport's side may order on them
         comm.gather_objects(None)  # the ack leaves only once every rank has copied its shard

@@ -1,0 +1,94 @@
+"""The broadcast transport's per-tensor wire layout (`BroadcastTransport(ops="tensor")`, NCCL's
+default, here on gloo): each tensor is broadcast from where it lies in the trainer and received
+straight into a single-rank engine's parameter (no pack, no copy-out); a TP engine in the same
+group receives the same broadcasts into its buffer and copies its shards out. A bucket that fails
+after part of it was written straight into the weights is never taken as one of no effect."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from refit import protocol
+from refit.drivers.broadcast import BroadcastTransport
+from refit.drivers.reference import ReferenceEngine
+from refit.drivers.torch_source import TorchSource
+from refit.errors import EngineError
+from refit.reference.model import ModelConfig, TinyLlama
+
+from .conftest import CONFIG, SMALL_BUCKET, perturbed
+
+
+def _exact(engine: ReferenceEngine, model: TinyLlama) -> bool:
+    state = engine.state_dict()
+    return all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("direct_bytes", [0, 16 << 10])
+def test_tensor_ops_write_straight_into_a_single_rank_engine_and_through_the_buffer_for_a_tp_engine(
+    direct_bytes: int,
+) -> None:
+    """direct_bytes=0: every tensor is its own broadcast; 16 KiB: the default model's smaller
+    tensors (norms, the 8 KiB projections) go packed in runs between the larger ones."""
+    model = perturbed(TinyLlama(CONFIG, seed=0), seed=1)
+    one = ReferenceEngine.spawn("direct-1", CONFIG, seed=0)
+    two = ReferenceEngine.spawn("direct-2", CONFIG, seed=0, tp=2)
+    transport = BroadcastTransport(ops="tensor", checksums=False, direct_bytes=direct_bytes)
+    ctx = protocol.RefitContext(
+        TorchSource(model), transport, [one, two], mode="disaggregated", bucket_bytes=SMALL_BUCKET, deadline_s=60
+    )
+    state = model.state_dict()
+    direct = sum(1 for t in state.values() if t.numel() * t.element_size() >= direct_bytes)
+    assert 0 < direct <= len(state) and (direct < len(state)) == (direct_bytes > 0)
+    try:
+        for refit, seed in enumerate((2, 3), start=1):
+            result = protocol.run(ctx)
+            assert result.ok, result.error
+            assert result.buckets > 1
+            assert _exact(one, model) and _exact(two, model), f"refit {refit} is not bit-exact"
+            assert one.info()["direct_tensors"] == refit * direct  # straight into their parameters
+            assert two.info()["direct_tensors"] == 0  # TP shards: received into the buffer, copied out
+            assert [one.info()["version"], two.info()["version"]] == [refit, refit]
+            perturbed(model, seed=seed)
+    finally:
+        ctx.close()
+        one.close()
+        two.close()
+
+
+def test_a_bucket_refused_after_it_was_written_straight_into_the_weights_is_never_served() -> None:
+    """A tied-head engine (tie_word_embeddings) refuses a trainer whose head is its own, at the
+    bucket holding the head, after the embedding of that bucket was written into the parameter.
+    With the buffer layout that refusal changes nothing and the engine keeps serving its version;
+    read straight into the weights it is `partial_load`: the engine is quarantined, never served."""
+    tied = ModelConfig(tie_word_embeddings=True)
+    outcomes = {}
+    for ops in ("bucket", "tensor"):
+        engine = ReferenceEngine.spawn(f"tied-{ops}", tied, seed=0)
+        old = engine.state_dict()
+        model = perturbed(TinyLlama(CONFIG, seed=0), seed=4)  # its lm_head is not its embedding
+        ctx = protocol.RefitContext(
+            TorchSource(model), BroadcastTransport(ops=ops, checksums=False, direct_bytes=0), [engine],
+            mode="disaggregated",
+            bucket_bytes=1 << 30, deadline_s=60, retries=0,
+        )  # fmt: skip
+        try:
+            result = protocol.run(ctx)
+            assert not result.ok
+            outcomes[ops] = result.engines[engine.name].status
+            info = engine.info()
+            embed = engine.state_dict()["model.embed_tokens.weight"]
+            if ops == "tensor":
+                assert "partial_load" in str(result.error) or "partial_load" in str(result.engines[engine.name].error)
+                assert torch.equal(embed, model.state_dict()["model.embed_tokens.weight"])  # it did land
+                assert info["quarantined"] and info["dirty"]
+                with pytest.raises(EngineError):
+                    engine.generate([1, 2, 3], 2)
+            else:
+                assert all(torch.equal(engine.state_dict()[k], v) for k, v in old.items())  # nothing landed
+                assert not info["quarantined"] and not info["paused"] and info["version"] == 0
+                engine.generate([1, 2, 3], 2)
+        finally:
+            ctx.close()
+            engine.close()
+    assert outcomes == {"bucket": "unchanged", "tensor": "quarantined"}, outcomes
