@@ -180,7 +180,7 @@ class BroadcastTransport(Transport):
 
     def __init__(
         self,
-        slots: int = 2,
+        slots: int | None = None,
         *,
         backend: str = "gloo",
         host: str | None = None,
@@ -197,14 +197,19 @@ class BroadcastTransport(Transport):
         on the buffers' device (else packed first) and received straight into an engine's
         parameter where it takes it (`Receiver.read_into`): no pack and no copy-out; each run of
         smaller tensors between them is packed and goes as one broadcast (many small collectives
-        cost more than the copies). Default: tensor for nccl, bucket for gloo."""
+        cost more than the copies). Default: tensor for nccl, bucket for gloo.
+        `slots`: send buffers of a bucket each on the trainer, and so the buckets in flight.
+        Default 3 for ops="tensor" over nccl (a third bucket in flight keeps the link busy while
+        the host issues hundreds of broadcasts: 7B-shaped on two H200s, 44.0 -> 42.1 ms), else 2."""
+        ops = ops or ("tensor" if backend == "nccl" else "bucket")
+        if slots is None:
+            slots = 3 if (ops, backend) == ("tensor", "nccl") else 2
         if not isinstance(slots, int) or slots < 1:
             raise ValueError(f"slots must be an integer >= 1, got {slots!r}")
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend {backend!r}: use gloo or nccl")
         if backend == "nccl" and checksums:
             raise ValueError("checksums are computed on the host: an NCCL broadcast (GPU buffers) has none")
-        ops = ops or ("tensor" if backend == "nccl" else "bucket")
         if ops not in ("bucket", "tensor"):
             raise ValueError(f"ops {ops!r}: use bucket or tensor")
         if not isinstance(direct_bytes, int) or direct_bytes < 0:
@@ -222,6 +227,7 @@ class BroadcastTransport(Transport):
         self._works: dict[int, Any] = {}  # NCCL: bucket -> its broadcast, waited on before the buffer is reused
         self._refs: dict[int, list[Any]] = {}  # ops="tensor": bucket -> per entry, the tensor sent as it lies (or None)
         self._broken: str | None = None  # the send that failed: the group is not used again
+        self._pack_views: dict[tuple[Any, ...], torch.Tensor] = {}  # typed views into the send buffers
         self._info: dict[str, Any] = {}
         self._buffers: list[torch.Tensor] = []
         self._busy: list[int | None] = []
@@ -297,8 +303,9 @@ class BroadcastTransport(Transport):
         try:
             if self.ops == "tensor":  # a buffer only if some tensor must be packed
                 packed = pack_into(
-                    lambda: self._buffer_for(manifest), manifest, tensors, hash_bytes=self.checksums, refer=self._refer
-                )
+                    lambda: self._buffer_for(manifest), manifest, tensors, hash_bytes=self.checksums, refer=self._refer,
+                    views=None if manifest.oversized else self._pack_views,  # (an oversized bucket's buffer is its own)
+                )  # fmt: skip
                 if packed.refs is not None:
                     self._refs[index] = packed.refs
             else:
@@ -430,6 +437,7 @@ class BroadcastTransport(Transport):
             return
         slot = self._slot_of(index)
         self._buffers[slot] = self._empty(self._slot_bytes)
+        self._pack_views = {}  # they hold the buffer given up
         self._busy[slot] = None
 
     def disconnect(self) -> None:
@@ -438,7 +446,7 @@ class BroadcastTransport(Transport):
         self._group = None  # dropping the group closes its connections: peers blocked on it fail
         self._store = None
         self._buffers, self._busy, self._own, self._info, self._plan = [], [], {}, {}, {}
-        self._works, self._refs = {}, {}
+        self._works, self._refs, self._pack_views = {}, {}, {}
 
 
 class BroadcastReceiver(Receiver):
