@@ -14,12 +14,17 @@ Lifecycle:
                  in, or fails for all after the rendezvous timeout (a receiver then raises
                  EngineError("rendezvous") unless the fault is its own).
   TRANSFERRING   every rank `pack`s bucket k (rank 0 into a free send buffer, hashing as it
-                 copies; the others make the same gathers and keep nothing). Then rank 0's
-                 `send(k)` broadcasts while every engine's load receives (the runner starts both
-                 together); bucket k+1 is packed into the other buffer meanwhile. A buffer is
-                 released after the send finished and every engine acked. A member that fails
-                 breaks the group for all: the runner stops streaming, tears the group down and
-                 rebuilds it without that member before retrying.
+                 copies; with ops="tensor" a large plain tensor is only kept, not copied; the
+                 others make the same gathers and keep nothing). Then rank 0's `send(k)`
+                 broadcasts (ops="bucket": the buffer; ops="tensor": `wire_ops`, one broadcast per
+                 large tensor and per run of small ones, an NCCL group) while every engine's load
+                 receives (the runner starts both together; a single-rank engine takes the large
+                 tensors straight into its parameters, `read_into`); bucket k+1 is packed into
+                 another buffer meanwhile. A buffer is released after the send finished and every
+                 engine acked. A send that fails tears the group down at once and refuses later
+                 sends; a member that fails breaks the group for all: the runner stops
+                 streaming, tears the group down and rebuilds it without that member before
+                 retrying.
   disconnect     the group and the store are dropped (a receiver blocked on a dead group sees its
                  peers go and fails; an NCCL communicator is aborted, never left to the garbage
                  collector); buffers freed. Idempotent.
@@ -377,7 +382,6 @@ class BroadcastTransport(Transport):
             raise
 
     def _send(self, index: int) -> None:
-
         nccl = self.backend == "nccl"  # the stream packing the next bucket does not wait for this one
         if self.ops == "tensor":
             manifest = self._plan[index]
