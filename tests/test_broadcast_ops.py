@@ -92,3 +92,19 @@ def test_a_bucket_refused_after_it_was_written_straight_into_the_weights_is_neve
             ctx.close()
             engine.close()
     assert outcomes == {"bucket": "unchanged", "tensor": "quarantined"}, outcomes
+
+
+def test_settings_default_per_backend_and_bad_ones_are_refused_naming_them() -> None:
+    nccl, gloo = BroadcastTransport(backend="nccl"), BroadcastTransport()
+    assert (nccl.ops, nccl.slots, nccl.direct_bytes, nccl.checksums) == ("tensor", 3, 16 << 20, False)
+    assert (gloo.ops, gloo.slots, gloo.checksums) == ("bucket", 2, True)
+    assert BroadcastTransport(ops="tensor").slots == 2
+    for kwargs, match in (
+        ({"ops": "x"}, "ops 'x'"),
+        ({"direct_bytes": -1}, "direct_bytes must be an integer >= 0, got -1"),
+        ({"direct_bytes": 16.0}, "direct_bytes"),
+        ({"slots": True}, "slots must be an integer >= 1, got True"),
+        ({"slots": 0}, "slots must be an integer >= 1, got 0"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            BroadcastTransport(**kwargs)  # type: ignore[arg-type]

@@ -487,8 +487,9 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     )
     bench_p.add_argument("--mode", choices=("colocated", "disaggregated"), default="disaggregated")
     bench_p.add_argument(
-        "--bucket-mb", type=_count(1), default=None, help="bucket size in MiB (transport: default 64, gpu: 512)"
-    )
+        "--bucket-mb", type=_count(1), default=None,
+        help="bucket size in MiB (transport: default 64, gpu and broadcast: 512)",
+    )  # fmt: skip
     bench_p.add_argument("--shapes", default="7b,1.5b", help="gpu, broadcast: model shapes (default 7b,1.5b)")
     bench_p.add_argument("--no-checksums", action="store_true", help="transport: turn corruption detection off")
     bench_p.add_argument("--small", action="store_true", help="transport: a few-MB state (a quick smoke run)")

@@ -202,14 +202,16 @@ class BroadcastTransport(Transport):
         on the buffers' device (else packed first) and received straight into an engine's
         parameter where it takes it (`Receiver.read_into`): no pack and no copy-out; each run of
         smaller tensors between them is packed and goes as one broadcast (many small collectives
-        cost more than the copies). Default: tensor for nccl, bucket for gloo.
+        cost more than the copies). A bucket with a checksum (gloo's default) is still received
+        through the buffer, to be verified before it is applied: pass `checksums=False` to
+        receive straight in. Default: tensor for nccl, bucket for gloo.
         `slots`: send buffers of a bucket each on the trainer, and so the buckets in flight.
         Default 3 for ops="tensor" over nccl (a third bucket in flight keeps the link busy while
         the host issues hundreds of broadcasts: 7B-shaped on two H200s, 44.0 -> 42.1 ms), else 2."""
         ops = ops or ("tensor" if backend == "nccl" else "bucket")
         if slots is None:
             slots = 3 if (ops, backend) == ("tensor", "nccl") else 2
-        if not isinstance(slots, int) or slots < 1:
+        if not isinstance(slots, int) or isinstance(slots, bool) or slots < 1:
             raise ValueError(f"slots must be an integer >= 1, got {slots!r}")
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend {backend!r}: use gloo or nccl")
@@ -217,7 +219,7 @@ class BroadcastTransport(Transport):
             raise ValueError("checksums are computed on the host: an NCCL broadcast (GPU buffers) has none")
         if ops not in ("bucket", "tensor"):
             raise ValueError(f"ops {ops!r}: use bucket or tensor")
-        if not isinstance(direct_bytes, int) or direct_bytes < 0:
+        if not isinstance(direct_bytes, int) or isinstance(direct_bytes, bool) or direct_bytes < 0:
             raise ValueError(f"direct_bytes must be an integer >= 0, got {direct_bytes!r}")
         self.slots = slots
         self.backend = backend
