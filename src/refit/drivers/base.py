@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
@@ -259,6 +259,10 @@ class Transport(ABC):
     collective: ClassVar[bool] = False
     shares_storages: ClassVar[bool] = False
     slots: int = 2
+    # set by the rank when it starts streaming a run: `Source.resident` (the tensors `pack` gets are
+    # the trainer's own, valid and unchanged until the run ends); any other source may reuse or
+    # free a tensor's memory once the next one is taken, so a transport must copy it in `pack`
+    resident_source: bool = False
     temp_bytes: int = 0  # the largest temporary (gather, cast) the last `pack` needed
 
     def plan(self, metas: Sequence[TensorMeta], bucket_bytes: int) -> list[BucketManifest]:
@@ -354,12 +358,15 @@ class Receiver(ABC):
     @abstractmethod
     def read(self, payload: Payload) -> list[tuple[str, torch.Tensor]]: ...
 
-    writes_into = False  # read_into() may receive tensors straight into the engine's memory
+    def writes_into(self, payload: Payload) -> Collection[str]:
+        """The tensors of this bucket the receiver can receive straight into the engine's memory
+        (`read_into`) when the engine offers a place for them; none by default."""
+        return ()
 
     def read_into(self, payload: Payload, into: Mapping[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
-        """`read`, where the receiver may write each tensor named in `into` straight into that
-        tensor (the engine's own, whole and of the entry's shape and dtype) and return it for that
-        name: no copy-out. Only called when `writes_into`."""
+        """`read`, where the receiver writes each tensor named in `into` (a subset of
+        `writes_into(payload)`) straight into that tensor (the engine's own, whole and of the
+        entry's shape and dtype) and returns it for that name: no copy-out."""
         return self.read(payload)
 
     def expected(self, payload: Payload) -> int | None:

@@ -325,12 +325,13 @@ class BroadcastTransport(Transport):
         return {} if packed.checksum is None else {"xxh3": packed.checksum}
 
     def _refer(self, meta: TensorMeta, tensor: Any) -> Any:
-        """The tensor itself, when it can be sent as it lies (ops="tensor"): a plain contiguous
-        tensor of the entry's dtype on the buffers' device. Kept until its broadcast is released."""
+        """The tensor itself, when it can be sent as it lies (ops="tensor"): the trainer's own
+        (a resident source), a plain contiguous tensor of the entry's dtype on the buffers'
+        device. Kept until its broadcast is released."""
         import torch
 
-        if meta.nbytes < self.direct_bytes:
-            return None  # packed with its neighbours
+        if meta.nbytes < self.direct_bytes or not self.resident_source:
+            return None  # packed with its neighbours, or the source may reuse its memory once the next is taken
         device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
         plain = hasattr(tensor, "is_contiguous") and not hasattr(tensor, "placements")
         if not plain or tensor.device != device or dtype_name(tensor.dtype) != meta.dtype or not tensor.is_contiguous():
@@ -498,9 +499,11 @@ class BroadcastReceiver(Receiver):
         self._views: dict[tuple[int, int], tuple[BucketManifest, list[tuple[str, torch.Tensor]]]] = {}
         self.copy_stream = torch.cuda.Stream(self._device) if nccl else None
 
-    @property
-    def writes_into(self) -> bool:
-        return self._ops == "tensor"
+    def writes_into(self, payload: Payload) -> list[str]:
+        if self._ops != "tensor":
+            return []
+        entries = payload.manifest.entries
+        return [entries[op].meta.name for op in wire_ops(payload.manifest, self._direct_bytes) if isinstance(op, int)]
 
     def read(self, payload: Payload) -> list[tuple[str, torch.Tensor]]:
         return self.read_into(payload, {})

@@ -191,6 +191,7 @@ class Participant:
 
     def _open_stream(self, attempt: int) -> None:
         self._close_stream()
+        self.transport.resident_source = self.source.resident  # (once per run attempt: it may cost)
         self._stream = iter(self.source.iter_buckets(self.plan))
         self._stream_key = (attempt,)
         self._next = 0

@@ -32,7 +32,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -486,19 +486,20 @@ class EngineCore:
             )
         self.session.loaded.add(manifest.index)
 
-    def direct_targets(self, manifest: BucketManifest) -> dict[str, torch.Tensor]:
-        """Where a receiver may write this bucket's tensors itself (`Receiver.read_into`), with no
-        copy-out: on a single-rank engine, each untied tensor whose place is its whole, contiguous
-        block of a parameter, of the entry's shape and dtype. Call after `check_load`. The weights
-        are marked dirty first (they are written outside `load`: a failed read leaves them no
-        version's)."""
-        if self.comm.size != 1 or self.weights_released or self.session is None:
+    def direct_targets(self, manifest: BucketManifest, names: Collection[str]) -> dict[str, torch.Tensor]:
+        """Where a receiver may write this bucket's tensors `names` (those it can, `writes_into`)
+        itself (`Receiver.read_into`), with no copy-out: on a single-rank engine, each untied one
+        whose place is its whole, contiguous block of a parameter, of the entry's shape and dtype.
+        Call after `check_load`. When any is offered the weights are marked dirty first (they are
+        written outside `load`: a failed read leaves them no version's)."""
+        if not names or self.comm.size != 1 or self.weights_released or self.session is None:
             return {}
+        wanted = set(names)
         out = {}
         for entry in manifest.entries:
             meta = entry.meta
             place = self.layout.targets.get(meta.name)
-            if place is None or meta.name in self.layout.tied or place[2] != 0:
+            if meta.name not in wanted or place is None or meta.name in self.layout.tied or place[2] != 0:
                 continue
             block = self._dst_view(meta.name)
             if block.is_contiguous() and tuple(block.shape) == meta.shape and dtype_name(block.dtype) == meta.dtype:

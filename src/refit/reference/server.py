@@ -389,8 +389,8 @@ class EngineServer:
         fused = comm.size == 1  # one rank: verify while copying (TP ranks vote first, then apply)
         into: dict[str, Any] = {}  # tensors the receiver writes straight into the weights
         try:
-            direct = fused and receiver.writes_into and receiver.expected(payload) is None
-            into = self.core.direct_targets(payload.manifest) if direct and not self._corrupt_next_load else {}
+            if fused and receiver.expected(payload) is None and not self._corrupt_next_load:
+                into = self.core.direct_targets(payload.manifest, receiver.writes_into(payload))
             tensors = receiver.read_into(payload, into) if into else receiver.read(payload)
             if self._corrupt_next_load:
                 self._corrupt_next_load = False
