@@ -4,6 +4,7 @@ situation of an upstream issue against refit and asserts what refit does instead
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable
 
@@ -19,7 +20,7 @@ from refit.drivers.torch_source import TorchSource
 from refit.errors import EngineError
 from refit.reference.model import TinyLlama, greedy, prompt_logits
 
-from .conftest import CONFIG, matches, perturbed
+from .conftest import CONFIG, SMALL_BUCKET, matches, perturbed
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
 
@@ -223,6 +224,46 @@ def test_nemo_rl_3929_a_hung_pause_is_bounded_by_the_deadline(trainer, refit_ctx
     finally:
         for e in engines:
             e.close()
+
+
+def test_a_trainer_step_that_never_returns_ends_the_run_inside_deadline_and_grace() -> None:
+    """A hung trainer rank (its source blocks in bucket 2). The run returns its failed result
+    inside deadline + grace (it overran by about 1 s and raised InvariantViolation(deadline)
+    before: slack and floors were still waited on a rank that had stopped answering), the lock is
+    released and the engine, holding part of the new weights, is quarantined."""
+    release = threading.Event()
+    model = perturbed(TinyLlama(CONFIG, seed=0), seed=3)
+
+    class Stuck(TorchSource):
+        def iter_buckets(self, plan):  # type: ignore[no-untyped-def]
+            for i, bucket in enumerate(super().iter_buckets(plan)):
+                if i == 2:
+                    release.wait(30)
+                yield bucket
+
+    engine = ReferenceEngine.in_thread("stuck", CONFIG, seed=0)
+    ctx = protocol.RefitContext(
+        Stuck(model), SharedMemoryTransport(), [engine], bucket_bytes=SMALL_BUCKET, deadline_s=2.0, cleanup_grace_s=1.0
+    )
+    try:
+        t0 = time.monotonic()
+        result = protocol.run(ctx)  # no InvariantViolation
+        took = time.monotonic() - t0
+        assert took <= 2.0 + 1.0 + 0.3, took
+        assert not result.ok and result.state == "FAILED" and result.error.call == "pack"
+        assert ctx.lock.holder is None
+        assert result.engines["stuck"].status == "quarantined" and engine.info()["quarantined"]
+        release.set()  # the rank comes back: its queued teardown then runs and frees the segments
+        ctx.close()
+        assert not invariants.check_trace(ctx.recorder.events)
+        deadline = time.monotonic() + 10
+        while leaked_segments(pid=os.getpid()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert leaked_segments(pid=os.getpid()) == []
+    finally:
+        release.set()
+        ctx.close()
+        engine.close()
 
 
 def test_slime_1487_connect_is_bounded_by_the_deadline(trainer, refit_ctx) -> None:

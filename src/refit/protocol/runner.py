@@ -297,8 +297,10 @@ class _Run:
         """Wait for a trainer-side step (bounded), record it as one event; (values, error)."""
         exc: BaseException | None = None
         values = None
+        # a rank that stopped answering answers nothing late: once one has, no slack past the budget
+        slack = 0.0 if self.ranks_stuck else SLACK_S
         try:
-            values = rc.future.result(timeout=max(rc.started + rc.budget + SLACK_S - time.monotonic(), 0.0))
+            values = rc.future.result(timeout=max(rc.started + rc.budget + slack - time.monotonic(), 0.0))
         except Exception as caught:
             exc = caught
             if isinstance(caught, TimeoutError) and not rc.future.done():  # our wait ran out, not the ranks'
@@ -982,10 +984,13 @@ class _Run:
 
     def end_ranks(self) -> list[Any]:
         """Every rank closes its stream and reports its stats (bookkeeping: not a protocol step)."""
-        budget = CLEANUP_FLOOR_S if self.ranks_stuck else min(self._budget(True, cap=False), LOCK_TIMEOUT_S)
+        if self.ranks_stuck:  # a rank stopped answering: what is left of the grace, no floor, no slack
+            budget, slack = max(self.cleanup_deadline.remaining(), 0.0), 0.0
+        else:
+            budget, slack = min(self._budget(True, cap=False), LOCK_TIMEOUT_S), SLACK_S
         try:
             return self.ctx.ranks.start(RankStep("end_run", str(self.machine.state)), timeout=budget).result(
-                timeout=budget + SLACK_S
+                timeout=budget + slack
             )
         except Exception:
             return []
