@@ -20,7 +20,7 @@ from refit.drivers.torch_source import TorchSource
 from refit.errors import EngineError
 from refit.reference.model import ModelConfig, TinyLlama
 
-from .conftest import CONFIG, SMALL_BUCKET, perturbed
+from .conftest import CONFIG, SMALL_BUCKET, matches, perturbed
 
 
 class MadeAnewSource(Source):
@@ -55,11 +55,6 @@ class MadeAnewSource(Source):
             yield tensors(manifest)
 
 
-def _exact(engine: ReferenceEngine, model: TinyLlama) -> bool:
-    state = engine.state_dict()
-    return all(torch.equal(state[k], v) for k, v in model.state_dict().items())
-
-
 @pytest.mark.parametrize("direct_bytes", [0, 16 << 10])
 def test_tensor_ops_write_straight_into_a_single_rank_engine_and_through_the_buffer_for_a_tp_engine(
     direct_bytes: int,
@@ -81,7 +76,7 @@ def test_tensor_ops_write_straight_into_a_single_rank_engine_and_through_the_buf
             result = protocol.run(ctx)
             assert result.ok, result.error
             assert result.buckets > 1
-            assert _exact(one, model) and _exact(two, model), f"refit {refit} is not bit-exact"
+            assert matches(one, model) and matches(two, model), f"refit {refit} is not bit-exact"
             assert one.info()["direct_tensors"] == refit * direct  # straight into their parameters
             assert two.info()["direct_tensors"] == 0  # TP shards: received into the buffer, copied out
             assert [one.info()["version"], two.info()["version"]] == [refit, refit]
@@ -110,7 +105,7 @@ def test_a_source_that_reuses_or_frees_what_it_handed_out_is_copied_never_sent_a
         for seed in (6, 7):
             result = protocol.run(ctx)
             assert result.ok, result.error
-            assert _exact(one, model) and _exact(two, model)
+            assert matches(one, model) and matches(two, model)
             perturbed(model, seed=seed)
         assert one.info()["direct_tensors"] == 2 * len(model.state_dict())  # still received straight in
     finally:

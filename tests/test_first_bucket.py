@@ -9,8 +9,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from refit import protocol
 from refit.cli import main
 from refit.drivers.broadcast import BroadcastTransport
@@ -20,7 +18,7 @@ from refit.drivers.torch_source import TorchSource
 from refit.reference.model import TinyLlama
 from refit.replay import replay
 
-from .conftest import CONFIG, SMALL_BUCKET, perturbed
+from .conftest import CONFIG, SMALL_BUCKET, matches, perturbed
 
 
 def _batches(events: list[dict[str, Any]], run: str, engine: str) -> dict[str, int | None]:
@@ -37,11 +35,6 @@ def _run_ids(events: list[dict[str, Any]]) -> list[str]:
     return [e["run"] for e in events if (e.get("kind"), e.get("event")) == ("run", "start")]
 
 
-def _exact(engine: ReferenceEngine, model: TinyLlama) -> bool:
-    state = engine.state_dict()
-    return all(torch.equal(state[k], v) for k, v in model.state_dict().items())
-
-
 def test_bucket_0_rides_the_pause_wave_once_the_engines_are_known(tmp_path: Path) -> None:
     engines = [ReferenceEngine.in_thread(f"r{i}", CONFIG, seed=0) for i in range(2)]
     model = perturbed(TinyLlama(CONFIG, seed=0), seed=1)
@@ -53,7 +46,7 @@ def test_bucket_0_rides_the_pause_wave_once_the_engines_are_known(tmp_path: Path
         results = []
         for seed in (2, 3):
             results.append(protocol.run(ctx))
-            assert results[-1].ok and all(_exact(e, model) for e in engines)
+            assert results[-1].ok and all(matches(e, model) for e in engines)
             perturbed(model, seed=seed)
         ctx.close()
     finally:
@@ -141,7 +134,7 @@ def test_no_ride_after_another_run_took_the_lock_so_a_refusing_probe_moves_nothi
         for e in engines[1:]:
             info = e.info()
             assert not info["quarantined"] and not info["paused"] and not info["dirty"] and info["version"] == 1
-            assert _exact(e, served)
+            assert matches(e, served)
     finally:
         a.close()
         b.close()

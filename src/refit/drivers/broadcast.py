@@ -485,6 +485,7 @@ class BroadcastReceiver(Receiver):
         self._ops = str(f.get("ops", "bucket"))
         self._direct_bytes = int(f.get("direct_bytes", DIRECT_BYTES))
         self._broken: str | None = None  # the read that failed
+        self._last_ops: tuple[Any, list[int | tuple[int, int]]] = (None, [])
         self._device = torch.device("cuda", torch.cuda.current_device()) if nccl else None
         # NCCL: two buffers, and the engine copies out of one on a side stream (`copy_stream`) while
         # the next bucket arrives in the other; a buffer is received into again only once its
@@ -500,10 +501,18 @@ class BroadcastReceiver(Receiver):
         self.copy_stream = torch.cuda.Stream(self._device) if nccl else None
 
     def writes_into(self, payload: Payload) -> list[str]:
-        if self._ops != "tensor":
-            return []
+        ops = self._wire_ops(payload.manifest)
         entries = payload.manifest.entries
-        return [entries[op].meta.name for op in wire_ops(payload.manifest, self._direct_bytes) if isinstance(op, int)]
+        return [entries[op].meta.name for op in ops or () if isinstance(op, int)]
+
+    def _wire_ops(self, manifest: BucketManifest) -> list[int | tuple[int, int]] | None:
+        """ops="tensor": the bucket's broadcasts (`wire_ops`), made once per manifest object (the
+        engine asks `writes_into` and then reads the same payload); None for ops="bucket"."""
+        if self._ops != "tensor":
+            return None
+        if self._last_ops[0] is not manifest:
+            self._last_ops = (manifest, wire_ops(manifest, self._direct_bytes))
+        return self._last_ops[1]
 
     def read(self, payload: Payload) -> list[tuple[str, torch.Tensor]]:
         return self.read_into(payload, {})
@@ -515,7 +524,7 @@ class BroadcastReceiver(Receiver):
 
         manifest = payload.manifest
         entries = manifest.entries
-        ops = wire_ops(manifest, self._direct_bytes) if self._ops == "tensor" else None
+        ops = self._wire_ops(manifest)
         direct = {i for i in ops if isinstance(i, int) and entries[i].meta.name in into} if ops else set()
         slot = self._next
         self._next = (self._next + 1) % len(self._buffers)
@@ -542,7 +551,8 @@ class BroadcastReceiver(Receiver):
             raise
         if self.copy_stream is not None:
             self.copy_stream.wait_stream(torch.cuda.current_stream(self._device))  # the bytes are in
-            self._slot[manifest.index] = slot
+            if buffer is not None and buffer is self._buffers[slot]:  # its copy-out must end before reuse
+                self._slot[manifest.index] = slot
         if views is None:
             return [(e.meta.name, into[e.meta.name]) for e in entries]
         if not direct:
