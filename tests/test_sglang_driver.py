@@ -32,7 +32,13 @@ PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
 def sglang_engines() -> Iterator[Callable[..., list[EmulatedSGLangEngine]]]:
     made: list[EmulatedSGLangEngine] = []
 
-    def make(n: int = 2, **kw: object) -> list[EmulatedSGLangEngine]:
+    def make(n: int = 2, *, front: str = "emulator", **kw: object) -> list[EmulatedSGLangEngine]:
+        """`front`: the HTTP server in front of the emulated scheduler: refit's own (what
+        `refit.testing` ships), or SGLang 0.5.23's own FastAPI app (tests/sglang_app.py)."""
+        if front == "sglang":
+            from .sglang_app import SGLangAppServer
+
+            kw["server"] = SGLangAppServer
         engines = [EmulatedSGLangEngine.start(f"sg{len(made) + i}", config=CONFIG, **kw) for i in range(n)]  # type: ignore[arg-type]
         made.extend(engines)
         return engines
@@ -74,15 +80,23 @@ def serves(engine: SGLangEngine, model: TinyLlama, version: int) -> None:
 
 
 @pytest.mark.parametrize(
-    ("mode", "tp", "flattened"),
-    [("colocated", 1, None), ("colocated", 2, None), ("disaggregated", 2, True), ("disaggregated", 1, False)],
-    ids=["colocated-tp1", "colocated-tp2", "disagg-flattened-tp2", "disagg-per-tensor"],
-)
-def test_full_refits_over_http(trainer, sglang_engines, sglang_ctx, mode, tp, flattened) -> None:
-    engines = sglang_engines(2, tp=tp)
+    ("mode", "tp", "flattened", "front"),
+    [("colocated", 1, None, "emulator"), ("colocated", 2, None, "emulator"), ("disaggregated", 2, True, "emulator"),
+     ("disaggregated", 1, False, "emulator"), ("colocated", 2, None, "sglang"), ("disaggregated", 2, True, "sglang")],
+    ids=["colocated-tp1", "colocated-tp2", "disagg-flattened-tp2", "disagg-per-tensor", "colocated-tp2-sglang-app",
+         "disagg-flattened-tp2-sglang-app"],
+)  # fmt: skip
+def test_full_refits_over_http(trainer, sglang_engines, sglang_ctx, mode, tp, flattened, front) -> None:
+    """Two refits into two engines, weights and logits checked; `front` sglang: behind SGLang's own
+    HTTP server (routes, validation, status codes and auth are SGLang's)."""
+    engines = sglang_engines(2, tp=tp, front=front)
     transport = SGLangTensorTransport() if mode == "colocated" else SGLangBroadcastTransport(flattened=bool(flattened))
     ctx = sglang_ctx(trainer, engines, mode=mode, transport=transport)
     for version in (1, 2):
+        if mode == "colocated":  # the trainer's step ran with the engines' memory released, as in an RL loop
+            for e in engines:
+                e.release_memory(["weights", "kv_cache"], timeout=30)
+            assert engines[0].server.offload_tags == {"weights", "kv_cache", "cuda_graph"}
         result = protocol.run(ctx)
         assert result.ok, result.error
         assert all(r.status == "updated" for r in result.engines.values())
@@ -91,7 +105,11 @@ def test_full_refits_over_http(trainer, sglang_engines, sglang_ctx, mode, tp, fl
         perturbed(trainer, seed=version)
     routes = [r for r, _ in engines[0].server.received]
     assert routes.count("/begin_weight_update") == 2
-    assert routes.count("/end_weight_update") == 3  # the first probe closes any session left open, then one per refit
+    assert routes.count("/end_weight_update") == 2  # one per refit: the probe only reads
+    if mode == "colocated":  # weights back before the load, then KV and CUDA graphs: nothing left released
+        resumed = [b["tags"] for r, b in engines[0].server.received if r == "/resume_memory_occupation"]
+        assert resumed == [["weights"], ["kv_cache", "cuda_graph"]] * 2
+        assert engines[0].server.offload_tags == set()
     if mode == "disaggregated":
         assert routes.count("/init_weights_update_group") == 1  # one group across refits
     ctx.close()
@@ -106,8 +124,13 @@ def test_every_body_validates_and_sglang_decodes_every_payload(trainer, sglang_e
     otherwise, and the refit would fail), and SGLang's own MultiprocessingSerializer and
     FlattenedTensorBucket decode every tensor payload inside the engine."""
     engines = sglang_engines(2, in_thread=True, decoder="sglang", validate=validate_body)
-    futures = [e.submit(PROMPT, 40) for e in engines]
-    time.sleep(0.05)
+    if mode == "colocated":  # released while the trainer trained; nothing runs then
+        for e in engines:
+            e.release_memory(["weights", "kv_cache"], timeout=30)
+        futures = []
+    else:
+        futures = [e.submit(PROMPT, 40) for e in engines]
+        time.sleep(0.05)
     ctx = sglang_ctx(trainer, engines, mode=mode)
     result = protocol.run(ctx)
     assert result.ok, result.error
@@ -134,7 +157,7 @@ def test_every_body_validates_and_sglang_decodes_every_payload(trainer, sglang_e
         | updates
     )
     if mode == "colocated":
-        assert "/resume_memory_occupation" in routes
+        assert {"/release_memory_occupation", "/resume_memory_occupation"} <= routes
     for e in engines:
         for route, body in e.server.received:
             validate_body(route, body)  # already checked on arrival; asserted here too
@@ -161,18 +184,72 @@ def test_sglang_0_5_20_has_no_session_and_no_usable_retract(trainer, sglang_engi
     assert "/begin_weight_update" not in routes and "/end_weight_update" not in routes
 
 
-def test_sglang_dangling_session_from_a_crashed_run_is_closed_by_the_probe(trainer, sglang_engines, sglang_ctx) -> None:
+@pytest.mark.parametrize("front", ["emulator", "sglang"])
+def test_sglang_dangling_session_from_a_crashed_run_is_closed_once_paused(
+    trainer, sglang_engines, sglang_ctx, front
+) -> None:
     """sgl-project/sglang PR#28001: the update session lives in the scheduler and survives a
-    crashed trainer, so the next begin_weight_update fails "already open". The probe of a driver
-    that cannot know the session is closed ends it first."""
-    (engine,) = sglang_engines(1)
+    crashed trainer, so the next begin_weight_update fails "already open". The driver ends it at
+    begin, after the pause, never in the probe (ending takes the model's writer lock on a serving
+    engine)."""
+    (engine,) = sglang_engines(1, front=front)
     crashed = httpx.post(f"{engine.url}/begin_weight_update", json={})
     assert crashed.status_code == 200 and engine.server.session_open
     ctx = sglang_ctx(trainer, [engine])
     result = protocol.run(ctx)
     assert result.ok, result.error
-    probe = [e for e in ctx.recorder.events if e["kind"] == "call" and e["event"] == "probe"]
-    assert probe[0]["outcome"] == "ok"
+    routes = [r for r, _ in engine.server.received]
+    assert (
+        routes.index("/pause_generation")
+        < routes.index("/end_weight_update")
+        < routes.index("/update_weights_from_tensor")
+    )
+    serves(engine, trainer, 1)
+
+
+@pytest.mark.parametrize("front", ["emulator", "sglang"])
+def test_the_probe_only_reads_and_never_stalls_live_generation(trainer, sglang_engines, front) -> None:
+    """SGLang's /end_weight_update on an engine that is not paused takes the model's writer lock:
+    it waits for every request in flight and keeps new ones out meanwhile. The probe (run on a
+    serving engine, before any pause) makes no POST at all, so generation never notices it."""
+    (engine,) = sglang_engines(1, front=front)
+    running = engine.submit(PROMPT, 200)
+    while not engine.server._engine("info")["running"]:
+        time.sleep(0.005)
+    seen = len(engine.server.received)
+    t0 = time.monotonic()
+    engine.probe(1, timeout=10)
+    probe_s = time.monotonic() - t0
+    assert [r for r, _ in engine.server.received[seen:]] == []  # no JSON body: GETs only
+    assert engine.server.model_update_lock.readers == 1 and not running.done()  # it ran beside the request
+    assert probe_s < 2.0
+    assert running.result(timeout=60)["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("front", ["emulator", "sglang"])
+def test_a_load_that_raises_in_sglangs_scheduler_kills_the_server_and_loses_the_engine(
+    trainer, sglang_engines, sglang_ctx, front
+) -> None:
+    """SGLang catches nothing around a tensor load: a wrong shape raises in the scheduler, which
+    SIGQUITs the server. The engine is reported lost (the call's connection dropped, then nothing
+    listens), never continued or published; the lock is released; the restarted server refits."""
+    (engine,) = sglang_engines(1, front=front)
+    bad = {**trainer.state_dict(), "model.norm.weight": torch.ones(CONFIG.hidden_size + 1)}
+    ctx = protocol.RefitContext(source=TorchSource(bad), engines=[engine], transport=SGLangTensorTransport(),
+                                mode="colocated", bucket_bytes=SMALL_BUCKET, retries=1, deadline_s=30)  # fmt: skip
+    t0 = time.monotonic()
+    result = protocol.run(ctx)
+    assert time.monotonic() - t0 < 30
+    assert not result.ok and result.engines["sg0"].status == "failed" and result.version is None
+    assert engine.server.crashed and "model.norm.weight" in engine.server.crashed
+    assert not engine.alive and "the server is gone" in str(result.engines["sg0"].error)
+    calls = [(e["event"], e.get("outcome")) for e in ctx.recorder.events if e["kind"] == "call"]
+    assert ("continue_generation", "ok") not in calls and ("publish", "ok") not in calls
+    assert ctx.lock is not None and ctx.lock.holder is None
+    ctx.close()
+    engine.server.restart()
+    good = sglang_ctx(trainer, [engine])
+    assert protocol.run(good).ok
     serves(engine, trainer, 1)
 
 
@@ -287,11 +364,21 @@ def test_an_engine_killed_mid_bucket_is_reported_and_the_other_updated(trainer, 
 def test_errors_name_the_engine_the_call_and_the_status(trainer, sglang_engines) -> None:
     (engine,) = sglang_engines(1, api_key="sesame")
     keyless = SGLangEngine("nokey", engine.url)
-    with pytest.raises(EngineError) as err:  # the probe's session check is an admin route
+    with pytest.raises(EngineError) as err:  # with --api-key, SGLang guards even /server_info
         keyless.probe(1, timeout=5)
     assert err.value.kind == "unauthorized" and err.value.no_effect
     assert "nokey" in str(err.value) and "(probe)" in str(err.value) and "HTTP 401" in str(err.value)
     keyless.close()
+    (admin,) = sglang_engines(1, admin_api_key="root")  # --admin-api-key only: reads are open, control is not
+    keyless = SGLangEngine("nokey", admin.url)
+    assert keyless.probe(1, timeout=5)["version"] == 0
+    with pytest.raises(EngineError) as err:
+        keyless.pause("abort", timeout=5)
+    assert err.value.kind == "unauthorized" and "HTTP 401" in str(err.value)
+    keyless.close()
+    admin.probe(1, timeout=5)
+    admin.pause("abort", timeout=5)  # its driver sends the admin key on control routes
+    admin.continue_generation(timeout=5)
 
     engine.probe(1, timeout=10)
     with pytest.raises(EngineError) as err:  # 400 outside a session: SGLang refused before any byte
@@ -301,9 +388,9 @@ def test_errors_name_the_engine_the_call_and_the_status(trainer, sglang_engines)
     with pytest.raises(EngineError) as err:
         engine._call("POST", "/no_such_route", "probe", timeout=5, body={})
     assert err.value.kind == "unsupported" and "HTTP 404" in str(err.value)
-    with pytest.raises(EngineError) as err:  # a POST without a JSON body: 422, as SGLang
+    with pytest.raises(EngineError) as err:  # a POST without a JSON body: SGLang's validation answer, 400
         engine._call("POST", "/pause_generation", "pause", timeout=5)
-    assert err.value.kind == "bad_request" and "HTTP 422" in str(err.value)
+    assert err.value.kind == "bad_request" and err.value.no_effect and "HTTP 400" in str(err.value)
 
     def boom(*a: object) -> None:
         raise RuntimeError("scheduler exploded")
@@ -478,17 +565,36 @@ def test_a_version_label_the_server_did_not_set_fails_the_publish(trainer, sglan
     assert "published version 1, but the server reports 'default'" in str(result.error)
 
 
-def test_a_restarted_sglang_server_is_refit_colocated_without_a_lost_run(trainer, sglang_engines, sglang_ctx) -> None:
-    """A new startup_time behind the same URL: tensor payloads need no server-side setup, so the
-    next refit goes through (the old code lost it to not_attached)."""
-    (engine,) = sglang_engines(1)
-    ctx = sglang_ctx(trainer, [engine])
+@pytest.mark.parametrize(("mode", "front"), [("colocated", "emulator"), ("disaggregated", "emulator"),
+                                             ("colocated", "sglang")])  # fmt: skip
+def test_a_restarted_sglang_server_is_seen_by_its_label_and_refit(
+    trainer, sglang_engines, sglang_ctx, mode, front
+) -> None:
+    """A real restart behind the same URL (a fresh engine process, label "default", no session, no
+    group, nothing released): SGLang exposes no identity, so the driver reads the restart from the
+    label it last set. Colocated, the next refit goes through (tensor payloads need no setup, and
+    nothing is resumed that the new server never released: it would die); disaggregated, the probe
+    reports `restarted` (its group is gone) and the refit after it forms a new group."""
+    (engine,) = sglang_engines(1, front=front)
+    ctx = sglang_ctx(trainer, [engine], mode=mode, retries=0)
+    if mode == "colocated":
+        engine.release_memory(["weights", "kv_cache"], timeout=30)
     assert protocol.run(ctx).ok
-    engine.server.startup_time += 1.0  # what a restarted server reports
+    before = engine.incarnation
+    if mode == "colocated":
+        engine.release_memory(["weights", "kv_cache"], timeout=30)
+    engine.server.restart()
+    assert engine.server.label == "default" and not engine.server.offload_tags
     perturbed(trainer, seed=4)
     result = protocol.run(ctx)
+    assert engine.incarnation != before
+    if mode == "disaggregated":
+        assert not result.ok and "restarted" in str(result.engines["sg0"].error)
+        assert engine.server.crashed is None and engine.alive  # refused up front, nothing sent to the new server
+        result = protocol.run(ctx)
     assert result.ok, result.error
-    serves(engine, trainer, 2)
+    serves(engine, trainer, result.version)
+    assert engine.server.crashed is None
 
 
 def test_a_dropped_connection_to_a_live_server_is_connection_lost_not_death(sglang_engines) -> None:
@@ -510,11 +616,13 @@ def test_a_dropped_connection_to_a_live_server_is_connection_lost_not_death(sgla
 
 
 def test_a_session_the_server_would_not_end_is_not_taken_as_closed(sglang_engines) -> None:
-    """/end_weight_update answering 200 {"success": false}: the session is still open."""
+    """/end_weight_update answering 200 {"success": false}: the session is still open, and the
+    quarantine that tried to close it says so."""
     (engine,) = sglang_engines(1)
+    engine.probe(1, timeout=10)
     engine.server.r_end_weight_update = lambda *a: {"success": False, "message": "busy"}  # type: ignore[method-assign]
     with pytest.raises(EngineError, match="busy"):
-        engine.probe(1, timeout=10)
+        engine.quarantine("test", timeout=10)
 
 
 @pytest.mark.parametrize("version", ["0.5.2", "0.4.10"])

@@ -13,8 +13,10 @@ into a shared buffer and serializes `{"flattened_tensor": buffer, "metadata": [.
 engine TP rank it feeds (one export per consumer, as SGLang requires; sglang#4446), with the
 allow-listed types SGLang's `SafeUnpickler` accepts (torch rebuild functions, `SimpleNamespace`).
 CPU buffers travel by shared-memory name (`rebuild_storage_filename`), which any process on the
-host can open, whatever its multiprocessing family; CUDA buffers as CUDA IPC handles (torch's own
-reduction). SGLang's torch-reduction patch is never applied here: it breaks CPU tensor pickling.
+host can open, whatever its multiprocessing family; CUDA buffers as CUDA IPC handles in SGLang's
+form: rebuilt by SGLang's patched `_rebuild_cuda_tensor_modified`, the device given as the GPU's
+UUID (refit writes that form itself: SGLang's torch-reduction patch, applied process-wide, would
+break CPU tensor pickling in the trainer).
 
 Disaggregated (`SGLangBroadcastTransport`, kind ``sglang_broadcast``): trainer rank 0 broadcasts
 each bucket on a group laid out as SGLang's `init_custom_process_group` builds it (a TCPStore
@@ -178,20 +180,107 @@ def _reduce_storage_by_name(storage: Any) -> tuple[Any, ...]:
     return (rebuild_storage_filename, (type(storage), manager, handle, size))
 
 
+# SGLang's receiver rebuilds CUDA tensors with its patched torch reduction: the device travels as
+# the GPU's UUID (sglang/srt/utils/patch_torch.py `_reduce_tensor_modified`), so a trainer and an
+# engine that see one physical GPU under different CUDA_VISIBLE_DEVICES orderings (Ray gives each
+# actor its own) land on the same device. Its senders pickle the rebuild function by this name.
+SGLANG_REBUILD = ("sglang.srt.utils.patch_torch", "_rebuild_cuda_tensor_modified")
+DEVICE_ARG = 6  # the device index among torch's rebuild_cuda_tensor arguments (patch_torch's constant)
+
+
+def gpu_uuid(index: int) -> str:
+    """The UUID of local CUDA device `index`, as SGLang and vLLM key devices."""
+    import torch
+
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def rebuild_cuda_tensor_by_uuid(*args: Any) -> Any:
+    """Engine side of SGLang's form: the device argument, a UUID, mapped to this process's index
+    of that GPU, then torch's own rebuild (what SGLang's `_rebuild_cuda_tensor_modified` does)."""
+    import torch
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    device = args[DEVICE_ARG]
+    if isinstance(device, str):
+        found = [i for i in range(torch.cuda.device_count()) if gpu_uuid(i) == device]
+        if not found:
+            raise ValueError(f"no local CUDA device has UUID {device} (the payload's GPU is not visible here)")
+        args = (*args[:DEVICE_ARG], found[0], *args[DEVICE_ARG + 1 :])
+    return rebuild_cuda_tensor(*args)
+
+
+def sglang_cuda_reduce(tensor: torch.Tensor, uuid_of: Any = gpu_uuid) -> tuple[Any, tuple[Any, ...]]:
+    """torch's reduction of a tensor, in SGLang's form when it is a CUDA tensor: rebuilt by
+    SGLang's patched function, the device given as its GPU's UUID."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
+
+    fn, args = reduce_tensor(tensor)
+    if fn is not rebuild_cuda_tensor:
+        return fn, args
+    return rebuild_cuda_tensor_by_uuid, (*args[:DEVICE_ARG], uuid_of(args[DEVICE_ARG]), *args[DEVICE_ARG + 1 :])
+
+
+class _SGLangPickler(pickle._Pickler):  # type: ignore[name-defined,misc]
+    """Python's pickler with the reducers ForkingPickler has, CPU storages by name, CUDA tensors in
+    SGLang's form, and `rebuild_cuda_tensor_by_uuid` written as SGLang's own function (by name:
+    SGLang need not be installed where refit serializes)."""
+
+    def __init__(self, file: io.BytesIO) -> None:
+        import copyreg
+        from multiprocessing.reduction import ForkingPickler
+
+        import torch
+
+        super().__init__(file, protocol=pickle.DEFAULT_PROTOCOL)
+        table = copyreg.dispatch_table.copy()
+        table.update(ForkingPickler._extra_reducers)
+        table[torch.UntypedStorage] = _reduce_storage_by_name
+        table[torch.Tensor] = sglang_cuda_reduce
+        self.dispatch_table = table
+
+    def save_global(self, obj: Any, name: str | None = None) -> None:
+        if obj is rebuild_cuda_tensor_by_uuid:
+            module, qualname = SGLANG_REBUILD
+            self.save(module)
+            self.save(qualname)
+            self.write(pickle.STACK_GLOBAL)
+            self.memoize(obj)
+            return
+        super().save_global(obj, name)
+
+
 def serialize(obj: Any) -> bytes:
-    """What SGLang's `MultiprocessingSerializer.serialize` produces for `obj` (a ForkingPickler
-    stream), except that CPU storages always travel by shared-memory name. One call per consumer."""
+    """What SGLang's `MultiprocessingSerializer.serialize` produces for `obj` in a process where
+    SGLang patched torch's reductions (a ForkingPickler stream; CUDA tensors rebuilt by SGLang's
+    function with the GPU's UUID), except that CPU storages always travel by shared-memory name.
+    One call per consumer."""
     import torch
     from torch.multiprocessing.reductions import init_reductions  # registers torch's reducers
 
     init_reductions()
+    buf = io.BytesIO()
+    if _has_cuda(obj):
+        _SGLangPickler(buf).dump(obj)
+        return buf.getvalue()
     from multiprocessing.reduction import ForkingPickler
 
-    buf = io.BytesIO()
     pickler = ForkingPickler(buf)
     pickler.dispatch_table[torch.UntypedStorage] = _reduce_storage_by_name
     pickler.dump(obj)
     return buf.getvalue()
+
+
+def _has_cuda(obj: Any) -> bool:
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return obj.is_cuda
+    if isinstance(obj, dict):
+        return any(_has_cuda(v) for v in obj.values())
+    if isinstance(obj, list | tuple):
+        return any(_has_cuda(v) for v in obj)
+    return False
 
 
 # The globals a flattened payload may name (a subset of SGLang 0.5.23's SafeUnpickler allow-list).
@@ -205,6 +294,7 @@ ALLOWED_GLOBALS = frozenset(
         ("torch.multiprocessing.reductions", "rebuild_storage_filename"),
         ("torch.multiprocessing.reductions", "rebuild_storage_fd"),
         ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"),
+        SGLANG_REBUILD,
         ("torch.multiprocessing.reductions", "rebuild_storage_empty"),
         ("multiprocessing.resource_sharer", "DupFd"),
         ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata"),
@@ -216,6 +306,8 @@ class _SafeUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if module == "torch" and name in _dtype_names():
             return super().find_class(module, name)
+        if (module, name) == SGLANG_REBUILD:
+            return rebuild_cuda_tensor_by_uuid  # SGLang's function, as refit implements it
         if (module, name) in ALLOWED_GLOBALS:
             if module.startswith("sglang."):
                 return SimpleNamespace  # its fields are read as attributes; sglang need not be installed
@@ -228,7 +320,8 @@ class _Peeker(_SafeUnpickler):
 
     def find_class(self, module: str, name: str) -> Any:
         found = super().find_class(module, name)
-        if module.startswith(("torch.multiprocessing", "multiprocessing")) or (module, name) == ("torch", "Tensor"):
+        opens = module.startswith(("torch.multiprocessing", "multiprocessing")) or (module, name) == SGLANG_REBUILD
+        if opens or (module, name) == ("torch", "Tensor"):
             return _nothing
         return found
 

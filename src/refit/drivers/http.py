@@ -174,6 +174,10 @@ class HttpEngineDriver(EngineDriver):
         """Extra headers for a request serving refit call `call` (none; a test server may want some)."""
         return None
 
+    def _route_headers(self, route: str) -> dict[str, str] | None:
+        """Extra headers for `route` (a backend whose routes take different keys sets them here)."""
+        return None
+
     def _request(
         self,
         method: str,
@@ -195,6 +199,9 @@ class HttpEngineDriver(EngineDriver):
             raise TimeoutError(f"{where}: no time left to send it")
         client = self._serve_http if serving else self._http
         headers = self._headers(call)  # in the caller's thread (a subclass may read thread-local state)
+        extra = self._route_headers(route)
+        if extra:
+            headers = {**(headers or {}), **extra}
         box: dict[str, Any] = {}
 
         def exchange() -> None:

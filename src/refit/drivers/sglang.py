@@ -5,25 +5,33 @@ can do; the driver learns it once, in its first probe, into a `Capabilities` rec
 version difference is read from that record (never from scattered version checks).
 
 Lifecycle, per state (each step is one HTTP call; SGLang has no batch route):
-  first engine call       probe(target): GET /server_info (version, startup time: a restart is a
-                          new incarnation), then the weight version (GET /model_info; older
-                          servers /get_weight_version), and, where sessions exist (>= 0.5.21),
-                          POST /end_weight_update {} to close a session a crashed run left open
-                          (only while the driver cannot know it is closed); refuses with
-                          `version_ahead` when the server already holds the target.
-  OFFLOADING (colocated)  resume_memory(["weights"]): POST /resume_memory_occupation {"tags"}.
+  first engine call       probe(target): reads only, never a call that takes the model's writer
+                          lock (that would stall live generation): GET /server_info (version),
+                          then the weight version (GET /model_info; older servers
+                          /get_weight_version); refuses with `version_ahead` when the server
+                          already holds the target. Restarts are seen here, by the label: SGLang
+                          exposes no identity (`startup_time` is a dict of startup durations), but
+                          a restarted server comes back at its launch label ("default"), so a label
+                          other than the one this driver last read or set means a new server (a new
+                          incarnation: nothing of ours is released, no group, no session).
+  OFFLOADING (colocated)  resume_memory(["weights"]): POST /resume_memory_occupation {"tags"}, only
+                          for tags this driver released (or was told were released: `released=`);
+                          SGLang's scheduler raises, and the server dies, on a tag never released.
   CONNECTING              attach(info): nothing for tensors (each payload carries its handles);
                           broadcast: POST /init_weights_update_group while the trainer joins.
   PAUSING                 pause(mode): POST /pause_generation {"mode"} (abort | retract; in_place
                           keeps KV computed by the old weights and SGLang cannot flush it, so
                           refit refuses it).
   INVALIDATING            flush(): POST /flush_cache (refused while requests hold KV);
-                          begin(plan): POST /begin_weight_update {} (>= 0.5.21); the plan is kept
-                          here, since SGLang's session names none.
+                          begin(plan): POST /begin_weight_update {} (>= 0.5.21); a session a crashed
+                          run left open ("already open") is ended here, now that the engine is
+                          paused, and begun again. The plan is kept here (SGLang's session names none).
   TRANSFERRING            load(payload): POST /update_weights_from_tensor (flattened_bucket, one
                           base64 entry per TP rank) or /update_weights_from_distributed (while the
                           trainer broadcasts), always flush_cache=false and abort_all_requests=false:
-                          invalidation is the protocol's own step.
+                          invalidation is the protocol's own step. A tensor load that raises in
+                          SGLang's scheduler (a wrong name or shape) kills the server: the call
+                          loses its connection and the engine is lost (EngineDied), never continued.
   POST_PROCESSING         finalize(): POST /end_weight_update {}; refused as `incomplete` unless
                           every planned bucket was acknowledged.
   CONTINUING              publish(v): refused here unless the session acked every bucket and
@@ -32,18 +40,20 @@ Lifecycle, per state (each step is one HTTP call; SGLang has no batch route):
                           (its default aborts every request in flight); continue_generation():
                           POST /continue_generation {}.
   RESTORING (colocated)   resume_memory(["kv_cache"]): POST /resume_memory_occupation with tags
-                          kv_cache and cuda_graph (the graphs go with the KV cache, as slime does).
+                          kv_cache and cuda_graph (the graphs go with the KV cache, as slime does),
+                          those of them released.
   QUARANTINING            quarantine(reason): POST /pause_generation {"mode": "abort"}, then POST
                           /end_weight_update {} (a session left open would fail the next begin):
                           it stays paused (requests wait, none is served) until a refit completes.
-  abort before pausing    release_memory(["weights"]).
+  abort before pausing    release_memory(["weights"]) (SGLang asserts the engine is idle).
   disconnect              detach(): broadcast: POST /destroy_weights_update_group.
 
 Errors name the engine, the call, the route and the HTTP status: a timeout is `TimeoutError`, a
-refused connection `EngineDied`, a connection lost before an answer
-`connection_lost` (unknown effect), 401/403 `unauthorized`, 404 `unsupported`, 422
-`bad_request` (no effect), a 400 from an update `refused` (effect unknown) unless SGLang says
-nothing ran (`no_session`) or that weights changed but the cache was not flushed (`state_unknown`:
+refused connection `EngineDied`, a connection lost before an answer `connection_lost` (unknown
+effect; `EngineDied` when the server then refuses connections: SGLang's scheduler crashed), 401/403
+`unauthorized`, 404 `unsupported`, 400 with SGLang's validation body (`"object": "error"`) or 422
+`bad_request` (no effect), a 400 from an update `refused` (effect unknown) unless SGLang says nothing
+ran (`no_session`) or that weights changed (not flushed, or partially updated: `state_unknown`,
 poison, never success), 5xx `server_error`.
 """
 
@@ -66,8 +76,12 @@ if TYPE_CHECKING:
     import torch
 
 DEFAULT_TIMEOUT = 60.0
+# SGLang 0.5.23's texts (managers/scheduler_components/weight_updater.py, model_runner_components/weight_updater.py)
 WEIGHTS_UPDATED_NOT_FLUSHED = "Weights were updated, but the cache was not flushed"
-NO_SESSION_TEXT = "must run between begin_weight_update"
+PARTIALLY_UPDATED = "are partially updated"
+NO_SESSION_TEXTS = ("must run between begin_weight_update", "no weight-update session is open")
+# Routes SGLang guards with --api-key only (no @auth_level(ADMIN_OPTIONAL) in entrypoints/http_server.py)
+NORMAL_ROUTES = frozenset({"/generate", "/model_info", "/get_model_info", "/server_info", "/get_server_info"})
 
 
 @dataclass(frozen=True)
@@ -188,29 +202,35 @@ class SGLangEngine(HttpEngineDriver):
         url: str,
         *,
         api_key: str | None = None,
+        admin_api_key: str | None = None,
         tp: int = 1,
         weights_cpu_backup: bool = False,
+        released: Sequence[str] = (),
         transport: httpx.BaseTransport | None = None,
     ) -> None:
-        """`url`: the server's base URL. `api_key`: the admin API key, if the server set one.
-        `tp`: its TP size (one payload entry per TP rank). `weights_cpu_backup`: the server runs
-        with --enable-weights-cpu-backup (released weights come back intact)."""
+        """`url`: the server's base URL. `api_key`: the server's --api-key, if it set one (sent on
+        every route). `admin_api_key`: its --admin-api-key, if it set one (sent instead on the weight
+        and control routes, which SGLang guards with it). `tp`: its TP size (one payload entry per
+        TP rank). `weights_cpu_backup`: the server runs with --enable-weights-cpu-backup (released
+        weights come back intact). `released`: memory tags already released on the server when
+        refit takes it (release through `release_memory` instead, and the driver knows): SGLang
+        dies resuming a tag not released."""
         super().__init__(name, url, api_key=api_key, tp=tp, transport=transport)
         self.weights_cpu_backup = weights_cpu_backup
+        self._admin = {"Authorization": f"Bearer {admin_api_key}"} if admin_api_key else None
         self.capabilities: Capabilities | None = None
-        self._startup: Any = None
+        self._label: Any = None  # the weight-version label this driver last read or set
+        self._restarts = 0
         self._attached: ConnectInfo | None = None
-        self._session_unknown = True  # until a probe closed it, or this driver opened and closed it
-        self._released: set[str] = set()
-        self._read_startup(5.0)
+        self._released: set[str] = set(self._server_tags(released))
+        self._read_capabilities(5.0)
 
-    def _read_startup(self, timeout: float) -> None:
-        """The server's start time (its incarnation) and version, read once here so the first refit
-        connects once; a server not up yet is read by the first probe instead."""
+    def _read_capabilities(self, timeout: float) -> None:
+        """The server's version, read once here so the first refit connects once; a server not up
+        yet is read by the first probe instead."""
         with contextlib.suppress(TimeoutError, EngineDied, ValueError):
             status, info = self._request("GET", "/server_info", "connect", timeout=timeout)
             if status < 300 and isinstance(info, dict):
-                self._startup = info.get("startup_time")
                 with contextlib.suppress(EngineError):  # unsupported: the first probe says so
                     self.capabilities = self._supported(Capabilities.of(info.get("version")))
 
@@ -226,7 +246,10 @@ class SGLangEngine(HttpEngineDriver):
 
     @property
     def incarnation(self) -> str:
-        return f"{self.name}@{self.url}#{self._startup}"
+        return f"{self.name}@{self.url}#{self._restarts}"
+
+    def _route_headers(self, route: str) -> dict[str, str] | None:
+        return None if route in NORMAL_ROUTES else self._admin
 
     # ---- HTTP errors --------------------------------------------------------------------------
 
@@ -240,13 +263,13 @@ class SGLangEngine(HttpEngineDriver):
             return EngineError("unauthorized", f"{text} (the admin API key is missing or wrong)")
         if status == 404:
             return EngineError("unsupported", f"{text} (this server has no such route)")
-        if status == 422:
-            return EngineError("bad_request", text)
+        if status == 422 or (status == 400 and isinstance(data, dict) and data.get("object") == "error"):
+            return EngineError("bad_request", f"{text} (SGLang refused the request body; nothing ran)")
         if status >= 500:
             return EngineError("server_error", text)
-        if WEIGHTS_UPDATED_NOT_FLUSHED in message:
+        if WEIGHTS_UPDATED_NOT_FLUSHED in message or PARTIALLY_UPDATED in message:
             return EngineError("state_unknown", f"{text} (the weights changed)")
-        if NO_SESSION_TEXT in message or "no active weight update session" in message.lower():
+        if any(t in message for t in NO_SESSION_TEXTS):
             return EngineError("no_session", text)
         if "already" in message.lower() and route == "/begin_weight_update":
             return EngineError("session_open", text)
@@ -257,36 +280,31 @@ class SGLangEngine(HttpEngineDriver):
     # ---- protocol calls -----------------------------------------------------------------------
 
     def probe(self, target_version: int, *, timeout: float) -> dict[str, Any]:
+        """Reads only (see the module docstring): version, label; a changed label is a restart."""
         end = time.monotonic() + timeout
         left = lambda: end - time.monotonic()  # noqa: E731
-        status, info = self._request("GET", "/server_info", "probe", timeout=left())
-        if status == 404:
-            status, info = self._request("GET", "/get_server_info", "probe", timeout=left())
-        if status >= 300 or not isinstance(info, dict):
-            raise self._error("GET", "/server_info", "probe", status, info, update=False)
-        startup = info.get("startup_time")
-        if self.capabilities is None or startup != self._startup:
+        if self.capabilities is None:
+            status, info = self._request("GET", "/server_info", "probe", timeout=left())
+            if status == 404:
+                status, info = self._request("GET", "/get_server_info", "probe", timeout=left())
+            if status >= 300 or not isinstance(info, dict):
+                raise self._error("GET", "/server_info", "probe", status, info, update=False)
             self.capabilities = self._supported(Capabilities.of(info.get("version")))
-            restarted = self._startup is not None and startup != self._startup
-            self._startup = startup
-            if restarted:  # a new server process: no group, no released memory, no session of ours
-                self._released, self._session_unknown = set(), True
-                if self._attached is not None and self._attached.kind == "sglang_broadcast":
-                    self._attached = None
-                    raise EngineError(
-                        "restarted",
-                        f"engine {self.name}: the server at {self.url} restarted (startup_time changed) and lost its "
-                        "weight-update group; the next refit connects it again",
-                    )
         caps = self.capabilities
         label = self._read_version(caps, left())
-        closed = False
-        if caps.session and self._session_unknown:
-            status, data = self._request("POST", "/end_weight_update", "probe", timeout=left(), body={})
-            if status != 400 and (status >= 300 or not self._confirms("/end_weight_update", data)):
-                raise self._error("POST", "/end_weight_update", "probe", status, data, update=False)  # still open
-            closed = status < 300
-            self._session_unknown = False
+        restarted = self._label is not None and str(label) != str(self._label)
+        self._label = label
+        if restarted:  # a new server process: nothing of ours released, no group, no session
+            self._restarts += 1
+            self._released = set()
+            self._quarantined = None
+            if self._attached is not None and self._attached.kind == "sglang_broadcast":
+                self._attached = None
+                raise EngineError(
+                    "restarted",
+                    f"engine {self.name}: the server at {self.url} reports weight version {label!r} where this driver "
+                    "last saw another: it restarted and lost its weight-update group; the next refit connects it again",
+                )
         self._ledger.reset()
         version = label_version(label)
         if version is not None and version >= target_version:
@@ -295,12 +313,7 @@ class SGLangEngine(HttpEngineDriver):
                 f"engine {self.name} holds weight version {label!r}, the refit targets {target_version}",
                 {"version": version},
             )
-        return {
-            "version": version,
-            "serving": self._quarantined is None,
-            "closed_session": closed,
-            "server_version": caps.version,
-        }
+        return {"version": version, "serving": self._quarantined is None, "server_version": caps.version}
 
     def _supported(self, caps: Capabilities) -> Capabilities:
         if not caps.flattened_bytes:
@@ -325,17 +338,22 @@ class SGLangEngine(HttpEngineDriver):
         return out
 
     def resume_memory(self, tags: Sequence[str], *, timeout: float) -> dict[str, Any]:
-        body = {"tags": self._server_tags(tags)}
-        self._call("POST", "/resume_memory_occupation", "resume_memory", timeout=timeout, body=body)
+        """Resume the tags this driver knows are released (SGLang dies on any other)."""
+        wanted = self._server_tags(tags)
+        send = [t for t in wanted if t in self._released]
+        if send:
+            self._call("POST", "/resume_memory_occupation", "resume_memory", timeout=timeout, body={"tags": send})
         resumed = [t for t in tags if t in self._released]
         intact = self.weights_cpu_backup or "weights" not in self._released
-        self._released -= set(tags)
+        self._released -= set(send)
         return {"weights_intact": intact, "resumed": resumed}
 
     def release_memory(self, tags: Sequence[str], *, timeout: float = DEFAULT_TIMEOUT) -> None:
-        body = {"tags": self._server_tags(tags)}
-        self._call("POST", "/release_memory_occupation", "release_memory", timeout=timeout, body=body)
-        self._released |= set(tags)
+        """Release memory (SGLang asserts the engine is idle: pause it, or drain it, first)."""
+        send = [t for t in self._server_tags(tags) if t not in self._released]
+        if send:
+            self._call("POST", "/release_memory_occupation", "release_memory", timeout=timeout, body={"tags": send})
+        self._released |= set(send)
 
     def attach(self, info: ConnectInfo, *, timeout: float) -> None:
         if info.kind not in self.transports:
@@ -379,10 +397,19 @@ class SGLangEngine(HttpEngineDriver):
         self._call("POST", "/flush_cache", "flush", timeout=timeout)
 
     def begin(self, plan: Sequence[BucketManifest], *, timeout: float) -> None:
-        caps = self._caps()
-        if caps.session:
-            self._session_unknown = True  # open (or unknown) until end_weight_update answers
-            self._call("POST", "/begin_weight_update", "begin", timeout=timeout, body={}, update=True)
+        end = time.monotonic() + timeout
+        if self._caps().session:
+            try:
+                self._call("POST", "/begin_weight_update", "begin", timeout=timeout, body={}, update=True)
+            except EngineError as exc:
+                if exc.kind != "session_open":
+                    raise
+                # a session a crashed run left open: end it now that the engine is paused (its weights
+                # are all replaced below), then begin again
+                self._call("POST", "/end_weight_update", "begin", timeout=end - time.monotonic(), body={}, update=True)
+                self._call(
+                    "POST", "/begin_weight_update", "begin", timeout=end - time.monotonic(), body={}, update=True
+                )
         self._ledger.begin(plan)
 
     def load(self, payload: Payload, *, timeout: float) -> None:
@@ -403,15 +430,18 @@ class SGLangEngine(HttpEngineDriver):
         plan = self._ledger.close()
         if self._caps().session:
             self._call("POST", "/end_weight_update", "finalize", timeout=timeout, body={}, update=True)
-            self._session_unknown = False
         self._ledger.complete(plan)
 
     def publish(self, version: int, *, timeout: float) -> None:
         self._ledger.require_complete("SGLang")
         end = time.monotonic() + timeout
         body = {"new_version": str(version), "abort_all_requests": False}
-        self._call("POST", "/update_weight_version", "publish", timeout=timeout, body=body)
-        label = self._read_version(self._caps(), end - time.monotonic())
+        try:
+            self._call("POST", "/update_weight_version", "publish", timeout=timeout, body=body)
+        except BaseException:
+            self._label = None  # it may or may not have taken the label: no restart can be read from it
+            raise
+        label = self._label = self._read_version(self._caps(), end - time.monotonic())
         if str(label) != str(version):  # SGLang answered success: a label it did not set is a lie we must not pass on
             raise EngineError(
                 "state_unknown", f"engine {self.name}: published version {version}, but the server reports {label!r}"
@@ -429,15 +459,16 @@ class SGLangEngine(HttpEngineDriver):
         end = time.monotonic() + timeout
         self._quarantined = reason
         self._ledger.reset()
-        self._session_unknown = True
         self._call("POST", "/pause_generation", "quarantine", timeout=timeout, body={"mode": "abort"})
-        if self._caps().session:
+        if self._caps().session:  # paused now: closing a session takes no lock from generation
             status, data = self._request(
                 "POST", "/end_weight_update", "quarantine", timeout=end - time.monotonic(), body={}
             )
-            if status != 400 and (status >= 300 or not self._confirms("/end_weight_update", data)):
-                raise self._error("POST", "/end_weight_update", "quarantine", status, data, update=False)
-            self._session_unknown = False
+            err = self._error("POST", "/end_weight_update", "quarantine", status, data, update=False)
+            if status >= 300 and err.kind != "no_session":
+                raise err
+            if status < 300 and not self._confirms("/end_weight_update", data):
+                raise err
 
     def _caps(self) -> Capabilities:
         if self.capabilities is None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import contextvars
 import io
 import json
 import logging
@@ -33,6 +34,11 @@ from refit.drivers.reference import ReferenceEngine
 from refit.errors import EngineDied, EngineError
 
 CALL_TIMEOUT = 120.0
+# The refit call (and bucket) a request serves, as the driver's x-refit-* headers name them: faults
+# are armed by call. A context variable, so it follows a request into threads and asyncio tasks.
+REQUEST: contextvars.ContextVar[tuple[str | None, int | None]] = contextvars.ContextVar(
+    "refit_emulated_request", default=(None, None)
+)
 
 
 class _Reply(Exception):
@@ -67,8 +73,7 @@ class EmulatedServer:
         self.api_key = api_key
         self.validate = validate
         self.label = "default"
-        self.startup_time = time.time()
-        self._request_local = threading.local()  # per request thread: the driver's bucket index, if named
+        self.crashed: str | None = None  # why the server died, when it crashed
         self.armed: dict[tuple[str, int | None], tuple[str, float]] = {}
         self.received: list[tuple[str, Any]] = []  # every JSON body, in arrival order
         self.dead = False
@@ -76,9 +81,18 @@ class EmulatedServer:
         self._hangs = threading.Condition()
         self._lock = threading.RLock()  # weight routes run one at a time (the engines' writer locks)
         self.setup_engine()
+        self._listen(host, port)
+
+    def _listen(self, host: str, port: int) -> None:
         self._server = _Server((host, port), _handler_for(self))
         self._thread = threading.Thread(target=self._server.serve_forever, name=type(self).__name__, daemon=True)
         self._thread.start()
+
+    def restarted(self, engine: ReferenceEngine, host: str, port: int) -> None:
+        """Serve again at `host:port` in front of a fresh `engine` (after `die`): a new process."""
+        self.engine, self.dead, self.crashed, self.armed = engine, False, None, {}
+        self.setup_engine()
+        self._listen(host, port)
 
     def setup_engine(self) -> None:
         """Open what the API needs on the engine before the server takes requests."""
@@ -87,9 +101,20 @@ class EmulatedServer:
         """Whether `path` needs the API key (when the server has one)."""
         return not path.startswith("/_refit/")
 
+    def authorize(self, method: str, path: str, header: str | None) -> _Reply | None:
+        """The refusal of a request its key does not unlock, else None."""
+        if self.api_key and self.requires_key(path) and header != f"Bearer {self.api_key}":
+            return _Reply(401, {"error": {"message": "Unauthorized: API key required"}})
+        return None
+
+    @property
+    def address(self) -> tuple[str, int]:
+        host, port = self._server.server_address[:2]
+        return str(host), int(port)
+
     @property
     def url(self) -> str:
-        host, port = self._server.server_address[:2]
+        host, port = self.address
         return f"http://{host}:{port}"
 
     @property
@@ -104,14 +129,26 @@ class EmulatedServer:
         with contextlib.suppress(Exception):
             self.engine.close()
 
-    def die(self) -> None:
-        """The server goes down (its scheduler died): connections are refused from now on."""
+    def die(self, *, wait: bool = False) -> None:
+        """The server goes down (its scheduler died): connections are refused from now on.
+        `wait`: return once the engine is gone too (else it is closed on a thread)."""
         self.dead = True
         with contextlib.suppress(OSError):  # stop listening now, before any request in flight is dropped
             self._server.socket.shutdown(socket.SHUT_RDWR)  # (a close alone waits for the accept loop's poll)
         with contextlib.suppress(OSError):
             self._server.socket.close()
-        threading.Thread(target=self.close, daemon=True).start()
+        if wait:
+            self.close()
+        else:
+            threading.Thread(target=self.close, daemon=True).start()
+
+    def bucket_hint(self) -> int | None:
+        """The bucket index the driver named for this request (SGLang's and vLLM's bodies carry none)."""
+        return REQUEST.get()[1]
+
+    def invalid(self, detail: Any) -> _Reply:
+        """The answer to a request its schema refuses (FastAPI's default: 422; servers override)."""
+        return _Reply(422, {"detail": detail})
 
     # ---- engine calls --------------------------------------------------------------------------
 
@@ -122,7 +159,9 @@ class EmulatedServer:
             self.die()
             raise _Drop() from None
 
-    def _fault(self, call: str | None, bucket: int | None = None) -> None:
+    def _fault(self, call: str | None = None, bucket: int | None = None) -> None:
+        """Run the fault armed for this refit call (default: the request's), if any."""
+        call = REQUEST.get()[0] if call is None else call
         if call is None or not self.armed:
             return
         fault = self.armed.pop((call, bucket), None) or self.armed.pop((call, None), None)
@@ -154,24 +193,23 @@ class EmulatedServer:
         return route(method, query, body, call)
 
     def _obj(self, body: Any, route: str, required: Sequence[str] = ()) -> dict[str, Any]:
-        """A JSON object body (a missing one is HTTP 422, as FastAPI answers), checked by `validate`."""
+        """A JSON object body (a missing one is refused, as FastAPI refuses it: `invalid`), checked
+        by `validate`."""
         if not isinstance(body, dict):
-            raise _Reply(422, {"detail": [{"type": "missing", "loc": ["body"], "msg": "Field required"}]})
+            raise self.invalid([{"type": "missing", "loc": ["body"], "msg": "Field required"}])
         missing = [k for k in required if k not in body]
         if missing:
-            raise _Reply(
-                422, {"detail": [{"type": "missing", "loc": ["body", k], "msg": "Field required"} for k in missing]}
-            )
+            raise self.invalid([{"type": "missing", "loc": ["body", k], "msg": "Field required"} for k in missing])
         self._check(route, body)
         return body
 
     def _check(self, route: str, body: Any, query: dict[str, list[str]] | None = None) -> None:
-        """Hand the request to `validate(route, body, query)` (a 422 if it refuses), and keep it."""
+        """Hand the request to `validate(route, body, query)` (`invalid` if it refuses), and keep it."""
         if self.validate is not None:
             try:
                 self.validate(route, body, query)
             except Exception as exc:
-                raise _Reply(422, {"detail": f"{type(exc).__name__}: {exc}"}) from None
+                raise self.invalid(f"{type(exc).__name__}: {exc}") from None
         self.received.append((route, body if query is None else {"query": query}))
 
     def _generate(self, ids: Any, max_tokens: int) -> dict[str, Any]:
@@ -189,7 +227,7 @@ class EmulatedServer:
         out, start = [], 0
         for i in range(1, len(versions) + 1):
             if i == len(versions) or versions[i] != versions[start]:
-                out.append({"version": str(versions[start]), "start": start, "end": i})
+                out.append({"version": label_of(versions[start]), "start": start, "end": i})
                 start = i
         return out
 
@@ -238,6 +276,12 @@ class EmulatedServer:
         return {"armed": True}
 
 
+def label_of(version: Any) -> str:
+    """The label an engine server reports for refit's integer version (0: "default", the label
+    SGLang and vLLM start with)."""
+    return "default" if version == 0 else str(version)
+
+
 class _Server(ThreadingHTTPServer):
     """One thread per connection (a request that waits, like /generate while paused, blocks nobody)."""
 
@@ -272,16 +316,17 @@ def _handler_for(emu: EmulatedServer) -> type[BaseHTTPRequestHandler]:
             length = int(self.headers.get("Content-Length") or 0)
             raw = self.rfile.read(length) if length else b""
             try:
-                guarded = emu.api_key and emu.requires_key(parsed.path)
-                if guarded and self.headers.get("Authorization") != f"Bearer {emu.api_key}":
-                    raise _Reply(401, {"error": {"message": "Unauthorized: API key required"}})
+                refused = emu.authorize(method, parsed.path, self.headers.get("Authorization"))
+                if refused is not None:
+                    raise refused
                 try:
                     body = json.loads(raw) if raw else None
                 except ValueError:
-                    raise _Reply(422, {"detail": "body is not JSON"}) from None
+                    raise emu.invalid([{"type": "json_invalid", "loc": ["body"], "msg": "JSON decode error"}]) from None
                 bucket = self.headers.get("x-refit-bucket")
-                emu._request_local.bucket = int(bucket) if bucket is not None else None
-                result = emu.handle(method, parsed.path, parse_qs(parsed.query), body, self.headers.get("x-refit-call"))
+                call = self.headers.get("x-refit-call")
+                REQUEST.set((call, int(bucket) if bucket is not None else None))
+                result = emu.handle(method, parsed.path, parse_qs(parsed.query), body, call)
                 self._send(200, result)
             except _Reply as reply:
                 self._send(reply.status, reply.body)

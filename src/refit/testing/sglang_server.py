@@ -1,29 +1,35 @@
-"""An emulated SGLang server: SGLang's weight-update HTTP API in front of a reference engine.
+"""An emulated SGLang server: SGLang 0.5.23's weight-update HTTP API in front of a reference engine.
 
-Not SGLang. It serves the reference engine (`refit.reference`) behind SGLang 0.5.x's route names,
-request bodies, status codes and answers, including the version traps the SGLang driver must
-handle (anchor-engine-apis.md, section 1), so the driver runs unchanged in CI where no SGLang GPU
-server can:
+Not SGLang. Every behaviour here is SGLang's, read in its source (docs/engines.md has the table with
+the file and function of each); where SGLang crashes, holds a lock or skips a sync, this does too:
 
-  * `version`: the server version it reports (`/server_info`) and behaves as: before 0.5.21 no
-    begin/end session (each update applies and post-processes alone), a flush refused while a
-    paused engine still has retracted requests waiting, and a refused flush inside an update
-    kills the scheduler; 0.5.22+ answers that flush with HTTP 400 "Weights were updated, but the
-    cache was not flushed" (the weights did change); 0.5.21+ refuses tensor/distributed updates
-    outside a session; `/get_weight_version` answers 404 from 0.5.12 (read `/model_info`).
-  * `/update_weight_version` aborts every request in flight unless `abort_all_requests` is false
-    (its default is true), and labels whatever weights the engine holds.
-  * control routes take a JSON object (a POST with no body is HTTP 422); unknown fields are
-    ignored, as SGLang's schema does.
-  * `api_key`: the admin API key every weight route then requires (401 otherwise).
-  * `/generate` with `input_ids` answers `output_ids` and `meta_info.weight_version` (plus
-    `weight_versions` spans when a request straddled an update); it waits while paused.
-  * a dead engine takes the server down: the request in flight loses its connection and later
-    ones are refused.
+  * the whole server dies (the request in flight loses its connection, later ones are refused)
+    wherever SGLang's scheduler raises, since `run_scheduler_process` answers any exception with
+    SIGQUIT to the server, which kills its process tree: a tensor update whose payload cannot be
+    decoded or whose load raises (a wrong name or shape), `release_memory_occupation` of a busy
+    engine (an assert), `resume_memory_occupation` of a tag that was never released (a KeyError),
+    and, up to 0.5.21, an update asked to flush while requests hold KV (an assert);
+  * request validation errors are HTTP 400 with SGLang's `ErrorResponse` body (its handler
+    replaces FastAPI's 422); a POST with no body is one of them;
+  * update, begin and end answer `{"success", "message"}`, HTTP 400 when not successful, with
+    SGLang's texts (the no-session text, "already open", "Weights were updated, but the cache was
+    not flushed ...", "Failed to update parameter online ... partially updated");
+  * outside a pause, begin/end and every update wait for the model's writer lock: for every request
+    in flight to finish, new ones waiting behind it (SGLang's writer-preferring RWLock);
+    `/pause_generation` and `/continue_generation` always answer 200;
+  * `/update_weight_version` aborts every request in flight unless `abort_all_requests` is false;
+    any update or label sets the label, whatever weights the engine holds;
+  * `/server_info` has no identity: its `startup_time` is a dict of startup durations;
+  * `restart()` is a restart: a fresh engine behind the same URL, label "default", no session, no
+    group, nothing released.
 
-`validate(route, body)` is called on every JSON body received (tests pass SGLang's own request
-types there). The server machinery, fault arming and the emulator's own `/_refit/` routes are
-`refit.testing.emulated`'s; the conformance kit reads them through `EmulatedSGLangEngine`.
+`version` picks the behaviours of older releases the driver still meets (before 0.5.21 no
+begin/end session and a flush refused while retracted requests wait; up to 0.5.21 the flush assert;
+before 0.5.12 `/get_weight_version`). `validate(route, body)` is called on every JSON body received
+(tests pass SGLang's own request types). The stdlib HTTP front below maps routes onto the `op_*`
+methods, named after the SGLang tokenizer-manager methods they stand for; tests mount SGLang's own
+FastAPI app over the same methods (tests/sglang_app.py). The server machinery, fault arming and the
+emulator's own `/_refit/` routes are `refit.testing.emulated`'s.
 """
 
 from __future__ import annotations
@@ -31,7 +37,8 @@ from __future__ import annotations
 import base64
 import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from types import SimpleNamespace
 from typing import Any
 
 from refit.drivers.base import ConnectInfo, Payload
@@ -39,19 +46,111 @@ from refit.drivers.buckets import BucketManifest, TensorEntry, TensorMeta, items
 from refit.drivers.flattened import FLATTENED_BUCKET, manifest_from_metadata, peek_metadata
 from refit.drivers.http import version_tuple
 from refit.drivers.reference import ReferenceEngine
-from refit.drivers.sglang import SGLangEngine
+from refit.drivers.sglang import NORMAL_ROUTES, SGLangEngine
 from refit.errors import EngineError
-from refit.testing.emulated import EmulatedServer, EmulatorClient, _Drop, _Reply
+from refit.testing.emulated import EmulatedServer, EmulatorClient, _Drop, _Reply, label_of
 
 GROUP_TIMEOUT_S = 60.0
 MEMORY_TAGS = ("kv_cache", "weights")  # what the reference engine keeps; cuda_graph is accepted and ignored
-ADMIN_FREE = frozenset({"/generate", "/model_info", "/get_model_info", "/server_info", "/get_server_info", "/health"})
+ALL_TAGS = ("weights", "kv_cache", "cuda_graph")  # sglang/srt/constants.py GPU_MEMORY_ALL_TYPES
+
+# SGLang 0.5.23's texts, verbatim (managers/scheduler_components/weight_updater.py, entrypoints/http_server.py)
+NO_SESSION = "{op} must run between begin_weight_update() and end_weight_update()"
+ALREADY_OPEN = "a weight-update session is already open; call end_weight_update() first"
+NOT_OPEN = "no weight-update session is open; call begin_weight_update() first"
+NOT_FLUSHED = (
+    "Weights were updated, but the cache was not flushed because requests are still running or queued. "
+    "Retract or finish them, then call /flush_cache."
+)
+PARTIAL = (
+    "Failed to update parameter online: {e}. The full weights of the ModelRunner are partially updated. "
+    "Please discard the whole weights."
+)
+FLUSHED = (
+    "Cache flushed.\nPlease check backend logs for more details. "
+    "(When there are running or waiting requests, the operation will not be performed.)\n"
+)
+
+# Request fields and defaults of SGLang 0.5.23's io_struct types (managers/io_struct.py) that the
+# emulator reads; a body's other keys are ignored, as SGLang ignores them.
+DEFAULTS: dict[str, dict[str, Any]] = {
+    "/pause_generation": {"mode": "abort"},
+    "/continue_generation": {"torch_empty_cache": True},
+    "/begin_weight_update": {"selector": "all"},
+    "/end_weight_update": {},
+    "/update_weights_from_tensor": {"load_format": None, "flush_cache": True, "abort_all_requests": False,
+                                    "weight_version": None, "selector": "all", "torch_empty_cache": False},
+    "/update_weights_from_distributed": {"load_format": None, "group_name": "weight_update_group", "flush_cache": True,
+                                         "abort_all_requests": False, "weight_version": None, "selector": "all",
+                                         "torch_empty_cache": False},
+    "/init_weights_update_group": {"group_name": "weight_update_group", "backend": "nccl"},
+    "/destroy_weights_update_group": {"group_name": "weight_update_group"},
+    "/update_weight_version": {"abort_all_requests": True},
+    "/release_memory_occupation": {"tags": None},
+    "/resume_memory_occupation": {"tags": None},
+    "/generate": {"input_ids": None, "sampling_params": None},
+}  # fmt: skip
+REQUIRED = {
+    "/update_weights_from_tensor": ("serialized_named_tensors",),
+    "/update_weights_from_distributed": ("names", "dtypes", "shapes"),
+    "/init_weights_update_group": ("master_address", "master_port", "rank_offset", "world_size"),
+    "/update_weight_version": ("new_version",),
+}
+PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+class Crash(Exception):
+    """SGLang's scheduler raised: the server dies (the emulator's `crash`)."""
+
+
+class _RWLock:
+    """sglang/srt/utils/aio_rwlock.py `RWLock`, on threads: readers share it, a writer waits for
+    every reader to leave, and a waiting writer keeps new readers out."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self.readers = 0
+        self._writer = False
+        self._waiting_writers = 0
+
+    @contextlib.contextmanager
+    def reader(self) -> Iterator[None]:
+        with self._cond:
+            self._cond.wait_for(lambda: not self._writer and not self._waiting_writers)
+            self.readers += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self.readers -= 1
+                self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def writer(self) -> Iterator[None]:
+        with self._cond:
+            self._waiting_writers += 1
+            try:
+                self._cond.wait_for(lambda: not self._writer and not self.readers)
+                self._writer = True
+            finally:
+                self._waiting_writers -= 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._writer = False
+                self._cond.notify_all()
+
+    def locked(self) -> bool:
+        with self._cond:
+            return self._writer or self.readers > 0
 
 
 class EmulatedSGLang(EmulatedServer):
     """A loopback HTTP server emulating SGLang `version` in front of `engine` (a reference engine
     driver; the emulator owns it from here on). `url` once started. `decoder`: how the engine reads
-    tensor payloads (``refit``, or ``sglang``: SGLang's own code, which must be importable)."""
+    tensor payloads (``refit``, or ``sglang``: SGLang's own code, which must be importable).
+    `new_engine`: makes the engine of a restarted server (default: none, `restart` refused)."""
 
     def __init__(
         self,
@@ -59,17 +158,44 @@ class EmulatedSGLang(EmulatedServer):
         *,
         version: str = "0.5.23",
         api_key: str | None = None,
+        admin_api_key: str | None = None,
         decoder: str = "refit",
         validate: Callable[..., None] | None = None,
         host: str = "127.0.0.1",
         port: int = 0,
+        new_engine: Callable[[], ReferenceEngine] | None = None,
     ) -> None:
+        """`api_key` / `admin_api_key`: the server's --api-key / --admin-api-key."""
         self.v = version_tuple(version) or (0, 5, 23)
+        self.admin_api_key = admin_api_key
         self.decoder = decoder
-        self.session_open = False
+        self.new_engine = new_engine
+        self._reset_state()
+        super().__init__(engine, version=version, api_key=api_key, validate=validate, host=host, port=port)
+
+    def _reset_state(self) -> None:
+        """What a fresh SGLang process holds."""
+        self.session: str | None = None  # SchedulerWeightUpdaterManager._session (its selector)
+        self.session_loaded = False
+        self.offload_tags: set[str] = set()  # SchedulerWeightUpdaterManager.offload_tags
         self.groups: dict[str, dict[str, Any]] = {}
         self.bucket_count = 0  # buckets of the open session (the index a fault is armed at)
-        super().__init__(engine, version=version, api_key=api_key, validate=validate, host=host, port=port)
+        self.is_pause = False  # TokenizerManager.is_pause, under is_pause_cond
+        self.pause_cond = threading.Condition(threading.RLock())
+        self.model_update_lock = _RWLock()  # TokenizerManager.model_update_lock
+        import random
+
+        rnd = random.Random()
+        # observability/startup_time.py build_engine_startup_time: durations, no identity
+        self.startup_durations = {
+            "load_weight": round(rnd.uniform(0.5, 3.0), 4), "kv_cache_allocation": round(rnd.uniform(0.1, 1.0), 4),
+            "scheduler_e2e": round(rnd.uniform(2.0, 9.0), 4), "cuda_graph": {},
+            "tokenizer_e2e": round(rnd.uniform(2.0, 9.0), 4),
+        }  # fmt: skip
+
+    @property
+    def session_open(self) -> bool:
+        return self.session is not None
 
     def setup_engine(self) -> None:
         """Tensor payloads carry their own handles: the engine's receiver for them is always open."""
@@ -83,17 +209,342 @@ class EmulatedSGLang(EmulatedServer):
             ),
         )
 
-    def requires_key(self, path: str) -> bool:
-        return path not in ADMIN_FREE and super().requires_key(path)
+    def restart(self) -> None:
+        """The server process dies and a new one starts at the same address (what an orchestrator
+        does): a fresh engine from `new_engine`, label "default", no session, group or release."""
+        if self.new_engine is None:
+            raise RuntimeError("this emulated server was started without new_engine: it cannot restart")
+        host, port = self.address
+        self.die(wait=True)
+        self._reset_state()
+        self.label = "default"
+        self.restarted(self.new_engine(), host, port)
+
+    def authorize(self, method: str, path: str, header: str | None) -> _Reply | None:
+        """utils/auth.py `decide_request_auth`: /health* always open; the weight and control routes
+        (ADMIN_OPTIONAL) take the admin key if the server has one, else its api_key; the others
+        (NORMAL) take the api_key if it has one, else nothing. Refused: 401 {"error": "Unauthorized"}."""
+        if path.startswith(("/health", "/ready", "/metrics", "/_refit/")):
+            return None
+        key = self.api_key if path in NORMAL_ROUTES else self.admin_api_key or self.api_key
+        if key and header != f"Bearer {key}":
+            return _Reply(401, {"error": "Unauthorized"})
+        return None
+
+    def invalid(self, detail: Any) -> _Reply:
+        """SGLang's RequestValidationError handler (entrypoints/http_server.py): 400, ErrorResponse."""
+        return _Reply(400, {"object": "error", "message": str(detail), "type": "Bad Request", "param": None,
+                            "code": 400})  # fmt: skip
+
+    def _req(self, body: Any, route: str) -> SimpleNamespace:
+        """The request object SGLang's schema makes of a JSON body: required fields, defaults."""
+        obj = self._obj(body, route, REQUIRED.get(route, ()))
+        return SimpleNamespace(**{**DEFAULTS.get(route, {}), **obj})
+
+    def crash(self, why: str) -> _Drop:
+        """SGLang's scheduler raised (`run_scheduler_process` sends SIGQUIT; the server's handler
+        kills the process tree): the engine and the server go down, the caller's request unanswered."""
+        self.crashed = why
+        with contextlib.suppress(Exception):
+            self.engine.client.call("arm_fault", "kill", "ping", None, 0.0, timeout=5.0)
+            self.engine.client.call("ping", timeout=5.0)
+        self.die()
+        return _Drop()
+
+    # ---- the tokenizer manager's pause and locks (managers/tokenizer_manager.py) ---------------
+
+    def _weights_call(self, fn: Callable[[], Any]) -> Any:
+        """`_weight_update_session_call` / `update_weights_from_*`: paused, run at once holding
+        is_pause_cond (continue_generation waits); otherwise under the model's writer lock."""
+        with self.pause_cond:
+            if self.is_pause:
+                return fn()
+        with self.model_update_lock.writer():
+            return fn()
+
+    def _idle(self) -> bool:
+        """Scheduler.is_fully_idle(ignore_waiting=paused): nothing running, and nothing waiting
+        unless the engine is paused (before 0.5.21 the waiting queue always counts)."""
+        info = self._engine("info")
+        ignore_waiting = info["paused"] and self.v >= (0, 5, 21)
+        return not info["running"] and (ignore_waiting or not info["waiting"])
+
+    def _flush(self) -> bool:
+        """Scheduler.flush_cache: refused unless fully idle."""
+        if not self._idle():
+            return False
+        try:
+            self._engine("flush")
+        except EngineError:
+            return False
+        return True
+
+    # ---- operations (one per tokenizer-manager method) ----------------------------------------
+
+    def op_pause_generation(self, obj: Any) -> None:
+        """TokenizerManager.pause_generation: is_pause, then abort everything (until the model lock
+        is free) or hand the mode to the scheduler (retract / in_place)."""
+        self._fault()
+        with self.pause_cond:
+            self.is_pause = True
+            self._engine("pause", obj.mode)
+        if obj.mode == "abort":
+            with self.model_update_lock._cond:
+                self.model_update_lock._cond.wait_for(lambda: not self.model_update_lock.readers, timeout=60.0)
+
+    def op_continue_generation(self, obj: Any) -> None:
+        self._fault()
+        with self.pause_cond:
+            self.is_pause = False
+            self._engine("continue_generation")
+            self.pause_cond.notify_all()
+
+    def op_flush_cache(self, timeout_s: float | None) -> tuple[bool, str]:
+        self._fault()
+        with self._lock:
+            return self._flush(), ""
+
+    def op_begin_weight_update(self, obj: Any) -> tuple[bool, str]:
+        self._fault()
+
+        def run() -> tuple[bool, str]:
+            with self._lock:
+                if self.session is not None:
+                    return False, ALREADY_OPEN
+                self._scheduler("begin", None)
+                self.session, self.session_loaded, self.bucket_count = obj.selector, False, 0
+                return True, "Success"
+
+        return self._weights_call(run)
+
+    def op_end_weight_update(self, obj: Any) -> tuple[bool, str]:
+        self._fault()
+
+        def run() -> tuple[bool, str]:
+            with self._lock:
+                if self.session is None:
+                    return False, NOT_OPEN
+                self.session = None
+                self._scheduler("finalize")
+                return True, "Success"
+
+        return self._weights_call(run)
+
+    def _scheduler(self, method: str, *args: Any) -> Any:
+        """An engine call in SGLang's scheduler: anything it raises kills the server."""
+        try:
+            return self._engine(method, *args)
+        except EngineError as exc:
+            raise self.crash(f"{method}: {exc.kind}: {exc.message}") from None
+
+    def _after_update(self, obj: Any) -> tuple[bool, str]:
+        """What follows a successful load: the session marks a load, the label, the flush."""
+        self.session_loaded = True
+        self.bucket_count += 1
+        success, message = True, "Success"
+        if obj.flush_cache and not self._flush():
+            if self.v <= (0, 5, 21):  # `assert` in the scheduler (before 0.5.22): the server dies
+                raise self.crash("Cache flush failed after updating weights")
+            success, message = False, NOT_FLUSHED
+        return success, message
+
+    def _label_after(self, obj: Any, success: bool, message: str) -> tuple[bool, str]:
+        """The tokenizer manager labels the weights after a successful update carrying a version."""
+        if success and obj.weight_version is not None:
+            self._label(str(obj.weight_version))
+            message += f" Weight version updated to {obj.weight_version}."
+        return success, message
+
+    def op_update_weights_from_tensor(self, obj: Any) -> tuple[bool, str]:
+        """Session check, then the scheduler decodes its own rank's entry and loads it: a failure
+        there raises in the scheduler (SGLang catches none of it) and the server dies."""
+        if obj.abort_all_requests:
+            self._engine("abort_requests")
+        entries = obj.serialized_named_tensors
+
+        def run() -> tuple[bool, str]:
+            with self._lock:
+                if self.session is None and self.v >= (0, 5, 21):
+                    return False, NO_SESSION.format(op="update_weights_from_tensor")
+                index = self._bucket_index()
+                self._fault(bucket=index)
+                try:
+                    payload = self._tensor_payload(entries, obj.load_format, index)
+                except Exception as exc:
+                    raise self.crash(f"deserialize_own_rank: {type(exc).__name__}: {exc}") from None
+                if self.session is None:  # before 0.5.21 each update begins and post-processes alone
+                    self._scheduler("begin", None)
+                    self._scheduler("load", payload)
+                    self._scheduler("finalize")
+                else:
+                    self._scheduler("load", payload)
+                return self._after_update(obj)
+
+        return self._label_after(obj, *self._weights_call(run))
+
+    def _bucket_index(self) -> int:
+        hint = self.bucket_hint()
+        return self.bucket_count if hint is None else hint
+
+    def _tensor_payload(self, entries: Any, load_format: Any, index: int) -> Payload:
+        """Each TP rank's own entry (`deserialize_own_rank` indexes by TP rank)."""
+        if load_format != FLATTENED_BUCKET:
+            raise NotImplementedError(f"load_format {load_format!r}: this emulator serves flattened_bucket only")
+        raw = [e if isinstance(e, bytes) else base64.b64decode(e, validate=True) for e in entries]
+        if len(raw) < self.tp:
+            raise IndexError("list index out of range")
+        manifest = manifest_from_metadata(index, peek_metadata(raw[0]))
+        return Payload("sglang_tensor", manifest, {}, tuple({"serialized": r} for r in raw[: self.tp]))
+
+    def op_update_weights_from_distributed(self, obj: Any) -> tuple[bool, str]:
+        """Session check, then receive (a failure is answered: "Failed to receive weights") and load
+        (a failure is answered too, the weights partially updated)."""
+        if obj.abort_all_requests:
+            self._engine("abort_requests")
+
+        def run() -> tuple[bool, str]:
+            with self._lock:
+                if self.session is None and self.v >= (0, 5, 21):
+                    return False, NO_SESSION.format(op="update_weights_from_distributed")
+                index = self._bucket_index()
+                self._fault(bucket=index)
+                if obj.group_name not in self.groups:
+                    return False, f"Failed to receive weights: {obj.group_name!r}"
+                try:
+                    payload = self._distributed_payload(obj, index)
+                except ValueError as exc:
+                    return False, f"Failed to receive weights: {exc}"
+                try:
+                    if self.session is None:
+                        self._engine("begin", None)
+                    self._engine("load", payload)
+                    if self.session is None:
+                        self._engine("finalize")
+                except EngineError as exc:
+                    if exc.kind == "bad_payload":
+                        return False, f"Failed to receive weights: {exc.message}"
+                    return False, PARTIAL.format(e=exc.message)
+                return self._after_update(obj)
+
+        return self._label_after(obj, *self._weights_call(run))
+
+    def _distributed_payload(self, obj: Any, index: int) -> Payload:
+        entries, offset = [], 0
+        for name, dtype, shape in zip(obj.names, obj.dtypes, obj.shapes, strict=True):
+            meta = TensorMeta(name, str(dtype).removeprefix("torch."), tuple(int(d) for d in shape))
+            if obj.load_format == FLATTENED_BUCKET and offset % itemsize(meta.dtype):
+                raise ValueError(f"Unaligned received tensor {name}: byte offset {offset}, dtype torch.{meta.dtype}")
+            entries.append(TensorEntry(meta, offset))
+            offset += meta.nbytes
+        manifest = BucketManifest(index, tuple(entries), offset)
+        return Payload("sglang_broadcast", manifest, {"load_format": obj.load_format}, ({},) * self.tp)
+
+    def op_init_weights_update_group(self, obj: Any) -> tuple[bool, str]:
+        self._fault()
+        with self._lock:
+            name = obj.group_name
+            if name in self.groups:  # torch refuses a second group of one name
+                return False, (
+                    "Failed to initialize custom process group: The specified group name has already been created, "
+                    "please use a different group name."
+                )
+            info = ConnectInfo(
+                "sglang_broadcast",
+                "refit.drivers.flattened:SGLangBroadcastReceiver",
+                fields={
+                    "addr": obj.master_address, "port": int(obj.master_port), "world": int(obj.world_size),
+                    "group": name, "backend": obj.backend, "timeout_s": GROUP_TIMEOUT_S,
+                },
+                parts=tuple({"rank": int(obj.rank_offset) + j} for j in range(self.tp)),
+            )  # fmt: skip
+            try:
+                self._engine("attach", info)
+            except EngineError as exc:
+                return False, f"Failed to initialize custom process group: {exc.message}."
+            fields = ("master_address", "master_port", "rank_offset", "world_size", "backend")
+            self.groups[name] = {k: getattr(obj, k, None) for k in fields}
+            return True, "Succeeded to initialize custom process group."
+
+    def op_destroy_weights_update_group(self, obj: Any) -> tuple[bool, str]:
+        self._fault()
+        with self._lock:
+            if self.groups.pop(obj.group_name, None) is None:
+                return False, "The group to be destroyed does not exist."
+            self._engine("detach", "sglang_broadcast")
+            return True, "Succeeded to destroy custom process group."
+
+    def op_abort_all(self) -> None:
+        self._engine("abort_requests")
+
+    def op_update_weight_version(self, obj: Any) -> None:
+        self._fault()
+        self._label(str(obj.new_version))
+
+    def op_release_memory_occupation(self, obj: Any) -> None:
+        """SchedulerWeightUpdaterManager.release_memory_occupation: asserts the engine is idle."""
+        self._fault()
+        with self._lock:
+            if not self._idle():
+                raise self.crash("AssertionError: release_memory_occupation should be called only when server is idle.")
+            tags = list(obj.tags or ALL_TAGS)
+            self.offload_tags |= set(tags)
+            self._scheduler("release_memory", [t for t in tags if t in MEMORY_TAGS])
+
+    def op_resume_memory_occupation(self, obj: Any) -> None:
+        """`offload_tags.remove(tag)` for each tag: a tag never released raises KeyError."""
+        self._fault()
+        with self._lock:
+            tags = list(obj.tags or ALL_TAGS)
+            for tag in tags:
+                if tag not in self.offload_tags:
+                    raise self.crash(f"KeyError: {tag!r}")
+                self.offload_tags.remove(tag)
+            self._scheduler("resume_memory", [t for t in tags if t in MEMORY_TAGS])
+
+    def op_generate(self, obj: Any) -> dict[str, Any]:
+        """A request waits while paused, then holds the model's reader lock for its whole life."""
+        params = obj.sampling_params or {}
+        ids = obj.input_ids
+        with self.pause_cond:
+            self.pause_cond.wait_for(lambda: not self.is_pause)
+        with self.model_update_lock.reader():
+            out = self._generate(ids, int(params.get("max_new_tokens", 128)))
+        tokens, versions = out.get("output") or [], out.get("weight_versions") or []
+        meta: dict[str, Any] = {
+            "finish_reason": {"type": out.get("finish_reason")},
+            "prompt_tokens": len(ids),
+            "completion_tokens": len(tokens),
+            "num_retractions": int(out.get("num_retractions") or 0),
+            "weight_version": label_of(versions[-1]) if versions else self.label,
+        }
+        if len(set(versions)) > 1:  # SGLang reports spans only for a request that straddled an update
+            meta["weight_versions"] = self.spans(versions)
+        return {"text": "", "output_ids": tokens, "meta_info": meta}
+
+    def model_info(self) -> dict[str, Any]:
+        return {"model_path": "refit-reference (emulated SGLang)", "weight_version": self.label, "is_generation": True}
+
+    def server_info(self) -> dict[str, Any]:
+        self._fault()
+        return {"version": self.version, "startup_time": self.startup_durations, "internal_states": [{}],
+                "tp_size": self.tp, "frontend": "python"}  # fmt: skip
+
+    # ---- the HTTP front (entrypoints/http_server.py routes) -----------------------------------
+
+    @staticmethod
+    def _answer(result: tuple[bool, str]) -> Any:
+        success, message = result
+        if not success:
+            raise _Reply(400, {"success": False, "message": message})
+        return {"success": True, "message": message}
 
     def r_server_info(self, method: str, query: Any, body: Any, call: str | None) -> Any:
-        self._fault(call)
-        return {"version": self.version, "startup_time": self.startup_time, "internal_states": [{}], "tp_size": self.tp}
+        return self.server_info()
 
     r_get_server_info = r_server_info
 
     def r_model_info(self, method: str, query: Any, body: Any, call: str | None) -> Any:
-        return {"model_path": "refit-reference (emulated SGLang)", "weight_version": self.label, "is_generation": True}
+        return self.model_info()
 
     r_get_model_info = r_model_info
 
@@ -108,246 +559,80 @@ class EmulatedSGLang(EmulatedServer):
         return None
 
     def r_pause_generation(self, method: str, query: Any, body: Any, call: str | None) -> Any:
-        obj = self._obj(body, "/pause_generation")
-        mode = obj.get("mode", "abort")
-        if mode not in (("abort", "retract", "in_place") if self.v >= (0, 5, 6) else ("abort",)):
-            raise _Reply(422, {"detail": f"mode {mode!r} is not one of abort, retract, in_place"})
-        self._fault(call)
-        self._engine("pause", mode)
+        obj = self._req(body, "/pause_generation")
+        if obj.mode not in (PAUSE_MODES if self.v >= (0, 5, 6) else ("abort",)):
+            raise self.invalid(f"mode: Input should be 'abort', 'retract' or 'in_place' (got {obj.mode!r})")
+        self.op_pause_generation(obj)
         return {"message": "Generation paused successfully.", "status": "ok"}
 
     def r_continue_generation(self, method: str, query: Any, body: Any, call: str | None) -> Any:
-        self._obj(body, "/continue_generation")
-        self._fault(call)
-        self._engine("continue_generation")
+        obj = self._req(body, "/continue_generation")
+        self.op_continue_generation(obj)
         return {"message": "Generation continued successfully.", "status": "ok"}
 
     def r_flush_cache(self, method: str, query: Any, body: Any, call: str | None) -> Any:
-        self._fault(call)
-        if not self._flush():
-            raise _Reply(400, "Cache not flushed because there are pending requests.")
-        return "Cache flushed.\nPlease check backend logs for more details."
-
-    def _flush(self) -> bool:
-        info = self._engine("info")
-        if self.v < (0, 5, 21) and info["paused"] and info["waiting"]:
-            return False  # the waiting queue counts before 0.5.21 (sglang#33783)
-        try:
-            self._engine("flush")
-        except EngineError:
-            return False
-        return True
+        success, message = self.op_flush_cache(None)
+        if not success:
+            raise _Reply(400, message or "Flush cache failed.\n")
+        return FLUSHED
 
     def r_begin_weight_update(self, method: str, query: Any, body: Any, call: str | None) -> Any:
         if self.v < (0, 5, 21):
             raise _Reply(404, {"detail": "Not Found"})
-        self._obj(body, "/begin_weight_update")
-        with self._lock:
-            self._fault(call)
-            if self.session_open:
-                raise _Reply(400, {"success": False, "message": "A weight update session is already open."})
-            self._engine("begin", None)
-            self.session_open, self.bucket_count = True, 0
-        return {"success": True, "message": "Weight update session started."}
+        obj = self._req(body, "/begin_weight_update")
+        return self._answer(self.op_begin_weight_update(obj))
 
     def r_end_weight_update(self, method: str, query: Any, body: Any, call: str | None) -> Any:
         if self.v < (0, 5, 21):
             raise _Reply(404, {"detail": "Not Found"})
-        self._obj(body, "/end_weight_update")
-        with self._lock:
-            self._fault(call)
-            if not self.session_open:
-                raise _Reply(400, {"success": False, "message": "No active weight update session."})
-            self.session_open = False
-            try:
-                self._engine("finalize")
-            except EngineError as exc:
-                raise _Reply(400, {"success": False, "message": exc.message}) from None
-        return {"success": True, "message": "Weight update session ended."}
-
-    def _update(self, route: str, obj: dict[str, Any], payload_of: Callable[[int], Payload], call: str | None) -> Any:
-        """One tensor/distributed update: session rules, the load, the flush inside it, the label."""
-        with self._lock:
-            implicit = self.v < (0, 5, 21)
-            if not implicit and not self.session_open:
-                name = route.strip("/")
-                raise _Reply(
-                    400,
-                    {
-                        "success": False,
-                        "message": f"{name} must run between begin_weight_update() and end_weight_update().",
-                    },
-                )
-            hint = getattr(self._request_local, "bucket", None)
-            index = self.bucket_count if hint is None else hint
-            try:
-                payload = payload_of(index)
-            except ValueError as exc:
-                raise _Reply(400, {"success": False, "message": str(exc)}) from None
-            self._fault(call, index)
-            if obj.get("abort_all_requests"):
-                self._engine("abort_requests")
-            try:
-                if implicit:
-                    self._engine("begin", None)
-                self._engine("load", payload)
-                if implicit:
-                    self._engine("finalize")
-            except EngineError as exc:
-                raise _Reply(400, {"success": False, "message": f"{exc.kind}: {exc.message}"}) from None
-            self.bucket_count += 1
-            if obj.get("flush_cache", True) and not self._flush():
-                if self.v <= (0, 5, 21):  # an assert in the scheduler: the server dies
-                    self._engine("arm_fault", "kill", "ping", None, 0.0)
-                    with contextlib.suppress(_Drop):
-                        self._engine("ping")
-                    self.die()
-                    raise _Drop()
-                raise _Reply(
-                    400,
-                    {
-                        "success": False,
-                        "message": "Weights were updated, but the cache was not flushed because requests are still "
-                        "running or queued. Retry /flush_cache after they finish.",
-                    },
-                )
-            message = "Succeeded to update model weights."
-            if obj.get("weight_version") is not None:
-                self._label(str(obj["weight_version"]))
-                message += f" Weight version updated to {obj['weight_version']}."
-        return {"success": True, "message": message}
+        obj = self._req(body, "/end_weight_update")
+        return self._answer(self.op_end_weight_update(obj))
 
     def r_update_weights_from_tensor(self, method: str, query: Any, body: Any, call: str | None) -> Any:
-        obj = self._obj(body, "/update_weights_from_tensor", ["serialized_named_tensors"])
-        entries = obj["serialized_named_tensors"]
-
-        def payload_of(index: int) -> Payload:
-            if obj.get("load_format") != FLATTENED_BUCKET:
-                raise ValueError(f"load_format {obj.get('load_format')!r}: this emulator serves flattened_bucket only")
-            if not isinstance(entries, list) or len(entries) < self.tp:
-                raise ValueError(f"serialized_named_tensors has {len(entries)} entries for TP size {self.tp}")
-            try:
-                raw = [base64.b64decode(e, validate=True) for e in entries[: self.tp]]
-            except Exception as exc:
-                raise ValueError(f"serialized_named_tensors: not base64 ({exc})") from None
-            try:
-                manifest = manifest_from_metadata(index, peek_metadata(raw[0]))
-            except Exception as exc:
-                raise ValueError(f"cannot read the flattened bucket: {type(exc).__name__}: {exc}") from None
-            return Payload("sglang_tensor", manifest, {}, tuple({"serialized": r} for r in raw))
-
-        return self._update("/update_weights_from_tensor", obj, payload_of, call)
+        obj = self._req(body, "/update_weights_from_tensor")
+        entries = obj.serialized_named_tensors
+        if not isinstance(entries, list) or not all(isinstance(e, str) for e in entries):
+            raise self.invalid("serialized_named_tensors: Input should be a valid list of base64 strings")
+        try:  # SGLang's Base64Bytes marker decodes them while validating (utils/msgspec_utils.py)
+            obj.serialized_named_tensors = [base64.b64decode(e, validate=True) for e in entries]
+        except ValueError:
+            raise self.invalid("serialized_named_tensors: Value error, Expected base64-encoded bytes") from None
+        return self._answer(self.op_update_weights_from_tensor(obj))
 
     def r_init_weights_update_group(self, method: str, query: Any, body: Any, call: str | None) -> Any:
-        obj = self._obj(
-            body, "/init_weights_update_group", ["master_address", "master_port", "rank_offset", "world_size"]
-        )
-        name = obj.get("group_name", "weight_update_group")
-        self._fault(call)
-        if name in self.groups:
-            raise _Reply(
-                400,
-                {
-                    "success": False,
-                    "message": f"Failed to initialize custom process group: group {name!r} already exists.",
-                },
-            )
-        info = ConnectInfo(
-            "sglang_broadcast",
-            "refit.drivers.flattened:SGLangBroadcastReceiver",
-            fields={
-                "addr": obj["master_address"], "port": int(obj["master_port"]), "world": int(obj["world_size"]),
-                "group": name, "backend": obj.get("backend", "nccl"), "timeout_s": GROUP_TIMEOUT_S,
-            },
-            parts=tuple({"rank": int(obj["rank_offset"]) + j} for j in range(self.tp)),
-        )  # fmt: skip
-        try:
-            self._engine("attach", info)
-        except EngineError as exc:
-            raise _Reply(
-                400, {"success": False, "message": f"Failed to initialize custom process group: {exc.message}"}
-            ) from None
-        self.groups[name] = obj
-        return {"success": True, "message": "Succeeded to initialize custom process group."}
+        obj = self._req(body, "/init_weights_update_group")
+        return self._answer(self.op_init_weights_update_group(obj))
 
     def r_destroy_weights_update_group(self, method: str, query: Any, body: Any, call: str | None) -> Any:
-        obj = self._obj(body, "/destroy_weights_update_group")
-        name = obj.get("group_name", "weight_update_group")
-        self._fault(call)
-        if self.groups.pop(name, None) is None:
-            raise _Reply(400, {"success": False, "message": f"The group {name!r} does not exist."})
-        self._engine("detach", "sglang_broadcast")
-        return {"success": True, "message": "Succeeded to destroy custom process group."}
+        obj = self._req(body, "/destroy_weights_update_group")
+        return self._answer(self.op_destroy_weights_update_group(obj))
 
     def r_update_weights_from_distributed(self, method: str, query: Any, body: Any, call: str | None) -> Any:
-        obj = self._obj(body, "/update_weights_from_distributed", ["names", "dtypes", "shapes"])
-
-        def payload_of(index: int) -> Payload:
-            if obj.get("group_name", "weight_update_group") not in self.groups:
-                raise ValueError(f"group {obj.get('group_name')!r} is not initialized")
-            entries, offset = [], 0
-            for name, dtype, shape in zip(obj["names"], obj["dtypes"], obj["shapes"], strict=True):
-                meta = TensorMeta(name, dtype, tuple(int(d) for d in shape))
-                if obj.get("load_format") == FLATTENED_BUCKET and offset % itemsize(dtype):
-                    raise ValueError(f"Unaligned received tensor {name}: byte offset {offset}, dtype torch.{dtype}")
-                entries.append(TensorEntry(meta, offset))
-                offset += meta.nbytes
-            manifest = BucketManifest(index, tuple(entries), offset)
-            return Payload("sglang_broadcast", manifest, {"load_format": obj.get("load_format")}, ({},) * self.tp)
-
-        return self._update("/update_weights_from_distributed", obj, payload_of, call)
+        obj = self._req(body, "/update_weights_from_distributed")
+        return self._answer(self.op_update_weights_from_distributed(obj))
 
     def r_update_weight_version(self, method: str, query: Any, body: Any, call: str | None) -> Any:
-        obj = self._obj(body, "/update_weight_version", ["new_version"])
-        self._fault(call)
-        if obj.get("abort_all_requests", True):  # SGLang's default: every request in flight is aborted
-            self._engine("abort_requests")
-        self._label(str(obj["new_version"]))
-        return {"success": True, "message": "Weight version updated.", "new_version": self.label}
+        obj = self._req(body, "/update_weight_version")
+        if obj.abort_all_requests:  # SGLang's default: every request in flight is aborted
+            self.op_abort_all()
+        self.op_update_weight_version(obj)
+        return {"success": True, "message": f"Weight version updated to {obj.new_version}",
+                "new_version": obj.new_version}  # fmt: skip
 
     def r_release_memory_occupation(self, method: str, query: Any, body: Any, call: str | None) -> Any:
-        obj = self._obj(body, "/release_memory_occupation")
-        self._fault(call)
-        try:
-            self._engine("release_memory", self._tags(obj))
-        except EngineError as exc:
-            raise _Reply(400, {"error": {"message": exc.message}}) from None
-        return None
+        obj = self._req(body, "/release_memory_occupation")
+        self.op_release_memory_occupation(obj)
 
     def r_resume_memory_occupation(self, method: str, query: Any, body: Any, call: str | None) -> Any:
-        obj = self._obj(body, "/resume_memory_occupation")
-        self._fault(call)
-        try:
-            self._engine("resume_memory", self._tags(obj))
-        except EngineError as exc:
-            raise _Reply(400, {"error": {"message": exc.message}}) from None
-        return None
-
-    @staticmethod
-    def _tags(obj: dict[str, Any]) -> list[str]:
-        tags = obj.get("tags") or ["kv_cache", "weights", "cuda_graph"]
-        return [t for t in tags if t in MEMORY_TAGS]
+        obj = self._req(body, "/resume_memory_occupation")
+        self.op_resume_memory_occupation(obj)
 
     def r_generate(self, method: str, query: Any, body: Any, call: str | None) -> Any:
-        obj = self._obj(body, "/generate")
-        params = obj.get("sampling_params") or {}
-        ids = obj.get("input_ids")
-        out = self._generate(ids, int(params.get("max_new_tokens", 16)))
-        tokens, versions = out.get("output") or [], out.get("weight_versions") or []
-        meta: dict[str, Any] = {
-            "finish_reason": {"type": out.get("finish_reason")},
-            "prompt_tokens": len(ids),
-            "completion_tokens": len(tokens),
-            "num_retractions": int(out.get("num_retractions") or 0),
-            "weight_version": str(versions[-1]) if versions else self.label,
-        }
-        if len(set(versions)) > 1:  # SGLang reports spans only for a request that straddled an update
-            meta["weight_versions"] = self.spans(versions)
-        return {"text": "", "output_ids": tokens, "meta_info": meta}
+        return self.op_generate(self._req(body, "/generate"))
 
     def r__refit__info(self, method: str, query: Any, body: Any, call: str | None) -> Any:
         return {**super().r__refit__info(method, query, body, call), "session_open": self.session_open,
-                "groups": list(self.groups)}  # fmt: skip
+                "groups": list(self.groups), "offload_tags": sorted(self.offload_tags)}  # fmt: skip
 
 
 class EmulatedSGLangEngine(EmulatorClient, SGLangEngine):
@@ -357,7 +642,9 @@ class EmulatedSGLangEngine(EmulatorClient, SGLangEngine):
     def __init__(self, name: str, server: EmulatedSGLang, **kwargs: Any) -> None:
         self.server = server
         self._bucket = threading.local()
-        super().__init__(name, server.url, api_key=server.api_key, tp=server.tp, **kwargs)
+        kwargs.setdefault("api_key", server.api_key)
+        kwargs.setdefault("admin_api_key", server.admin_api_key)
+        super().__init__(name, server.url, tp=server.tp, **kwargs)
 
     @classmethod
     def start(
@@ -367,16 +654,25 @@ class EmulatedSGLangEngine(EmulatorClient, SGLangEngine):
         version: str = "0.5.23",
         tp: int = 1,
         api_key: str | None = None,
+        admin_api_key: str | None = None,
         seed: int = 0,
         config: Any = None,
         in_thread: bool = False,
         decoder: str = "refit",
         validate: Callable[..., None] | None = None,
+        server: Callable[..., EmulatedSGLang] | None = None,
     ) -> EmulatedSGLangEngine:
-        """A fresh reference engine (own processes, or a thread) behind a new emulated server."""
-        if in_thread:
-            engine = ReferenceEngine.in_thread(name, config, seed)
-        else:
-            engine = ReferenceEngine.spawn(name, config, seed, tp=tp)
-        server = EmulatedSGLang(engine, version=version, api_key=api_key, decoder=decoder, validate=validate)
-        return cls(name, server)
+        """A fresh reference engine (own processes, or a thread) behind a new emulated server.
+        `server`: the server class (tests pass one that mounts SGLang's own FastAPI app)."""
+
+        def new_engine() -> ReferenceEngine:
+            if in_thread:
+                return ReferenceEngine.in_thread(name, config, seed)
+            return ReferenceEngine.spawn(name, config, seed, tp=tp)
+
+        make = server or EmulatedSGLang
+        emu = make(
+            new_engine(), version=version, api_key=api_key, admin_api_key=admin_api_key, decoder=decoder,
+            validate=validate, new_engine=new_engine,
+        )  # fmt: skip
+        return cls(name, emu)

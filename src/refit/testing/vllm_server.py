@@ -99,6 +99,10 @@ class EmulatedVLLM(EmulatedServer):
         self.bucket_count = 0
         super().__init__(engine, version=version, api_key=api_key, validate=validate, host=host, port=port)
 
+    def invalid(self, detail: Any) -> _Reply:
+        """vLLM's validation handler (entrypoints/serve/exception_handling/handlers/validation.py): 400."""
+        return _bad_request(str(detail))
+
     def requires_key(self, path: str) -> bool:
         return path.startswith("/v1")  # vLLM guards /v1 (and a few other prefixes), not the RL routes
 
@@ -274,7 +278,7 @@ class EmulatedVLLM(EmulatedServer):
         with self._lock:
             if not self.session_open:
                 raise _rpc_error("start_weight_update must be called before update_weights.")
-            hint = getattr(self._request_local, "bucket", None)
+            hint = self.bucket_hint()
             index = self.bucket_count if hint is None else hint
             self._fault(call, index)
             try:
