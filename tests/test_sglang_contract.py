@@ -186,6 +186,51 @@ def test_transport_payloads_decode_with_sglang_per_engine_tp_rank() -> None:
         transport.disconnect()
 
 
+def test_cuda_payloads_name_the_gpu_by_uuid_in_sglangs_form() -> None:
+    """SGLang's senders patch torch's reductions (sglang/srt/utils/patch_torch.py): a CUDA tensor is
+    rebuilt by SGLang's `_rebuild_cuda_tensor_modified`, its device argument (index 6) the GPU's
+    UUID, so processes that number one GPU differently (CUDA_VISIBLE_DEVICES per Ray actor) agree.
+    No CUDA here: a stand-in object takes torch's CUDA reduction's place, and the stream refit writes
+    is checked opcode by opcode, against SGLang's own allow-list and its own device mapping."""
+    import io
+    import pickletools
+
+    sglang()  # SGLang's CUDA-only imports stood in
+    from sglang.srt.utils import patch_torch
+    from sglang.srt.utils.common import SafeUnpickler
+
+    from refit.drivers import flattened as fl
+
+    class FakeCuda:  # what torch's reduce_tensor returns for a CUDA tensor: (rebuild_cuda_tensor, 15 args)
+        pass
+
+    args = (torch.Tensor, (4,), (1,), 0, torch.UntypedStorage, torch.uint8, 2, b"h" * 64, 4, 0, False,
+            b"/torch_1_2", 7, b"e" * 64, True)  # fmt: skip
+    buf = io.BytesIO()
+    pickler = fl._SGLangPickler(buf)
+    pickler.dispatch_table[FakeCuda] = lambda obj: (
+        fl.rebuild_cuda_tensor_by_uuid,
+        (*args[: fl.DEVICE_ARG], "GPU-uuid-of-2", *args[fl.DEVICE_ARG + 1 :]),
+    )
+    pickler.dump(
+        {
+            "flattened_tensor": FakeCuda(),
+            "metadata": fl.metadata_of(plan_flattened([TensorMeta("w", "uint8", (4,))], 8)[0]),
+        }
+    )
+    globals_named = [
+        arg for op, arg, _ in pickletools.genops(buf.getvalue()) if op.name in ("SHORT_BINUNICODE", "BINUNICODE")
+    ]
+    assert "sglang.srt.utils.patch_torch" in globals_named and "_rebuild_cuda_tensor_modified" in globals_named
+    assert "GPU-uuid-of-2" in globals_named
+    assert fl.SGLANG_REBUILD in SafeUnpickler.ALLOWED_GLOBALS  # SGLang's receiver accepts the name
+    assert patch_torch._REDUCE_TENSOR_ARG_DEVICE_INDEX == fl.DEVICE_ARG  # and reads the UUID where we put it
+    assert fl._SafeUnpickler(io.BytesIO(b"")).find_class(*fl.SGLANG_REBUILD) is fl.rebuild_cuda_tensor_by_uuid
+    # torch's own reduction, untouched, for a CPU tensor
+    cpu = torch.arange(4, dtype=torch.uint8)
+    assert fl.sglang_cuda_reduce(cpu)[0] is not fl.rebuild_cuda_tensor_by_uuid
+
+
 def test_every_control_body_validates_against_sglang_types() -> None:
     """The bodies the driver sends to control routes (SGLang refuses a POST without a JSON body)."""
     for route, body in {
@@ -309,3 +354,39 @@ def test_trainer_group_joins_engine_ranks_built_by_sglang(tmp_path: Path) -> Non
             assert sorted(got) == sorted(tensors)
             for name, want in tensors.items():
                 assert _bits(got[name]) == _bits(want), (group["flattened"], name)
+
+
+def test_a_buffer_a_consumer_still_holds_at_its_ack_is_replaced_not_rewritten() -> None:
+    """Unit test of the check at release (the H200 run is the evidence with real CUDA IPC): a
+    consumer whose torch IPC counter is not back to 0 at the ack still holds the buffer, so that
+    buffer is replaced, never written again; a counter at 0 frees the slot for the next bucket."""
+    import os
+    import uuid
+
+    from refit.drivers import flattened as fl
+
+    name = f"refit_test_counters_{os.getpid()}_{uuid.uuid4().hex[:8]}"
+    counters = bytearray(8 * 16)  # torch's layout: an int64 per export (CudaIPCTypes.cpp)
+    counters[3 * 8] = 1  # export 3: its consumer still holds it
+    with open(f"/dev/shm/{name}", "wb") as f:
+        f.write(bytes(counters))
+    try:
+        assert fl.ipc_refs(f"/{name}".encode(), 3) == 1 and fl.ipc_refs(name, 4) == 0
+        tensors = {f"w{i}": torch.full((8,), float(i)) for i in range(4)}
+        transport = SGLangTensorTransport(slots=1)
+        plan = transport.plan([TensorMeta.of(n, t) for n, t in tensors.items()], 64)
+        transport.connect(plan, Topology.of(1, [("a", 1)], colocated=True), 0)
+        transport.pack(plan[0], [(n, tensors[n]) for n in plan[0].names])
+        first = transport._buffers[0]
+        transport._counters[plan[0].index] = [("TP rank 0", f"/{name}".encode(), 3)]
+        transport.release(plan[0].index)
+        assert transport._buffers[0] is not first  # replaced: the holder keeps reading the old bytes
+        assert transport.held == [{"bucket": plan[0].index, "consumers": ["TP rank 0"]}]
+        transport.pack(plan[1], [(n, tensors[n]) for n in plan[1].names])
+        second = transport._buffers[0]
+        transport._counters[plan[1].index] = [("TP rank 0", f"/{name}".encode(), 4)]
+        transport.release(plan[1].index)
+        assert transport._buffers[0] is second and len(transport.held) == 1  # let go: reused
+        transport.disconnect()
+    finally:
+        os.unlink(f"/dev/shm/{name}")

@@ -98,6 +98,70 @@ def test_vllm_unpack_fails_on_a_misaligned_layout_that_ours_avoids() -> None:
     assert all(torch.equal(out[n], t) for n, t in tensors.items())
 
 
+def test_the_trainer_speaks_vllms_nccl_rendezvous_to_vllms_own_group_code() -> None:
+    """vLLM's workers join a trainer at /init_weight_transfer_engine through vLLM's own
+    StatelessProcessGroup (a TCPStore client) and PyNcclCommunicator, whose rank 0 publishes its
+    ncclUniqueId with broadcast_obj. Here refit's trainer side (its store, its init_info, its
+    pickled unique id) meets vLLM's own code in other processes: vLLM parses the init_info, puts
+    each worker at the rank refit planned, and reads back vLLM's own ncclUniqueId class holding
+    refit's bytes. (NCCL itself, ncclCommInitRank, the warm-up and the broadcasts, needs two GPUs.)"""
+    import json
+    import os
+    import types
+
+    from vllm.distributed.weight_transfer.nccl_common import _worker_group_rank
+
+    from refit.drivers.base import Topology
+    from refit.drivers.vllm import nccl_init_info
+    from refit.drivers.vllm_nccl import UNIQUE_ID_BYTES, publish_unique_id
+
+    v = vllm()
+    metas = [TensorMeta("w", "float32", (4, 4))]
+    transport = VLLMBroadcastTransport(backend="gloo", host="127.0.0.1")  # the store is the same for nccl
+    plan = transport.plan(metas, 1 << 20)
+    topology = Topology.of(1, [("e0", 2), ("e1", 1)], colocated=False)
+    info = transport.connect(plan, topology, 0)
+    try:
+        infos = transport.attach_infos([info], topology)
+        workers = []
+        for name, tp in (("e0", 2), ("e1", 1)):
+            init = v.NCCLInitInfo(**nccl_init_info(infos[name].fields))  # vLLM's own parse of refit's init_info
+            assert init.world_size == 4 and init.nccl_unique_id_bytes is None
+            for j in range(tp):
+                cfg = types.SimpleNamespace(data_parallel_index=0, world_size=tp, rank=j)
+                rank = _worker_group_rank(init.rank_offset, cfg)
+                assert rank == infos[name].parts[j]["rank"]
+                workers.append(rank)
+        assert sorted(workers) == [1, 2, 3]
+        uid = os.urandom(UNIQUE_ID_BYTES)
+        publish_unique_id(transport._store, uid)
+        code = (
+            "import sys, json\n"
+            "from vllm.distributed.utils import StatelessProcessGroup\n"
+            "pg = StatelessProcessGroup.create(host=sys.argv[1], port=int(sys.argv[2]), rank=int(sys.argv[3]),"
+            " world_size=4, store_timeout=60)\n"
+            "uid = pg.broadcast_obj(None, src=0)\n"
+            "print(json.dumps([type(uid).__module__ + '.' + type(uid).__name__, bytes(uid.internal).hex()]))\n"
+        )
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-c", code, info["addr"], str(info["port"]), str(r)],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for r in workers
+        ]
+        for p in procs:
+            out, err = p.communicate(timeout=180)
+            assert p.returncode == 0, err[-2000:]
+            cls, raw = json.loads(out.strip().splitlines()[-1])
+            assert cls == "vllm.distributed.device_communicators.pynccl_wrapper.ncclUniqueId"
+            assert bytes.fromhex(raw) == uid
+    finally:
+        transport.disconnect()
+
+
 def test_capability_record_matches_the_installed_vllm() -> None:
     v = vllm()
     caps = Capabilities.of(v.version)
@@ -223,6 +287,12 @@ def test_vllm_abort_pause_rejects_new_requests_and_retract_keeps_them(trainer, v
     outs = [f.result(timeout=30) for f in futures]
     assert all(o["finish_reason"] == "length" and len(o["output"]) == 240 for o in outs)
     assert any(o["weight_versions"][0] == 0 and o["weight_versions"][-1] == 1 for o in outs)
+    # 0.33 deprecates /pause's clear_cache: the driver never asks for it; its flush drops the frozen
+    # requests' KV (reset_prefix_cache with reset_running_requests) and the encoder's outputs
+    pauses = [b["query"] for r, b in engine.server.received if r == "/pause"]
+    assert pauses and all(q.get("clear_cache") == ["false"] for q in pauses), pauses
+    routes = [r for r, _ in engine.server.received]
+    assert routes.index("/pause") < routes.index("/reset_prefix_cache") < routes.index("/reset_encoder_cache")
     assert httpx.post(f"{engine.url}/pause", params={"mode": "abort"}).status_code == 200
     with pytest.raises(EngineError) as err:
         engine.generate(PROMPT, 2, timeout=5)
@@ -263,13 +333,14 @@ def test_vllm_errors_name_the_engine_the_call_and_the_status(trainer, vllm_engin
 
 
 def test_vllm_restart_is_seen_by_the_probe_and_reconnected(trainer, vllm_engines, vllm_ctx) -> None:
-    """A restarted vLLM server lost its transfer engine and labels its weights "default" again."""
+    """A real restart behind the same URL (a fresh engine process): vLLM lost its transfer engine
+    and labels its weights "default" again; the probe reports `restarted` and the next run
+    initializes the transfer engine again."""
     (engine,) = vllm_engines(1, backend="ipc")
     ctx = vllm_ctx(trainer, [engine])
     assert protocol.run(ctx).ok
-    engine.server.label = "default"  # what a fresh server reports
-    engine.server._engine("detach", "vllm_ipc")
-    engine.server.initialized = None
+    engine.server.restart()
+    assert engine.server.label == "default" and engine.server.initialized is None
     perturbed(trainer, seed=3)
     first = protocol.run(ctx)
     assert not first.ok and "restarted" in str(first.error)
@@ -277,6 +348,26 @@ def test_vllm_restart_is_seen_by_the_probe_and_reconnected(trainer, vllm_engines
     assert second.ok, second.error
     assert [r for r, _ in engine.server.received].count("/init_weight_transfer_engine") == 2
     serves(engine, trainer, 3)
+
+
+def test_vllm_ipc_without_insecure_serialization_fails_naming_the_variable(trainer, vllm_engines, vllm_ctx) -> None:
+    """vLLM refuses to unpickle `ipc_handles_pickled` unless the server was started with
+    VLLM_ALLOW_INSECURE_SERIALIZATION=1 (IPCWeightTransferUpdateInfo.__post_init__): the run fails
+    before any byte lands, the engine is not continued on a mix, and the error says what to set."""
+    (engine,) = vllm_engines(1, backend="ipc", env={"VLLM_SERVER_DEV_MODE": "1"})
+    result = protocol.run(vllm_ctx(trainer, [engine], retries=0))
+    assert not result.ok and result.engines["vl0"].status == "unchanged"  # continued on the weights it held
+    error = str(result.engines["vl0"].error)
+    assert "misconfigured" in error and "VLLM_ALLOW_INSECURE_SERIALIZATION=1" in error, error
+    assert engine.server.crashed is None and engine.info()["version"] == 0
+
+
+def test_vllm_without_dev_mode_has_no_weight_routes(vllm_engines) -> None:
+    """Without VLLM_SERVER_DEV_MODE=1 vLLM registers none of its RL or dev routes."""
+    (engine,) = vllm_engines(1, backend="nccl", env={})
+    with pytest.raises(EngineError) as err:
+        engine.probe(1, timeout=5)
+    assert err.value.kind == "unsupported" and "VLLM_SERVER_DEV_MODE=1" in str(err.value)
 
 
 def test_vllm_driver_passes_the_conformance_kit() -> None:

@@ -107,7 +107,7 @@ class InvariantViolation(RefitError):
 NO_EFFECT_KINDS = frozenset(
     {
         "bad_manifest", "bad_payload", "bad_request", "not_attached", "no_session", "session_open", "session_broken",
-        "version_ahead", "unauthorized", "unsupported", "not_probed", "restarted",
+        "version_ahead", "unauthorized", "unsupported", "not_probed", "restarted", "misconfigured",
     }
 )  # fmt: skip
 

@@ -38,6 +38,7 @@ Lifecycle (both), per state:
 from __future__ import annotations
 
 import io
+import logging
 import pickle
 from collections.abc import Iterable, Sequence
 from types import SimpleNamespace
@@ -60,6 +61,7 @@ if TYPE_CHECKING:
     import torch
 
 FLATTENED_BUCKET = "flattened_bucket"  # SGLang's load_format for this layout
+log = logging.getLogger(__name__)
 
 # ---- layout --------------------------------------------------------------------------------------
 
@@ -210,15 +212,41 @@ def rebuild_cuda_tensor_by_uuid(*args: Any) -> Any:
     return rebuild_cuda_tensor(*args)
 
 
-def sglang_cuda_reduce(tensor: torch.Tensor, uuid_of: Any = gpu_uuid) -> tuple[Any, tuple[Any, ...]]:
+REF_COUNTER_ARGS = (11, 12)  # torch's rebuild_cuda_tensor: the export's ref-counter file and slot
+
+
+def sglang_cuda_reduce(
+    tensor: torch.Tensor, uuid_of: Any = gpu_uuid, counters: list[tuple[bytes, int]] | None = None
+) -> tuple[Any, tuple[Any, ...]]:
     """torch's reduction of a tensor, in SGLang's form when it is a CUDA tensor: rebuilt by
-    SGLang's patched function, the device given as its GPU's UUID."""
+    SGLang's patched function, the device given as its GPU's UUID. `counters`: each CUDA export's
+    reference counter (torch's, see `ipc_refs`) is appended to it."""
     from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
     fn, args = reduce_tensor(tensor)
     if fn is not rebuild_cuda_tensor:
         return fn, args
+    if counters is not None:
+        counters.append((args[REF_COUNTER_ARGS[0]], int(args[REF_COUNTER_ARGS[1]])))
     return rebuild_cuda_tensor_by_uuid, (*args[:DEVICE_ARG], uuid_of(args[DEVICE_ARG]), *args[DEVICE_ARG + 1 :])
+
+
+_COUNTER_FILES: dict[str, Any] = {}
+
+
+def ipc_refs(handle: bytes | str, offset: int) -> int:
+    """How many references a consumer process still holds on one CUDA IPC export: torch keeps a
+    counter per export in a shared-memory file (torch/csrc/CudaIPCTypes.cpp: set to 1 when sent,
+    decremented by the consumer's deleter once the last tensor on it is dropped, after that
+    deleter synchronized the consumer's stream). 0: the consumer let go, its reads are done."""
+    import mmap
+
+    name = (handle.decode() if isinstance(handle, bytes) else handle).lstrip("/")
+    mm = _COUNTER_FILES.get(name)
+    if mm is None:
+        with open(f"/dev/shm/{name}", "rb") as f:
+            mm = _COUNTER_FILES[name] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    return int.from_bytes(mm[offset * 8 : offset * 8 + 8], "little", signed=True)
 
 
 class _SGLangPickler(pickle._Pickler):  # type: ignore[name-defined,misc]
@@ -226,7 +254,7 @@ class _SGLangPickler(pickle._Pickler):  # type: ignore[name-defined,misc]
     SGLang's form, and `rebuild_cuda_tensor_by_uuid` written as SGLang's own function (by name:
     SGLang need not be installed where refit serializes)."""
 
-    def __init__(self, file: io.BytesIO) -> None:
+    def __init__(self, file: io.BytesIO, counters: list[tuple[bytes, int]] | None = None) -> None:
         import copyreg
         from multiprocessing.reduction import ForkingPickler
 
@@ -236,32 +264,36 @@ class _SGLangPickler(pickle._Pickler):  # type: ignore[name-defined,misc]
         table = copyreg.dispatch_table.copy()
         table.update(ForkingPickler._extra_reducers)
         table[torch.UntypedStorage] = _reduce_storage_by_name
-        table[torch.Tensor] = sglang_cuda_reduce
+        table[torch.Tensor] = lambda t: sglang_cuda_reduce(t, counters=counters)
         self.dispatch_table = table
 
-    def save_global(self, obj: Any, name: str | None = None) -> None:
-        if obj is rebuild_cuda_tensor_by_uuid:
+    def save(self, obj: Any, save_persistent_id: bool = True) -> None:
+        if obj is rebuild_cuda_tensor_by_uuid:  # written by SGLang's name
+            memo = self.memo.get(id(obj))
+            if memo is not None:
+                self.write(self.get(memo[0]))
+                return
             module, qualname = SGLANG_REBUILD
             self.save(module)
             self.save(qualname)
             self.write(pickle.STACK_GLOBAL)
             self.memoize(obj)
             return
-        super().save_global(obj, name)
+        super().save(obj, save_persistent_id)
 
 
-def serialize(obj: Any) -> bytes:
+def serialize(obj: Any, counters: list[tuple[bytes, int]] | None = None) -> bytes:
     """What SGLang's `MultiprocessingSerializer.serialize` produces for `obj` in a process where
     SGLang patched torch's reductions (a ForkingPickler stream; CUDA tensors rebuilt by SGLang's
     function with the GPU's UUID), except that CPU storages always travel by shared-memory name.
-    One call per consumer."""
+    One call per consumer. `counters`: receives each CUDA export's reference counter."""
     import torch
     from torch.multiprocessing.reductions import init_reductions  # registers torch's reducers
 
     init_reductions()
     buf = io.BytesIO()
     if _has_cuda(obj):
-        _SGLangPickler(buf).dump(obj)
+        _SGLangPickler(buf, counters).dump(obj)
         return buf.getvalue()
     from multiprocessing.reduction import ForkingPickler
 
@@ -435,6 +467,8 @@ class SGLangTensorTransport(Transport):
         self._slot_bytes = 0
         self._consumers: list[tuple[str, int]] = []
         self._connected = False
+        self._counters: dict[int, list[tuple[str, bytes, int]]] = {}  # bucket -> (consumer, CUDA ref counter)
+        self.held: list[dict[str, Any]] = []  # buffers a consumer still held at its ack (never rewritten)
 
     def plan(self, metas: Sequence[TensorMeta], bucket_bytes: int) -> list[BucketManifest]:
         return plan_flattened(metas, bucket_bytes)
@@ -480,8 +514,15 @@ class SGLangTensorTransport(Transport):
     payload_fields: ClassVar[dict[str, Any]] = {"load_format": FLATTENED_BUCKET}
 
     def _export(self, view: torch.Tensor, manifest: BucketManifest, tp_rank: int) -> Any:
-        """What one consumer (an engine TP rank) receives of a packed bucket: its own serialization."""
-        return serialize({"flattened_tensor": view, "metadata": metadata_of(manifest)})
+        """What one consumer (an engine TP rank) receives of a packed bucket: its own serialization
+        (its CUDA export's reference counter kept, for the check at release)."""
+        counters: list[tuple[bytes, int]] = []
+        out = serialize({"flattened_tensor": view, "metadata": metadata_of(manifest)}, counters)
+        self._counted(manifest.index, tp_rank, counters)
+        return out
+
+    def _counted(self, index: int, tp_rank: int, counters: Sequence[tuple[bytes, int]]) -> None:
+        self._counters.setdefault(index, []).extend((f"TP rank {tp_rank}", h, o) for h, o in counters)
 
     def _part(self, export: Any) -> dict[str, Any]:
         """One engine TP rank's `Payload.parts` entry from its export."""
@@ -530,6 +571,20 @@ class SGLangTensorTransport(Transport):
         return out
 
     def release(self, index: int) -> None:
+        """Every engine acked bucket `index`: its buffer may be written again, unless a consumer
+        still holds a reference to it (CUDA: torch's counter of that export is not back to 0). An
+        engine that acks before its copies from our buffer ran, keeping the tensors it was given,
+        would read the next bucket's bytes: that buffer is replaced instead, never rewritten
+        (torch keeps the old memory alive until the consumer lets go)."""
+        held = [c for c in self._counters.pop(index, []) if _still_held(c[1], c[2])]
+        if held:
+            self.held.append({"bucket": index, "consumers": sorted({c[0] for c in held})})
+            log.warning(
+                "bucket %d: %s still held its CUDA buffer at the ack; the buffer is replaced, never rewritten",
+                index, ", ".join(sorted({c[0] for c in held})),
+            )  # fmt: skip
+            self.abandon(index)
+            return
         if self._own.pop(index, None) is not None:
             return
         if index in self._busy:
@@ -544,30 +599,30 @@ class SGLangTensorTransport(Transport):
         self._busy[slot] = None
 
     def disconnect(self) -> None:
-        self._buffers, self._busy, self._own, self._consumers = [], [], {}, []
+        self._buffers, self._busy, self._own, self._consumers, self._counters = [], [], {}, [], {}
         self._connected = False
+
+
+def _still_held(handle: bytes, offset: int) -> bool:
+    """Whether a consumer still holds a CUDA export (an unreadable counter counts as held)."""
+    try:
+        return ipc_refs(handle, offset) > 0
+    except (OSError, ValueError):
+        return True
 
 
 class FlattenedTensorReceiver(Receiver):
     """Engine side (one TP rank): decodes its own serialized entry and returns views of the bucket.
     With ``decoder: sglang`` it decodes with SGLang's own `MultiprocessingSerializer` and
     `FlattenedTensorBucket` (SGLang must be importable in the engine's process). A CUDA bucket's
-    handle is opened per bucket (torch's CUDA IPC: the open waits on the sender's event) and the
-    engine syncs its stream before the ack (`consumed`), as an SGLang server answers only after
-    its copies ran: the sender may then write that buffer again."""
-
-    _cuda = False
-
-    def consumed(self, payload: Payload) -> None:
-        if self._cuda:
-            import torch
-
-            torch.cuda.current_stream().synchronize()
+    handle is opened per bucket (torch's CUDA IPC: the open waits on the sender's event). As
+    SGLang's updater does, it keeps nothing: the engine copies out of the views and drops them
+    before its ack, and torch's IPC deleter synchronizes the engine's stream when the last
+    reference goes, so the copies have run when the sender hears the ack. No sync of its own: an
+    extra one would hide an engine (or a receiver) that keeps a reference past its ack."""
 
     def read(self, payload: Payload) -> list[tuple[str, torch.Tensor]]:
-        views = self._read(payload)
-        self._cuda = any(t.is_cuda for _, t in views)
-        return views
+        return self._read(payload)
 
     def _read(self, payload: Payload) -> list[tuple[str, torch.Tensor]]:
         data = payload.parts[self.tp_rank].get("serialized")
@@ -720,22 +775,22 @@ class VLLMBroadcastTransport(SGLangBroadcastTransport):
     """Disaggregated transport for vLLM's NCCL weight transfer (`init_weight_transfer_engine` with
     master_address/master_port, then `update_weights` while trainer rank 0 broadcasts): packed, one
     uint8 broadcast per bucket; unpacked, one per tensor in `names` order. Engine i's workers are
-    ranks 1 + rank_offset_i + j.
+    ranks 1 + rank_offset_i + j (vLLM's rank_offset + TP rank, one DP replica per engine).
 
-    Backend ``gloo`` is the CPU stand-in that refit's emulated vLLM server joins (vLLM's own
-    receiver is NCCL-only). A real vLLM server needs vLLM's own rendezvous (its
-    StatelessProcessGroup TCPStore and PyNccl communicator, with a warm-up all-reduce), which this
-    build does not speak yet: backend ``nccl`` is refused."""
+    Backend ``nccl``: what a real vLLM server joins. The trainer speaks vLLM's rendezvous itself
+    (`refit.drivers.vllm_nccl`: vLLM's StatelessProcessGroup store key and pickled ncclUniqueId,
+    an NCCL communicator through torch's own bindings, vLLM's one-element all-reduce warm-up).
+    Backend ``gloo``: the CPU stand-in that refit's emulated vLLM server joins (vLLM's own
+    receiver is NCCL-only)."""
 
     kind = "vllm_nccl"
 
     def __init__(self, slots: int = 2, *, backend: str = "gloo", host: str | None = None, packed: bool = True) -> None:
-        if backend != "gloo":
-            raise ValueError(
-                "VLLMBroadcastTransport: vLLM's NCCL rendezvous (StatelessProcessGroup + PyNccl) is not implemented "
-                "in this build; backend='gloo' serves refit's emulated vLLM server"
-            )
         super().__init__(slots, backend=backend, host=host, flattened=packed, group_name="vllm_weight_transfer")
+        if backend == "nccl":
+            from refit.drivers.vllm_nccl import vllm_group
+
+            self.make_group = vllm_group
 
     def attach_infos(self, rank_infos: Sequence[dict[str, Any]], topology: Topology) -> dict[str, ConnectInfo]:
         infos = super().attach_infos(rank_infos, topology)
@@ -784,7 +839,10 @@ class VLLMIPCTransport(SGLangTensorTransport):
     payload_fields: ClassVar[dict[str, Any]] = {"packed": True}
 
     def _export(self, view: torch.Tensor, manifest: BucketManifest, tp_rank: int) -> Any:
-        return device_key(view, tp_rank), ipc_args(view)
+        args = ipc_args(view)
+        if view.is_cuda:
+            self._counted(manifest.index, tp_rank, [(args[REF_COUNTER_ARGS[0]], int(args[REF_COUNTER_ARGS[1]]))])
+        return device_key(view, tp_rank), args
 
     def _part(self, export: Any) -> dict[str, Any]:
         key, args = export

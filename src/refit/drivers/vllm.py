@@ -11,11 +11,16 @@ Lifecycle, per state (each step is one HTTP call; vLLM has no batch route):
   OFFLOADING (colocated)  resume_memory(["weights"]): POST /wake_up?tags=weights.
   CONNECTING              attach(info): POST /init_weight_transfer_engine {"init_info"} (NCCL:
                           while the trainer's group forms; IPC: {"packed": true}).
-  PAUSING                 pause(mode): abort -> POST /pause?mode=abort; retract -> mode=keep with
-                          clear_cache=true (frozen requests lose their KV and recompute it after
-                          the resume, under the new weights). vLLM's keep without clearing keeps
-                          old-weight KV (refused, as in_place is); wait drains instead of pausing.
-  INVALIDATING            flush(): POST /reset_prefix_cache?reset_running_requests=true ({"success"});
+  PAUSING                 pause(mode): abort -> POST /pause?mode=abort; retract -> mode=keep (frozen
+                          requests keep their place; the flush below drops their KV, recomputed
+                          after the resume under the new weights). Always clear_cache=false: the
+                          parameter is deprecated in 0.33 (its /pause docstring), and the cache
+                          is the flush's job. in_place (keep without the flush) would serve
+                          old-weight KV and is refused; wait drains instead of pausing.
+  INVALIDATING            flush(): POST /reset_prefix_cache?reset_running_requests=true ({"success"}:
+                          preempts running and frozen requests, their KV dropped), then POST
+                          /reset_encoder_cache (a multimodal encoder's outputs are weight-dependent;
+                          vLLM resets neither on its own after an update, vllm#46125);
                           begin(plan): POST /start_weight_update; a session a crashed run left open
                           ("already active") is finished first, then started again.
   TRANSFERRING            load(payload): POST /update_weights {"update_info": names, dtype_names,
@@ -27,8 +32,9 @@ Lifecycle, per state (each step is one HTTP call; vLLM has no batch route):
                           finished, then POST /update_weight_version {"new_version"};
                           continue_generation(): POST /resume.
   RESTORING (colocated)   resume_memory(["kv_cache"]): POST /wake_up?tags=kv_cache&tags=scheduling.
-  QUARANTINING            quarantine(reason): POST /pause?mode=abort&clear_cache=true (new
-                          requests get 503 until a refit completes), and finish any open session.
+  QUARANTINING            quarantine(reason): POST /pause?mode=abort&clear_cache=false (new
+                          requests get 503 until a refit completes; its refit flushes), and
+                          finish any open session.
   abort before pausing    release_memory(["weights"]): POST /sleep?level=2 (level=1 when the
                           server keeps a CPU copy of its weights).
   disconnect              detach(): POST /shutdown_weight_transfer_engine.
@@ -36,7 +42,9 @@ Lifecycle, per state (each step is one HTTP call; vLLM has no batch route):
 vLLM reports every worker-side failure as HTTP 500 with `error.message` "Call to collective_rpc
 method failed: <why>"; the driver maps the known reasons: "must be called before" and "without a
 matching start" (`no_session`), "already active" (`session_open`), "Invalid update_info" /
-"Invalid init_info" (`bad_payload`), all refused before anything changed; any other 500 is
+"Invalid init_info" (`bad_payload`), all refused before anything changed; "without
+VLLM_ALLOW_INSECURE_SERIALIZATION=1" (`misconfigured`: IPC handles travel pickled over HTTP, and
+vLLM refuses to unpickle them unless the server was started with that variable); any other 500 is
 `server_error` (effect unknown). 400 is `bad_request`, 503 `paused`, a timeout `TimeoutError`, a
 refused connection `EngineDied`, a connection lost before an answer
 `connection_lost` (unknown effect).
@@ -207,6 +215,12 @@ class VLLMEngine(HttpEngineDriver):
             return EngineError("no_session", text)
         if "already active" in low:
             return EngineError("session_open", text)
+        if "vllm_allow_insecure_serialization" in low:
+            return EngineError(
+                "misconfigured",
+                f"{text} (IPC handles travel pickled over HTTP: start the vLLM server with "
+                "VLLM_ALLOW_INSECURE_SERIALIZATION=1, or use the NCCL transport)",
+            )
         if "invalid update_info" in low or "invalid init_info" in low:
             return EngineError("bad_payload", text)
         return EngineError("server_error", text)
@@ -290,17 +304,17 @@ class VLLMEngine(HttpEngineDriver):
             raise EngineError(
                 "bad_request", f"engine {self.name}: pause mode {mode!r}; vLLM takes {sorted(self.pause_modes)}"
             )
-        params = (
-            {"mode": "abort", "clear_cache": "false"} if mode == "abort" else {"mode": "keep", "clear_cache": "true"}
-        )
+        params = {"mode": "abort" if mode == "abort" else "keep", "clear_cache": "false"}
         self._call("POST", "/pause", "pause", timeout=timeout, params=params)
 
     def flush(self, *, timeout: float) -> None:
+        end = time.monotonic() + timeout
         data = self._call(
             "POST", "/reset_prefix_cache", "flush", timeout=timeout, params={"reset_running_requests": "true"}
         )
         if not (isinstance(data, dict) and data.get("success")):
             raise EngineError("flush_refused", f"engine {self.name}: POST /reset_prefix_cache (flush) -> {data}")
+        self._call("POST", "/reset_encoder_cache", "flush", timeout=end - time.monotonic())
 
     def begin(self, plan: Sequence[BucketManifest], *, timeout: float) -> None:
         end = time.monotonic() + timeout
@@ -358,7 +372,7 @@ class VLLMEngine(HttpEngineDriver):
         end = time.monotonic() + timeout
         self._quarantined = reason
         self._ledger.reset()
-        self._call("POST", "/pause", "quarantine", timeout=timeout, params={"mode": "abort", "clear_cache": "true"})
+        self._call("POST", "/pause", "quarantine", timeout=timeout, params={"mode": "abort", "clear_cache": "false"})
         if self._session_unknown:
             status, data = self._request(
                 "POST", "/finish_weight_update", "quarantine", timeout=end - time.monotonic(), body={}

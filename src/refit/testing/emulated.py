@@ -67,8 +67,10 @@ class EmulatedServer:
         validate: Callable[..., None] | None = None,
         host: str = "127.0.0.1",
         port: int = 0,
+        new_engine: Callable[[], ReferenceEngine] | None = None,
     ) -> None:
         self.engine = engine
+        self.new_engine = new_engine
         self.version = version
         self.api_key = api_key
         self.validate = validate
@@ -88,9 +90,19 @@ class EmulatedServer:
         self._thread = threading.Thread(target=self._server.serve_forever, name=type(self).__name__, daemon=True)
         self._thread.start()
 
-    def restarted(self, engine: ReferenceEngine, host: str, port: int) -> None:
-        """Serve again at `host:port` in front of a fresh `engine` (after `die`): a new process."""
-        self.engine, self.dead, self.crashed, self.armed = engine, False, None, {}
+    def reset_state(self) -> None:
+        """What a fresh server process holds (subclasses add their API's state)."""
+        self.label = "default"
+
+    def restart(self) -> None:
+        """The server process dies and a new one starts at the same address (what an orchestrator
+        does): a fresh engine from `new_engine`, and the state of a fresh process."""
+        if self.new_engine is None:
+            raise RuntimeError("this emulated server was started without new_engine: it cannot restart")
+        host, port = self.address
+        self.die(wait=True)
+        self.reset_state()
+        self.engine, self.dead, self.crashed, self.armed = self.new_engine(), False, None, {}
         self.setup_engine()
         self._listen(host, port)
 

@@ -169,12 +169,14 @@ class EmulatedSGLang(EmulatedServer):
         self.v = version_tuple(version) or (0, 5, 23)
         self.admin_api_key = admin_api_key
         self.decoder = decoder
-        self.new_engine = new_engine
-        self._reset_state()
-        super().__init__(engine, version=version, api_key=api_key, validate=validate, host=host, port=port)
+        self.reset_state()
+        super().__init__(
+            engine, version=version, api_key=api_key, validate=validate, host=host, port=port, new_engine=new_engine
+        )
 
-    def _reset_state(self) -> None:
-        """What a fresh SGLang process holds."""
+    def reset_state(self) -> None:
+        """What a fresh SGLang process holds: label "default", no session, group or release."""
+        super().reset_state()
         self.session: str | None = None  # SchedulerWeightUpdaterManager._session (its selector)
         self.session_loaded = False
         self.offload_tags: set[str] = set()  # SchedulerWeightUpdaterManager.offload_tags
@@ -208,17 +210,6 @@ class EmulatedSGLang(EmulatedServer):
                 parts=({},) * self.tp,
             ),
         )
-
-    def restart(self) -> None:
-        """The server process dies and a new one starts at the same address (what an orchestrator
-        does): a fresh engine from `new_engine`, label "default", no session, group or release."""
-        if self.new_engine is None:
-            raise RuntimeError("this emulated server was started without new_engine: it cannot restart")
-        host, port = self.address
-        self.die(wait=True)
-        self._reset_state()
-        self.label = "default"
-        self.restarted(self.new_engine(), host, port)
 
     def authorize(self, method: str, path: str, header: str | None) -> _Reply | None:
         """utils/auth.py `decide_request_auth`: /health* always open; the weight and control routes

@@ -50,6 +50,7 @@ UPDATE_KEYS = {
     "ipc": frozenset({"names", "dtype_names", "shapes", "ipc_handles", "ipc_handles_pickled", "tensor_sizes"}),
 }
 MODEL_ID = "refit-reference"
+PUBLIC_ROUTES = frozenset({"/version", "/v1/models", "/v1/completions", "/health"})
 
 
 def _rpc_error(message: str) -> _Reply:
@@ -88,16 +89,31 @@ class EmulatedVLLM(EmulatedServer):
         validate: Callable[..., None] | None = None,
         host: str = "127.0.0.1",
         port: int = 0,
+        env: dict[str, str] | None = None,
+        sleep_mode: bool = True,
+        new_engine: Callable[[], ReferenceEngine] | None = None,
     ) -> None:
+        """`env`: the server's VLLM_* environment (default: VLLM_SERVER_DEV_MODE=1 only, as vLLM's
+        own defaults plus the flag its weight-transfer routes need). `sleep_mode`: started with
+        --enable-sleep-mode."""
         if backend not in ("nccl", "ipc"):
             raise ValueError(f"backend {backend!r}: nccl or ipc")
         self.backend = backend
+        self.env = dict(env if env is not None else {"VLLM_SERVER_DEV_MODE": "1"})
+        self.sleep_mode = sleep_mode
+        self.reset_state()
+        super().__init__(
+            engine, version=version, api_key=api_key, validate=validate, host=host, port=port, new_engine=new_engine
+        )
+
+    def reset_state(self) -> None:
+        """A fresh vLLM process: label "default", no transfer engine, no session."""
+        super().reset_state()
         self.initialized: dict[str, Any] | None = None  # the init_info the transfer engine was set up with
         self.session_open = False
         self.rejecting = False  # abort/wait pauses reject new requests (503) until /resume
         self.last_update: dict[str, Any] | None = None
         self.bucket_count = 0
-        super().__init__(engine, version=version, api_key=api_key, validate=validate, host=host, port=port)
 
     def invalid(self, detail: Any) -> _Reply:
         """vLLM's validation handler (entrypoints/serve/exception_handling/handlers/validation.py): 400."""
@@ -105,6 +121,24 @@ class EmulatedVLLM(EmulatedServer):
 
     def requires_key(self, path: str) -> bool:
         return path.startswith("/v1")  # vLLM guards /v1 (and a few other prefixes), not the RL routes
+
+    def handle(self, method: str, path: str, query: dict[str, list[str]], body: Any, call: str | None) -> Any:
+        """vLLM registers its dev and RL routers only with VLLM_SERVER_DEV_MODE=1
+        (vllm/entrypoints/launchers/api_server/routers.py): without it they are 404."""
+        dev = self.env.get("VLLM_SERVER_DEV_MODE") == "1"
+        if not dev and path not in PUBLIC_ROUTES and not path.startswith("/_refit/"):
+            raise _Reply(404, {"detail": "Not Found"})
+        return super().handle(method, path, query, body, call)
+
+    def r_server_info(self, method: str, query: Any, body: Any, call: str | None) -> Any:
+        """vllm/entrypoints/serve/dev/server_info: the config and every VLLM_* variable (no keys)."""
+        config = {
+            "model_config": {"model": MODEL_ID, "enable_sleep_mode": self.sleep_mode},
+            "parallel_config": {"tensor_parallel_size": self.tp, "data_parallel_size": 1},
+            "weight_transfer_config": {"backend": self.backend},
+        }
+        return {"vllm_config": config if (query or {}).get("config_format") == ["json"] else str(config),
+                "vllm_env": {k: v for k, v in self.env.items() if "KEY" not in k}, "system_env": {}}  # fmt: skip
 
     # ---- generation control ------------------------------------------------------------------
 
@@ -160,6 +194,11 @@ class EmulatedVLLM(EmulatedServer):
             self._engine("pause", "retract")
             ok = self._reset_cache()
         return {"success": ok}
+
+    def r_reset_encoder_cache(self, method: str, query: Any, body: Any, call: str | None) -> Any:
+        self._check("/reset_encoder_cache", body)
+        self._fault(call)  # the reference engine has no encoder: nothing to drop
+        return None
 
     def r_get_world_size(self, method: str, query: Any, body: Any, call: str | None) -> Any:
         return {"world_size": self.tp}
@@ -336,6 +375,10 @@ class EmulatedVLLM(EmulatedServer):
             self.last_update = {"names": names, "dtype_names": dtypes, "shapes": shapes}
             fields = {"load_format": FLATTENED_BUCKET if packed else None}
             return Payload("vllm_nccl", manifest, fields, ({},) * self.tp)
+        if info.get("ipc_handles_pickled") is not None and self.env.get("VLLM_ALLOW_INSECURE_SERIALIZATION") != "1":
+            raise ValueError(  # IPCWeightTransferUpdateInfo.__post_init__ (distributed/weight_transfer/ipc_engine.py)
+                "Refusing to deserialize `ipc_handles_pickled` without VLLM_ALLOW_INSECURE_SERIALIZATION=1"
+            )
         if info.get("ipc_handles_pickled") is None:
             raise ValueError("Either `ipc_handles` or `ipc_handles_pickled` must be provided")
         sizes = info.get("tensor_sizes")
@@ -434,11 +477,23 @@ class EmulatedVLLMEngine(EmulatorClient, VLLMEngine):
         config: Any = None,
         in_thread: bool = False,
         validate: Callable[..., None] | None = None,
+        env: dict[str, str] | None = None,
     ) -> EmulatedVLLMEngine:
-        """A fresh reference engine (own processes, or a thread) behind a new emulated server."""
-        engine = (
-            ReferenceEngine.in_thread(name, config, seed)
-            if in_thread
-            else ReferenceEngine.spawn(name, config, seed, tp=tp)
-        )
-        return cls(name, EmulatedVLLM(engine, version=version, backend=backend, api_key=api_key, validate=validate))
+        """A fresh reference engine (own processes, or a thread) behind a new emulated server.
+        `env`: the server's VLLM_* environment; default: as docs/engines.md launches it
+        (VLLM_SERVER_DEV_MODE=1, and VLLM_ALLOW_INSECURE_SERIALIZATION=1 for the IPC backend)."""
+        if env is None:
+            env = {"VLLM_SERVER_DEV_MODE": "1"}
+            if backend == "ipc":
+                env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+
+        def new_engine() -> ReferenceEngine:
+            if in_thread:
+                return ReferenceEngine.in_thread(name, config, seed)
+            return ReferenceEngine.spawn(name, config, seed, tp=tp)
+
+        server = EmulatedVLLM(
+            new_engine(), version=version, backend=backend, api_key=api_key, validate=validate, env=env,
+            new_engine=new_engine,
+        )  # fmt: skip
+        return cls(name, server)
