@@ -366,8 +366,8 @@ def test_a_buffer_a_consumer_still_holds_at_its_ack_is_replaced_not_rewritten() 
     from refit.drivers import flattened as fl
 
     name = f"refit_test_counters_{os.getpid()}_{uuid.uuid4().hex[:8]}"
-    counters = bytearray(8 * 16)  # torch's layout: an int64 per export (CudaIPCTypes.cpp)
-    counters[3 * 8] = 1  # export 3: its consumer still holds it
+    counters = bytearray(64 + 8 * 16)  # torch's layout: a 64-byte header, then an int64 per export
+    counters[64 + 3 * 8] = 1  # export 3: its consumer still holds it
     with open(f"/dev/shm/{name}", "wb") as f:
         f.write(bytes(counters))
     try:

@@ -232,13 +232,15 @@ def sglang_cuda_reduce(
 
 
 _COUNTER_FILES: dict[str, Any] = {}
+COUNTER_HEADER = 64  # at::RefcountedMapAllocator's header (map_alloc_alignment) before the int64 counters
 
 
 def ipc_refs(handle: bytes | str, offset: int) -> int:
     """How many references a consumer process still holds on one CUDA IPC export: torch keeps a
     counter per export in a shared-memory file (torch/csrc/CudaIPCTypes.cpp: set to 1 when sent,
     decremented by the consumer's deleter once the last tensor on it is dropped, after that
-    deleter synchronized the consumer's stream). 0: the consumer let go, its reads are done."""
+    deleter synchronized the consumer's stream). 0: the consumer let go, its reads are done.
+    The file is torch's ref-counter file (/dev/shm/<handle>): a 64-byte header, then int64s."""
     import mmap
 
     name = (handle.decode() if isinstance(handle, bytes) else handle).lstrip("/")
@@ -246,7 +248,8 @@ def ipc_refs(handle: bytes | str, offset: int) -> int:
     if mm is None:
         with open(f"/dev/shm/{name}", "rb") as f:
             mm = _COUNTER_FILES[name] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    return int.from_bytes(mm[offset * 8 : offset * 8 + 8], "little", signed=True)
+    at = COUNTER_HEADER + offset * 8
+    return int.from_bytes(mm[at : at + 8], "little", signed=True)
 
 
 class _SGLangPickler(pickle._Pickler):  # type: ignore[name-defined,misc]

@@ -16,16 +16,18 @@ Then `update_weights` receives, per call, one broadcast per tensor in `names` or
 one per packed chunk, from rank 0.
 
 Here rank 0 is refit's trainer: the same store key and pickle (vLLM's class named, not imported:
-the trainer need not have vLLM), torch's own NCCL bindings (`torch.cuda.nccl`: unique_id,
-init_rank, all_reduce, broadcast) for the communicator, and the warm-up. Lifecycle: built at the
-transport's `join` while the engines' init calls are in flight (all block until every rank
-joined); `broadcast` per bucket on a side stream, ordered after the caller's stream; `abort` on a
-failed send or at disconnect.
+the trainer need not have vLLM), the NCCL library called directly through ctypes as vLLM's own
+pynccl_wrapper calls it (torch's `torch.cuda.nccl` bindings fail on Python 3.12: they parse the
+unique id with a '#' format without PY_SSIZE_T_CLEAN, seen on the H200 with torch 2.11), and the
+warm-up. Lifecycle: built at the transport's `join` while the engines' init calls are in flight
+(all block until every rank joined); `broadcast` per bucket on a side stream, ordered after the
+caller's stream; `abort` (ncclCommAbort) on a failed send or at disconnect.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import io
 import pickle
 from typing import Any
@@ -75,6 +77,96 @@ def publish_unique_id(store: Any, uid: bytes) -> None:
     store.set(UNIQUE_ID_KEY, unique_id_pickle(uid))
 
 
+class _NcclUniqueId(ctypes.Structure):
+    _fields_ = [("internal", ctypes.c_byte * UNIQUE_ID_BYTES)]
+
+
+NCCL_DTYPES = {  # ncclDataType_t (nccl.h)
+    "int8": 0, "uint8": 1, "bool": 1, "int32": 2, "uint32": 3, "int64": 4, "uint64": 5, "float16": 6,
+    "float32": 7, "float64": 8, "bfloat16": 9,
+}  # fmt: skip
+NCCL_SUM = 0
+
+
+class NcclLibrary:
+    """The few NCCL calls vLLM's workers make, through ctypes (as vllm/distributed/device_communicators/
+    pynccl_wrapper.py does). The library: REFIT_NCCL_SO, else the one the CUDA build of torch loads
+    (the nvidia-nccl wheel), else libnccl.so.2 on the loader's path."""
+
+    def __init__(self, path: str | None = None) -> None:
+        import os
+
+        candidates = [path, os.environ.get("REFIT_NCCL_SO"), *_wheel_nccl(), "libnccl.so.2"]
+        errors = []
+        for candidate in [c for c in candidates if c]:
+            try:
+                self.lib = ctypes.CDLL(candidate)
+                break
+            except OSError as exc:
+                errors.append(f"{candidate}: {exc}")
+        else:
+            raise RuntimeError("no NCCL library could be loaded (set REFIT_NCCL_SO): " + "; ".join(errors))
+        c = ctypes
+        self.lib.ncclGetErrorString.restype = c.c_char_p
+        self.lib.ncclGetUniqueId.argtypes = [c.POINTER(_NcclUniqueId)]
+        self.lib.ncclCommInitRank.argtypes = [c.POINTER(c.c_void_p), c.c_int, _NcclUniqueId, c.c_int]
+        self.lib.ncclAllReduce.argtypes = [c.c_void_p, c.c_void_p, c.c_size_t, c.c_int, c.c_int, c.c_void_p, c.c_void_p]
+        self.lib.ncclBroadcast.argtypes = [c.c_void_p, c.c_void_p, c.c_size_t, c.c_int, c.c_int, c.c_void_p, c.c_void_p]
+        self.lib.ncclCommAbort.argtypes = [c.c_void_p]
+
+    def check(self, rc: int, what: str) -> None:
+        if rc != 0:
+            raise RuntimeError(f"NCCL {what} failed: {self.lib.ncclGetErrorString(rc).decode()} (code {rc})")
+
+    def unique_id(self) -> bytes:
+        uid = _NcclUniqueId()
+        self.check(self.lib.ncclGetUniqueId(ctypes.byref(uid)), "ncclGetUniqueId")
+        return bytes(uid.internal)
+
+    def init_rank(self, world: int, uid: bytes, rank: int) -> Any:
+        comm = ctypes.c_void_p()
+        raw = _NcclUniqueId()
+        ctypes.memmove(raw.internal, uid, UNIQUE_ID_BYTES)
+        self.check(self.lib.ncclCommInitRank(ctypes.byref(comm), world, raw, rank), "ncclCommInitRank")
+        return comm
+
+    def all_reduce(self, tensor: Any, comm: Any, stream: Any) -> None:
+        self.check(
+            self.lib.ncclAllReduce(tensor.data_ptr(), tensor.data_ptr(), tensor.numel(), _dtype(tensor), NCCL_SUM,
+                                   comm, stream.cuda_stream),
+            "ncclAllReduce",
+        )  # fmt: skip
+
+    def broadcast(self, tensor: Any, comm: Any, stream: Any) -> None:
+        self.check(
+            self.lib.ncclBroadcast(tensor.data_ptr(), tensor.data_ptr(), tensor.numel(), _dtype(tensor), 0, comm,
+                                   stream.cuda_stream),
+            "ncclBroadcast",
+        )  # fmt: skip
+
+    def abort(self, comm: Any) -> None:
+        self.lib.ncclCommAbort(comm)
+
+
+def _dtype(tensor: Any) -> int:
+    from refit.drivers.buckets import dtype_name
+
+    name = dtype_name(tensor.dtype)
+    if name not in NCCL_DTYPES:
+        raise ValueError(f"NCCL has no data type for {name}")
+    return NCCL_DTYPES[name]
+
+
+def _wheel_nccl() -> list[str]:
+    """The NCCL the CUDA build of torch depends on (the nvidia-nccl-cu* wheel), if installed."""
+    import glob
+    import importlib.util
+
+    spec = importlib.util.find_spec("nvidia")
+    roots = list(spec.submodule_search_locations or []) if spec else []
+    return [p for root in roots for p in sorted(glob.glob(f"{root}/nccl/lib/libnccl.so*"))]
+
+
 class _Done:
     """The Work of a broadcast on the group's stream: `wait` orders the caller's stream after it."""
 
@@ -92,36 +184,38 @@ class VLLMNcclGroup:
     """Trainer rank 0 of a vLLM worker group (see the module docstring). `broadcast([t], opts)`
     has the shape of a torch ProcessGroup's, so refit's broadcast transport drives it as one."""
 
-    def __init__(self, store: Any, world: int, *, unique_id: bytes | None = None) -> None:
+    def __init__(
+        self, store: Any, world: int, *, unique_id: bytes | None = None, nccl: NcclLibrary | None = None
+    ) -> None:
         import torch
-        from torch.cuda import nccl
 
-        if not nccl.is_available([torch.empty(1, device="cuda")]):
-            raise RuntimeError("this torch has no NCCL: vLLM's weight transfer needs a CUDA build of torch")
+        self.nccl = nccl or NcclLibrary()
         self.device = torch.device("cuda", torch.cuda.current_device())
-        uid = unique_id if unique_id is not None else nccl.unique_id()
+        uid = unique_id if unique_id is not None else self.nccl.unique_id()
         publish_unique_id(store, uid)
         with torch.cuda.device(self.device):
-            self.comm = nccl.init_rank(int(world), uid, 0)  # returns once every worker called ncclCommInitRank
+            self.comm = self.nccl.init_rank(int(world), uid, 0)  # returns once every worker called ncclCommInitRank
             self.stream = torch.cuda.Stream(self.device)
             warm = torch.zeros(1, dtype=torch.float32, device=self.device)  # PyNcclCommunicator's warm-up
-            nccl.all_reduce([warm], streams=[torch.cuda.current_stream()], comms=[self.comm])
+            self.nccl.all_reduce(warm, self.comm, torch.cuda.current_stream())
             torch.cuda.current_stream().synchronize()
 
     def broadcast(self, tensors: list[Any], opts: Any = None) -> _Done:
         import torch
-        from torch.cuda import nccl
 
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        nccl.broadcast(tensors, root=0, streams=[self.stream], comms=[self.comm])
+        for t in tensors:
+            self.nccl.broadcast(t, self.comm, self.stream)
         event = torch.cuda.Event()
         event.record(self.stream)
         return _Done(event)
 
     def abort(self) -> None:
-        """Drop the communicator (torch destroys it: ncclCommDestroy)."""
-        with contextlib.suppress(Exception):
-            del self.comm
+        """ncclCommAbort: a peer gone mid-broadcast cannot hang the trainer's stream."""
+        comm, self.comm = getattr(self, "comm", None), None
+        if comm is not None:
+            with contextlib.suppress(Exception):
+                self.nccl.abort(comm)
 
 
 def vllm_group(store: Any, name: str, rank: int, size: int, timeout_s: float, backend: str) -> Any:
