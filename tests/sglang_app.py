@@ -230,6 +230,8 @@ class SGLangAppServer(EmulatedSGLang):
             with contextlib.suppress(ValueError):
                 if body:
                     self.received.append((path, json.loads(body)))
+            if not path.startswith("/_refit/"):
+                self.requests.append((scope["method"], path))
             if path.startswith("/_refit/"):
                 await self._inspect(scope, path, body, send)
                 return

@@ -1,4 +1,4 @@
-"""The `refit` command: demo, check, replay, soak, bench, diagram.
+"""The `refit` command: demo, check, replay, soak, bench, doctor, diagram.
 
 Exit codes: 0 ok, 1 the command ran and found a failure (a violation, a divergence, a failed
 refit), 2 bad input (usage, a file that is not a refit trace, a bad --fail-at), before any work.
@@ -437,6 +437,25 @@ def _demo_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _doctor(args: argparse.Namespace) -> int:
+    """Exit 0 when some refit mode works with the server, 1 when none does or it cannot be reached,
+    2 for a URL that is not one."""
+    from refit.doctor import doctor, render_json
+
+    if not math.isfinite(args.timeout) or args.timeout <= 0:
+        print(f"refit doctor: --timeout must be a positive number of seconds, got {args.timeout}", file=sys.stderr)
+        return 2
+    try:
+        report = doctor(
+            args.url, args.engine, api_key=args.api_key, admin_api_key=args.admin_api_key, timeout=args.timeout
+        )
+    except ValueError as exc:
+        print(f"refit doctor: {exc}", file=sys.stderr)
+        return 2
+    print(render_json(report) if args.json else report.text())
+    return 0 if report.ok else 1
+
+
 def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     """The top-level parser and each subcommand's own (for its usage line in errors)."""
     parser = argparse.ArgumentParser(prog="refit", description="Refit trainer weights into rollout engines, checked.")
@@ -496,12 +515,24 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     bench_p.add_argument("--json", metavar="PATH", help="also write the figures as JSON here")
     bench_p.set_defaults(func=_bench)
 
+    doc = sub.add_parser(
+        "doctor", help="read-only check of a live SGLang or vLLM server: what refit can do with it, and the fixes"
+    )
+    doc.add_argument("url", help="the server's base URL, e.g. http://127.0.0.1:30000")
+    doc.add_argument("--engine", choices=("sglang", "vllm"), default=None, help="default: told by its answers")
+    doc.add_argument("--api-key", default=None, help="the server's --api-key, if it set one")
+    doc.add_argument("--admin-api-key", default=None, help="SGLang's --admin-api-key, if it set one")
+    doc.add_argument("--timeout", type=float, default=5.0, help="seconds per request (default 5)")
+    doc.add_argument("--json", action="store_true", help="print the report as JSON")
+    doc.set_defaults(func=_doctor)
+
     diag = sub.add_parser("diagram", help="regenerate docs/diagrams from the state table")
     diag.add_argument("--out", default="docs/diagrams", help="output directory (default docs/diagrams)")
     diag.add_argument("--readme", default="README.md", help="README whose diagram block to refresh (default README.md)")
     diag.add_argument("--check", action="store_true", help="exit 1 if the committed diagram is stale")
     diag.set_defaults(func=_diagram)
-    return parser, {"demo": demo, "check": check, "replay": rep, "soak": soak_p, "bench": bench_p, "diagram": diag}
+    commands = {"demo": demo, "check": check, "replay": rep, "soak": soak_p, "bench": bench_p, "doctor": doc}
+    return parser, {**commands, "diagram": diag}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -505,3 +505,159 @@ class SGLangEngine(HttpEngineDriver):
     def info(self, *, timeout: float = DEFAULT_TIMEOUT) -> dict[str, Any]:
         caps = self.capabilities or Capabilities.of(None)
         return {"version": label_version(self._read_version(caps, timeout)), "capabilities": caps.as_dict()}
+
+
+# ---- refit doctor (read only) ------------------------------------------------------------------
+
+DOCTOR_READS = ("/server_info", "/model_info", "/openapi.json")
+ROUTES_ALWAYS = ("/pause_generation", "/continue_generation", "/flush_cache", "/update_weight_version", "/model_info")
+ROUTES_SESSION = ("/begin_weight_update", "/end_weight_update")
+ROUTES_COLOCATED = ("/update_weights_from_tensor",)
+ROUTES_MEMORY = ("/release_memory_occupation", "/resume_memory_occupation")
+ROUTES_BROADCAST = ("/init_weights_update_group", "/update_weights_from_distributed", "/destroy_weights_update_group")
+
+
+def diagnose(answers: dict[str, Any], *, authorized: bool) -> tuple[str | None, list[Any], list[Any]]:
+    """`refit doctor` for an SGLang server, from the answers to `DOCTOR_READS` (no I/O): its
+    version, the routes and server flags refit needs, and which modes and transports will work."""
+    from refit.doctor import Finding, Verdict
+
+    modes = [
+        ("colocated", "SGLangTensorTransport(device='cuda')"),
+        ("disaggregated", "SGLangBroadcastTransport(backend='nccl')"),
+    ]
+    info = answers["/server_info"]
+    if info.status in (401, 403):
+        why = "the server refused /server_info: it was started with --api-key"
+        fix = "pass --api-key (SGLangEngine(api_key=...)), and --admin-api-key if it set one too"
+        return (
+            None,
+            [Finding("auth", "fail", why, fix)],
+            [Verdict(m, t, False, "not authorized", fix) for m, t in modes],
+        )
+    if info.status != 200 or not isinstance(info.data, dict):
+        why = f"GET /server_info -> {info.status or info.error}: not an SGLang server refit knows"
+        return (
+            None,
+            [Finding("server info", "fail", why, "check the URL and --engine")],
+            [Verdict(m, t, False, why) for m, t in modes],
+        )
+    data = info.data
+    version = data.get("version")
+    caps = Capabilities.of(version)
+    findings: list[Finding] = []
+    blockers: list[str] = []  # what stops every mode
+    if not caps.flattened_bytes:
+        blockers.append(f"SGLang {version} reads flattened buckets in element offsets")
+        findings.append(Finding("version", "fail", f"SGLang {version}: refit needs 0.5.6 or newer", "upgrade SGLang"))
+    elif not caps.session:
+        findings.append(
+            Finding(
+                "version",
+                "warn",
+                f"SGLang {version}: no begin/end session (before 0.5.21): each "
+                "update post-processes alone, and retract is not usable",
+                "SGLang 0.5.21 or newer",
+            )
+        )
+    else:
+        findings.append(Finding("version", "ok", f"SGLang {version}"))
+    model = answers["/model_info"]
+    label = model.data.get("weight_version") if model.status == 200 and isinstance(model.data, dict) else None
+    findings.append(
+        Finding(
+            "weight version",
+            "ok" if label is not None else "warn",
+            f"the server labels its weights {label!r}"
+            if label is not None
+            else f"GET /model_info -> {model.status or model.error}",
+        )
+    )
+    api = answers["/openapi.json"]
+    listed = set(api.data.get("paths", {})) if api.status == 200 and isinstance(api.data, dict) else None
+    needed = {
+        "all": ROUTES_ALWAYS + (ROUTES_SESSION if caps.session else ()),
+        "colocated": ROUTES_COLOCATED,
+        "disaggregated": ROUTES_BROADCAST,
+        "memory": ROUTES_MEMORY,
+    }
+    missing = {k: [r for r in v if listed is not None and r not in listed] for k, v in needed.items()}
+    if listed is None:
+        findings.append(
+            Finding(
+                "routes",
+                "warn",
+                "the server does not list its routes (/openapi.json: "
+                f"{api.status or api.error}); assumed from its version",
+            )
+        )
+    elif any(missing.values()):
+        findings.append(
+            Finding(
+                "routes",
+                "fail",
+                f"missing: {sorted({r for v in missing.values() for r in v})}",
+                "an SGLang build with the weight-update API (0.5.21+)",
+            )
+        )
+    else:
+        findings.append(Finding("routes", "ok", "every route refit calls is served"))
+    if missing["all"]:
+        blockers.append(f"routes missing: {missing['all']}")
+    dp = int(data.get("dp_size") or 1)
+    if dp > 1 or data.get("enable_dp_attention"):
+        blockers.append(f"dp_size {dp}: SGLang refuses tensor and distributed updates with data parallelism")
+        findings.append(
+            Finding(
+                "data parallel",
+                "fail",
+                f"dp_size {dp} (SGLang's tokenizer manager asserts dp_size == 1 for weight updates)",
+                "one server per DP replica, each its own refit engine",
+            )
+        )
+    if data.get("weight_cache_mode") not in (None, "off"):
+        blockers.append(f"--weight-cache-mode {data['weight_cache_mode']}: SGLang refuses weight updates")
+        findings.append(
+            Finding(
+                "weight cache", "fail", f"--weight-cache-mode {data['weight_cache_mode']}", "--weight-cache-mode off"
+            )
+        )
+    tp = int(data.get("tp_size") or 1)
+    findings.append(Finding("tensor parallel", "ok", f"tp_size {tp}: pass SGLangEngine(..., tp={tp})"))
+    if int(data.get("pp_size") or 1) > 1:
+        findings.append(
+            Finding(
+                "pipeline parallel",
+                "warn",
+                f"pp_size {data['pp_size']}: refit has not been run against pipeline-parallel SGLang",
+            )
+        )
+    saver = bool(data.get("enable_memory_saver"))
+    findings.append(
+        Finding(
+            "memory saver",
+            "ok" if saver else "warn",
+            "--enable-memory-saver: colocated refits can release and resume weights and KV memory"
+            if saver
+            else "without --enable-memory-saver, release/resume_memory_occupation free "
+            "nothing: a colocated trainer cannot borrow the engine's GPU memory",
+            None if saver else "--enable-memory-saver",
+        )
+    )
+    if data.get("enable_weights_cpu_backup"):
+        findings.append(
+            Finding(
+                "weights backup",
+                "ok",
+                "--enable-weights-cpu-backup: released weights come back "
+                "intact (SGLangEngine(weights_cpu_backup=True))",
+            )
+        )
+    modes_ok = sorted(caps.pause_modes - {"in_place"} - (set() if caps.flush_while_paused else {"retract"}))
+    findings.append(Finding("pause modes", "ok", f"{modes_ok} (in_place keeps old-weight KV: refused by refit)"))
+    verdicts = []
+    for mode, transport in modes:
+        gone = missing[mode] + (missing["memory"] if mode == "colocated" and saver else [])
+        why = "; ".join(blockers + ([f"routes missing: {gone}"] if gone else []))
+        verdicts.append(Verdict(mode, transport, not why, why, None if not why else "see the failed checks above"))
+    return version, findings, verdicts

@@ -416,3 +416,118 @@ class VLLMEngine(HttpEngineDriver):
         data = self._call("GET", "/weight_info", "info", timeout=timeout) or {}
         caps = self.capabilities or Capabilities.of(None)
         return {"version": label_version(data.get("weight_version")), "capabilities": caps.as_dict()}
+
+
+# ---- refit doctor (read only) ------------------------------------------------------------------
+
+DOCTOR_READS = ("/version", "/server_info?config_format=json", "/weight_info", "/openapi.json")
+_TRUE = (True, 1, "1", "true", "True")
+
+
+def diagnose(answers: dict[str, Any], *, authorized: bool) -> tuple[str | None, list[Any], list[Any]]:
+    """`refit doctor` for a vLLM server, from the answers to `DOCTOR_READS` (no I/O): its version,
+    dev mode (the weight-transfer routes), the weight-transfer backend it was started with, the
+    variables and flags each transport needs, and which modes will work."""
+    from refit.doctor import Finding, Verdict
+
+    ipc, nccl = (
+        ("colocated", "VLLMIPCTransport(device='cuda')"),
+        ("disaggregated", "VLLMBroadcastTransport(backend='nccl')"),
+    )
+    findings: list[Finding] = []
+    ver = answers["/version"]
+    version = ver.data.get("version") if ver.status == 200 and isinstance(ver.data, dict) else None
+    caps = Capabilities.of(version)
+    blockers: list[str] = []
+    if version is None:
+        blockers.append(f"GET /version -> {ver.status or ver.error}")
+        findings.append(Finding("version", "fail", blockers[-1], "check the URL and --engine"))
+    elif not (caps.session and caps.packed_in_init and caps.weight_version):
+        blockers.append(f"vLLM {version} predates the weight-transfer API refit speaks (0.28+)")
+        findings.append(Finding("version", "fail", blockers[-1], "vLLM 0.28 or newer (refit is tested against 0.33)"))
+    else:
+        findings.append(Finding("version", "ok", f"vLLM {version}"))
+    info = answers["/server_info?config_format=json"]
+    if info.status == 404:
+        blockers.append("VLLM_SERVER_DEV_MODE is not 1: vLLM registers none of its weight-transfer routes")
+        findings.append(Finding("dev mode", "fail", blockers[-1], "start the server with VLLM_SERVER_DEV_MODE=1"))
+        return version, findings, [Verdict(m, t, False, blockers[-1], "VLLM_SERVER_DEV_MODE=1") for m, t in (ipc, nccl)]
+    findings.append(Finding("dev mode", "ok", "VLLM_SERVER_DEV_MODE=1: the weight-transfer routes are served"))
+    data = info.data if info.status == 200 and isinstance(info.data, dict) else {}
+    config = data.get("vllm_config") if isinstance(data.get("vllm_config"), dict) else {}
+    env = data.get("vllm_env") if isinstance(data.get("vllm_env"), dict) else {}
+    transfer = (config.get("weight_transfer_config") or {}) if isinstance(config, dict) else {}
+    backend = transfer.get("backend") if isinstance(transfer, dict) else None
+    if backend is None:
+        findings.append(
+            Finding(
+                "weight transfer",
+                "fail",
+                "started without --weight-transfer-config",
+                '--weight-transfer-config \'{"backend": "nccl"}\' (or "ipc", colocated)',
+            )
+        )
+    else:
+        findings.append(Finding("weight transfer", "ok", f"backend {backend!r}"))
+    insecure = env.get("VLLM_ALLOW_INSECURE_SERIALIZATION") in _TRUE
+    label = answers["/weight_info"]
+    if label.status == 200 and isinstance(label.data, dict):
+        findings.append(
+            Finding("weight version", "ok", f"the server labels its weights {label.data.get('weight_version')!r}")
+        )
+    sleep = bool(((config.get("model_config") or {}) if isinstance(config, dict) else {}).get("enable_sleep_mode"))
+    findings.append(
+        Finding(
+            "sleep mode",
+            "ok" if sleep else "warn",
+            "--enable-sleep-mode: colocated refits can release and wake weights and KV memory"
+            if sleep
+            else "without --enable-sleep-mode a colocated trainer cannot borrow the engine's GPU "
+            "memory (/sleep, /wake_up)",
+            None if sleep else "--enable-sleep-mode",
+        )
+    )
+    verdicts = []
+    why = "; ".join(blockers)
+    if backend != "ipc":
+        verdicts.append(
+            Verdict(
+                *ipc,
+                False,
+                why or f"the server's weight-transfer backend is {backend!r}, not 'ipc'",
+                '--weight-transfer-config \'{"backend": "ipc"}\' on a server beside the trainer',
+            )
+        )
+    elif not insecure:
+        verdicts.append(
+            Verdict(
+                *ipc,
+                False,
+                why
+                or "IPC handles travel pickled over HTTP, which vLLM refuses "
+                "without VLLM_ALLOW_INSECURE_SERIALIZATION=1",
+                "VLLM_ALLOW_INSECURE_SERIALIZATION=1",
+            )
+        )
+    else:
+        verdicts.append(Verdict(*ipc, not why, why, None))
+    if backend != "nccl":
+        verdicts.append(
+            Verdict(
+                *nccl,
+                False,
+                why or f"the server's weight-transfer backend is {backend!r}, not 'nccl'",
+                '--weight-transfer-config \'{"backend": "nccl"}\'',
+            )
+        )
+    else:
+        verdicts.append(
+            Verdict(
+                *nccl,
+                not why,
+                why
+                or "the trainer needs a CUDA torch and the NCCL library, and "
+                "must reach the server's host (vLLM's workers connect to its store)",
+            )
+        )
+    return version, findings, verdicts

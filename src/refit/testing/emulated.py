@@ -78,6 +78,7 @@ class EmulatedServer:
         self.crashed: str | None = None  # why the server died, when it crashed
         self.armed: dict[tuple[str, int | None], tuple[str, float]] = {}
         self.received: list[tuple[str, Any]] = []  # every JSON body, in arrival order
+        self.requests: list[tuple[str, str]] = []  # every request's method and path (the API's, not /_refit/)
         self.dead = False
         self._hanging = 0  # requests stalled by an armed hang right now
         self._hangs = threading.Condition()
@@ -199,10 +200,23 @@ class EmulatedServer:
     def handle(self, method: str, path: str, query: dict[str, list[str]], body: Any, call: str | None) -> Any:
         if self.dead:
             raise _Drop()
+        if not path.startswith("/_refit/"):
+            self.requests.append((method, path))
+        if path == "/openapi.json":  # FastAPI serves its route list there (SGLang's and vLLM's apps both)
+            return self.openapi()
         route = getattr(self, "r_" + path.strip("/").replace("/", "__"), None)
         if route is None:
             raise _Reply(404, {"detail": "Not Found"})
         return route(method, query, body, call)
+
+    def openapi(self) -> dict[str, Any]:
+        """The routes this server answers, in the shape of FastAPI's /openapi.json "paths"."""
+        paths = {
+            "/" + name.removeprefix("r_").replace("__", "/"): {}
+            for name in dir(self)
+            if name.startswith("r_") and not name.startswith("r__refit") and callable(getattr(self, name))
+        }
+        return {"openapi": "3.1.0", "paths": dict(sorted(paths.items()))}
 
     def _obj(self, body: Any, route: str, required: Sequence[str] = ()) -> dict[str, Any]:
         """A JSON object body (a missing one is refused, as FastAPI refuses it: `invalid`), checked

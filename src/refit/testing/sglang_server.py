@@ -164,8 +164,14 @@ class EmulatedSGLang(EmulatedServer):
         host: str = "127.0.0.1",
         port: int = 0,
         new_engine: Callable[[], ReferenceEngine] | None = None,
+        memory_saver: bool = True,
+        weights_cpu_backup: bool = False,
     ) -> None:
-        """`api_key` / `admin_api_key`: the server's --api-key / --admin-api-key."""
+        """`api_key` / `admin_api_key`: the server's --api-key / --admin-api-key. `memory_saver`:
+        --enable-memory-saver (without it SGLang's release and resume free and restore nothing).
+        `weights_cpu_backup`: --enable-weights-cpu-backup (released weights come back intact)."""
+        self.memory_saver = memory_saver
+        self.weights_cpu_backup = weights_cpu_backup
         self.v = version_tuple(version) or (0, 5, 23)
         self.admin_api_key = admin_api_key
         self.decoder = decoder
@@ -321,10 +327,10 @@ class EmulatedSGLang(EmulatedServer):
 
         return self._weights_call(run)
 
-    def _scheduler(self, method: str, *args: Any) -> Any:
+    def _scheduler(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """An engine call in SGLang's scheduler: anything it raises kills the server."""
         try:
-            return self._engine(method, *args)
+            return self._engine(method, *args, **kwargs)
         except EngineError as exc:
             raise self.crash(f"{method}: {exc.kind}: {exc.message}") from None
 
@@ -479,7 +485,9 @@ class EmulatedSGLang(EmulatedServer):
                 raise self.crash("AssertionError: release_memory_occupation should be called only when server is idle.")
             tags = list(obj.tags or ALL_TAGS)
             self.offload_tags |= set(tags)
-            self._scheduler("release_memory", [t for t in tags if t in MEMORY_TAGS])
+            if self.memory_saver:  # without it SGLang's memory-saver adapter is a no-op
+                released = [t for t in tags if t in MEMORY_TAGS]
+                self._scheduler("release_memory", released, cpu_backup=self.weights_cpu_backup)
 
     def op_resume_memory_occupation(self, obj: Any) -> None:
         """`offload_tags.remove(tag)` for each tag: a tag never released raises KeyError."""
@@ -490,7 +498,8 @@ class EmulatedSGLang(EmulatedServer):
                 if tag not in self.offload_tags:
                     raise self.crash(f"KeyError: {tag!r}")
                 self.offload_tags.remove(tag)
-            self._scheduler("resume_memory", [t for t in tags if t in MEMORY_TAGS])
+            if self.memory_saver:
+                self._scheduler("resume_memory", [t for t in tags if t in MEMORY_TAGS])
 
     def op_generate(self, obj: Any) -> dict[str, Any]:
         """A request waits while paused, then holds the model's reader lock for its whole life."""
@@ -516,9 +525,14 @@ class EmulatedSGLang(EmulatedServer):
         return {"model_path": "refit-reference (emulated SGLang)", "weight_version": self.label, "is_generation": True}
 
     def server_info(self) -> dict[str, Any]:
+        """build_server_info: the resolved server args (these among its ~550 fields), then live state."""
         self._fault()
-        return {"version": self.version, "startup_time": self.startup_durations, "internal_states": [{}],
-                "tp_size": self.tp, "frontend": "python"}  # fmt: skip
+        return {
+            "version": self.version, "startup_time": self.startup_durations, "internal_states": [{}],
+            "tp_size": self.tp, "dp_size": 1, "pp_size": 1, "enable_dp_attention": False,
+            "enable_memory_saver": self.memory_saver, "enable_weights_cpu_backup": self.weights_cpu_backup,
+            "weight_cache_mode": "off", "weight_version": "default", "frontend": "python",
+        }  # fmt: skip
 
     # ---- the HTTP front (entrypoints/http_server.py routes) -----------------------------------
 

@@ -1,0 +1,184 @@
+"""`refit doctor URL`: a read-only check of a live engine server before refit drives it.
+
+It only reads: every request is a GET of a route that changes nothing (server and model info,
+the weight version, the route list FastAPI serves at /openapi.json). What it reports, and why:
+the server's version, the routes refit needs, the flags the server was started with where the
+server shows them, and for each refit mode and transport whether it will work with this server,
+and if not, why and the flag that fixes it.
+
+I/O is here (`read`, one GET per route, bounded); the decisions are each backend's pure
+`diagnose(reads)` in its driver module (`refit.drivers.sglang`, `refit.drivers.vllm`), over the
+answers read. Exit code of the command: 0 when at least one refit mode works with the server,
+1 when none does (or the server cannot be reached), 2 on bad input.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+from urllib.parse import urlparse
+
+ENGINES = ("sglang", "vllm")
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One thing checked: `status` ok, warn (works, with a caveat) or fail; `fix` what to change."""
+
+    check: str
+    status: str
+    detail: str
+    fix: str | None = None
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Whether refit can run `mode` over `transport` against this server, why not, and the fix."""
+
+    mode: str
+    transport: str
+    works: bool
+    why: str = ""
+    fix: str | None = None
+
+
+@dataclass
+class Report:
+    url: str
+    engine: str | None
+    version: str | None = None
+    findings: list[Finding] = field(default_factory=list)
+    verdicts: list[Verdict] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return any(v.works for v in self.verdicts)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "url": self.url,
+            "engine": self.engine,
+            "version": self.version,
+            "ok": self.ok,
+            "findings": [asdict(f) for f in self.findings],
+            "modes": [asdict(v) for v in self.verdicts],
+        }
+
+    def text(self) -> str:
+        mark = {"ok": "ok  ", "warn": "warn", "fail": "FAIL"}
+        lines = [f"refit doctor {self.url}: {self.engine or 'unknown engine'} {self.version or ''}".rstrip()]
+        for f in self.findings:
+            lines.append(f"  [{mark.get(f.status, f.status)}] {f.check}: {f.detail}")
+            if f.fix:
+                lines.append(f"         fix: {f.fix}")
+        if self.verdicts:
+            lines.append("  refit modes with this server:")
+        for v in self.verdicts:
+            state = "works" if v.works else "will not work"
+            lines.append(f"    {v.mode:<14} {v.transport:<32} {state}{': ' + v.why if v.why else ''}")
+            if v.fix:
+                lines.append(f"{'':<52}fix: {v.fix}")
+        lines.append("  (read only: every request was a GET; nothing on the server was changed)")
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One GET's outcome: an HTTP status and its decoded body, or `error` (no answer)."""
+
+    status: int | None
+    data: Any = None
+    error: str | None = None
+
+
+def read(url: str, paths: list[str], *, headers: dict[str, str], timeout: float) -> dict[str, Answer]:
+    """GET each of `paths` (never anything else), each bounded by `timeout`."""
+    import httpx
+
+    out: dict[str, Answer] = {}
+    with httpx.Client(base_url=url, headers=headers, timeout=timeout) as client:
+        for path in paths:
+            try:
+                resp = client.get(path)
+            except httpx.HTTPError as exc:
+                out[path] = Answer(None, error=f"{type(exc).__name__}: {exc}")
+                continue
+            try:
+                data: Any = resp.json()
+            except ValueError:
+                data = resp.text
+            out[path] = Answer(resp.status_code, data)
+    return out
+
+
+def _backend(engine: str) -> Any:
+    if engine == "sglang":
+        from refit.drivers import sglang
+
+        return sglang
+    from refit.drivers import vllm
+
+    return vllm
+
+
+def detect(url: str, *, headers: dict[str, str], timeout: float) -> str | None:
+    """Which engine serves `url`: SGLang's /server_info names itself (its fields, a 0.5.x
+    version); vLLM answers /version and has no SGLang /server_info shape. Reads only."""
+    answers = read(url, ["/server_info", "/version"], headers=headers, timeout=timeout)
+    info = answers["/server_info"]
+    if info.status == 200 and isinstance(info.data, dict) and "tp_size" in info.data and "version" in info.data:
+        return "sglang"
+    version = answers["/version"]
+    if version.status == 200 and isinstance(version.data, dict) and "version" in version.data:
+        return "vllm"
+    return None
+
+
+def doctor(
+    url: str,
+    engine: str | None = None,
+    *,
+    api_key: str | None = None,
+    admin_api_key: str | None = None,
+    timeout: float = 5.0,
+) -> Report:
+    """Read the server at `url` and report what refit can do with it (see the module docstring)."""
+    parsed = urlparse(url)
+    if parsed.scheme not in ("http", "https") or not parsed.netloc:
+        raise ValueError(f"{url!r} is not an http(s) URL of a server")
+    url = url.rstrip("/")
+    headers = {"Authorization": f"Bearer {admin_api_key or api_key}"} if (admin_api_key or api_key) else {}
+    report = Report(url, engine)
+    probe = read(url, ["/"], headers=headers, timeout=timeout)["/"]
+    if probe.status is None:
+        report.findings.append(
+            Finding(
+                "reachable",
+                "fail",
+                f"no answer from {url} ({probe.error})",
+                "start the server, or check the URL and the network between them",
+            )
+        )
+        return report
+    if engine is None:
+        engine = report.engine = detect(url, headers=headers, timeout=timeout)
+        if engine is None:
+            report.findings.append(
+                Finding(
+                    "engine",
+                    "fail",
+                    "neither SGLang's /server_info nor vLLM's /version answered as those servers do",
+                    "name it: --engine sglang|vllm",
+                )
+            )
+            return report
+    backend = _backend(engine)
+    answers = read(url, list(backend.DOCTOR_READS), headers=headers, timeout=timeout)
+    report.version, report.findings, report.verdicts = backend.diagnose(answers, authorized=bool(headers))
+    report.findings.insert(0, Finding("reachable", "ok", f"{url} answers"))
+    return report
+
+
+def render_json(report: Report) -> str:
+    return json.dumps(report.as_dict(), indent=1)

@@ -1,0 +1,146 @@
+"""`refit doctor URL`: a read-only check of a live server, against both emulated servers, SGLang's
+own HTTP app, servers with routes or flags missing, and a server that is down. Every request it
+makes is a GET (the servers record each one)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from refit.doctor import Answer, doctor
+from refit.testing.sglang_server import EmulatedSGLangEngine
+from refit.testing.vllm_server import EmulatedVLLMEngine
+
+from .conftest import CONFIG
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture
+def servers() -> Iterator[list[Any]]:
+    made: list[Any] = []
+    yield made
+    for e in made:
+        e.close()
+
+
+def _only_reads(engine: Any, since: int) -> None:
+    made = engine.server.requests[since:]
+    assert made and {m for m, _ in made} == {"GET"}, made
+
+
+def _verdicts(report: Any) -> dict[str, bool]:
+    return {v.mode: v.works for v in report.verdicts}
+
+
+def test_an_sglang_server_as_docs_launch_it_works_in_both_modes(servers) -> None:
+    engine = EmulatedSGLangEngine.start("s", config=CONFIG, in_thread=True, tp=1)
+    servers.append(engine)
+    seen = len(engine.server.requests)
+    report = doctor(engine.url)
+    _only_reads(engine, seen)
+    assert report.engine == "sglang" and report.version == "0.5.23" and report.ok
+    assert _verdicts(report) == {"colocated": True, "disaggregated": True}
+    checks = {f.check: f.status for f in report.findings}
+    assert checks["routes"] == "ok" and checks["memory saver"] == "ok"
+
+
+def test_sglangs_own_server_without_memory_saver_is_told_the_flag(servers) -> None:
+    """SGLang's own FastAPI app and ServerArgs (enable_memory_saver off by default): its real route
+    list and server info are read; colocated refits work, the memory hand-over needs a flag."""
+    from .sglang_app import SGLangAppServer
+
+    engine = EmulatedSGLangEngine.start("s", config=CONFIG, in_thread=True, server=SGLangAppServer)
+    servers.append(engine)
+    seen = len(engine.server.requests)
+    report = doctor(engine.url, "sglang")
+    _only_reads(engine, seen)
+    assert report.ok and report.version == "0.5.23"
+    saver = next(f for f in report.findings if f.check == "memory saver")
+    assert saver.status == "warn" and saver.fix == "--enable-memory-saver"
+    assert next(f for f in report.findings if f.check == "routes").status == "ok"  # SGLang's own /openapi.json
+
+
+@pytest.mark.parametrize(("version", "works"), [("0.5.20", True), ("0.5.2", False)])
+def test_an_old_sglang_is_named_and_what_it_lacks(servers, version, works) -> None:
+    engine = EmulatedSGLangEngine.start("s", config=CONFIG, in_thread=True, version=version)
+    servers.append(engine)
+    report = doctor(engine.url, "sglang")
+    status = next(f for f in report.findings if f.check == "version")
+    assert report.ok is works and status.status == ("warn" if works else "fail")
+    assert status.fix is not None
+
+
+def test_a_vllm_without_dev_mode_has_no_routes_and_is_told_the_variable(servers) -> None:
+    engine = EmulatedVLLMEngine.start("v", config=CONFIG, in_thread=True, backend="nccl", env={})
+    servers.append(engine)
+    seen = len(engine.server.requests)
+    report = doctor(engine.url)
+    _only_reads(engine, seen)
+    assert report.engine == "vllm" and not report.ok
+    assert all(v.fix == "VLLM_SERVER_DEV_MODE=1" for v in report.verdicts)
+
+
+@pytest.mark.parametrize(
+    ("backend", "env", "expected"),
+    [
+        ("ipc", {"VLLM_SERVER_DEV_MODE": "1"}, {"colocated": False, "disaggregated": False}),
+        ("ipc", {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"},
+         {"colocated": True, "disaggregated": False}),
+        ("nccl", {"VLLM_SERVER_DEV_MODE": "1"}, {"colocated": False, "disaggregated": True}),
+    ],
+    ids=["ipc-without-insecure-serialization", "ipc", "nccl"],
+)  # fmt: skip
+def test_vllm_modes_follow_its_backend_and_variables(servers, backend, env, expected) -> None:
+    engine = EmulatedVLLMEngine.start("v", config=CONFIG, in_thread=True, backend=backend, env=env)
+    servers.append(engine)
+    report = doctor(engine.url, "vllm")
+    assert _verdicts(report) == expected
+    colocated = next(v for v in report.verdicts if v.mode == "colocated")
+    if backend == "ipc" and not expected["colocated"]:
+        assert "VLLM_ALLOW_INSECURE_SERIALIZATION=1" in (colocated.fix or "")
+
+
+def test_a_server_that_is_down_is_reported_not_raised() -> None:
+    import socket
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()  # nothing listens there now
+    report = doctor(f"http://127.0.0.1:{port}", timeout=2)
+    assert not report.ok and report.findings[0].status == "fail" and "no answer" in report.findings[0].detail
+
+
+def test_sglang_diagnosis_refuses_data_parallel_and_an_active_weight_cache() -> None:
+    """The pure decision over answers (what /server_info shows for such servers)."""
+    from refit.drivers.sglang import diagnose
+
+    info = {"version": "0.5.23", "tp_size": 2, "dp_size": 2, "weight_cache_mode": "shared", "enable_memory_saver": True}
+    answers = {"/server_info": Answer(200, info), "/model_info": Answer(200, {"weight_version": "7"}),
+               "/openapi.json": Answer(404, {})}  # fmt: skip
+    version, findings, verdicts = diagnose(answers, authorized=False)
+    assert version == "0.5.23" and not any(v.works for v in verdicts)
+    failed = {f.check for f in findings if f.status == "fail"}
+    assert failed == {"data parallel", "weight cache"}
+    assert "dp_size 2" in verdicts[0].why and "--weight-cache-mode shared" in verdicts[0].why
+    denied = diagnose({**answers, "/server_info": Answer(401, {"error": "Unauthorized"})}, authorized=False)
+    assert denied[1][0].check == "auth" and "--api-key" in denied[1][0].fix
+
+
+def test_the_command_exits_by_what_works_and_prints_json(servers) -> None:
+    engine = EmulatedVLLMEngine.start("v", config=CONFIG, in_thread=True, backend="nccl")
+    servers.append(engine)
+    proc = subprocess.run([sys.executable, "-m", "refit.cli", "doctor", engine.url, "--json"],
+                          capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert data["engine"] == "vllm" and data["ok"] and "Traceback" not in proc.stderr
+    bad = subprocess.run([sys.executable, "-m", "refit.cli", "doctor", "localhost:30000"],
+                         capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+    assert bad.returncode == 2 and "not an http(s) URL" in bad.stderr and "Traceback" not in bad.stderr
