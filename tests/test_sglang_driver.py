@@ -358,6 +358,24 @@ def test_an_engine_killed_mid_bucket_is_reported_and_the_other_updated(trainer, 
     assert ctx.lock is not None and ctx.lock.holder is None
 
 
+def test_a_distributed_load_that_fails_is_answered_partially_updated_and_quarantined(trainer, sglang_engines) -> None:
+    """SGLang catches a failed load from a broadcast ("Failed to update parameter online ... the full
+    weights ... are partially updated"): HTTP 400, the server lives. refit takes it as
+    `state_unknown` (the weights changed), quarantines the engine and publishes nothing."""
+    (engine,) = sglang_engines(1)
+    bad = {**trainer.state_dict(), "model.norm.weight": torch.ones(CONFIG.hidden_size + 1)}
+    ctx = protocol.RefitContext(source=TorchSource(bad), engines=[engine], transport=SGLangBroadcastTransport(),
+                                mode="disaggregated", bucket_bytes=SMALL_BUCKET, retries=0, deadline_s=30)  # fmt: skip
+    try:
+        result = protocol.run(ctx)
+        assert not result.ok and result.version is None and result.engines["sg0"].status == "quarantined"
+        error = str(result.engines["sg0"].error)
+        assert "state_unknown" in error and "partially updated" in error, error
+        assert engine.server.crashed is None and engine.alive
+    finally:
+        ctx.close()
+
+
 # ---- error mapping -------------------------------------------------------------------------------
 
 
