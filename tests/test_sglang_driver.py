@@ -110,6 +110,11 @@ def test_full_refits_over_http(trainer, sglang_engines, sglang_ctx, mode, tp, fl
         resumed = [b["tags"] for r, b in engines[0].server.received if r == "/resume_memory_occupation"]
         assert resumed == [["weights"], ["kv_cache", "cuda_graph"]] * 2
         assert engines[0].server.offload_tags == set()
+        # SGLang's continue_generation checks nothing: the KV memory comes back before it
+        order = [(r, (b or {}).get("tags")) for r, b in engines[0].server.received]
+        kv = [i for i, (r, t) in enumerate(order) if r == "/resume_memory_occupation" and t and "kv_cache" in t]
+        go = [i for i, (r, _) in enumerate(order) if r == "/continue_generation"]
+        assert len(kv) == len(go) == 2 and all(k < g for k, g in zip(kv, go, strict=True))
     if mode == "disaggregated":
         assert routes.count("/init_weights_update_group") == 1  # one group across refits
     ctx.close()

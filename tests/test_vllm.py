@@ -352,14 +352,37 @@ def test_vllm_restart_is_seen_by_the_probe_and_reconnected(trainer, vllm_engines
 
 def test_vllm_ipc_without_insecure_serialization_fails_naming_the_variable(trainer, vllm_engines, vllm_ctx) -> None:
     """vLLM refuses to unpickle `ipc_handles_pickled` unless the server was started with
-    VLLM_ALLOW_INSECURE_SERIALIZATION=1 (IPCWeightTransferUpdateInfo.__post_init__): the run fails
-    before any byte lands, the engine is not continued on a mix, and the error says what to set."""
+    VLLM_ALLOW_INSECURE_SERIALIZATION=1 (IPCWeightTransferUpdateInfo.__post_init__): the error says
+    what to set. No byte landed, but start_weight_update had moved the layers to the meta device and
+    the failure left them there: the engine is quarantined, never continued, and a refit against a
+    server started right gives it its weights back."""
     (engine,) = vllm_engines(1, backend="ipc", env={"VLLM_SERVER_DEV_MODE": "1"})
-    result = protocol.run(vllm_ctx(trainer, [engine], retries=0))
-    assert not result.ok and result.engines["vl0"].status == "unchanged"  # continued on the weights it held
+    ctx = vllm_ctx(trainer, [engine], retries=0)
+    result = protocol.run(ctx)
+    assert not result.ok and result.engines["vl0"].status == "quarantined"  # its layers are on "meta" now
     error = str(result.engines["vl0"].error)
     assert "misconfigured" in error and "VLLM_ALLOW_INSECURE_SERIALIZATION=1" in error, error
-    assert engine.server.crashed is None and engine.info()["version"] == 0
+    assert engine.server.crashed is None and engine.server._engine("info")["weights_released"]
+    engine.server.env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # what the error told the user to set
+    second = protocol.run(ctx)
+    assert second.ok, second.error
+    serves(engine, trainer, second.version)
+
+
+def test_a_quarantined_vllm_stays_out_of_service_through_the_next_offload(trainer, vllm_engines, vllm_ctx) -> None:
+    """vLLM's wake_up resumes the scheduler whenever nothing is left asleep (v1/engine/core.py): a
+    wake of memory refit never released would undo the pause that quarantines an engine, and it
+    would serve weights no version names. The driver wakes only what it released."""
+    (engine,) = vllm_engines(1, backend="ipc")
+    ctx = vllm_ctx(trainer, [engine], retries=0,
+                   faults=protocol.FaultPlan().fail_at("transferring", engine=0, bucket=2, kind="raise"))  # fmt: skip
+    first = protocol.run(ctx)
+    assert first.engines["vl0"].status == "quarantined"
+    engine.resume_memory(["weights"], timeout=10)  # what the next colocated refit's OFFLOADING asks
+    assert "/wake_up" not in [r for _, r in engine.server.requests]
+    with pytest.raises(EngineError) as err:
+        engine.generate(PROMPT, 2, timeout=5)
+    assert err.value.kind == "paused"  # still 503: nothing resumed it
 
 
 def test_vllm_without_dev_mode_has_no_weight_routes(vllm_engines) -> None:

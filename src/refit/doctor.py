@@ -148,7 +148,9 @@ def doctor(
     if parsed.scheme not in ("http", "https") or not parsed.netloc:
         raise ValueError(f"{url!r} is not an http(s) URL of a server")
     url = url.rstrip("/")
-    headers = {"Authorization": f"Bearer {admin_api_key or api_key}"} if (admin_api_key or api_key) else {}
+    # every route read is one SGLang guards with --api-key alone (NORMAL) and vLLM with none but /v1
+    key = api_key or admin_api_key
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
     report = Report(url, engine)
     probe = read(url, ["/"], headers=headers, timeout=timeout)["/"]
     if probe.status is None:

@@ -424,10 +424,13 @@ class EngineDriver(ABC):
 
     Capabilities (class attributes): `pause_modes` the engine supports; `supports_in_place_pause`
     (it can make in-place-paused requests KV-safe; otherwise the runner refuses `in_place`);
-    `transports` (kinds it can receive); `memory_tags`.
+    `transports` (kinds it can receive); `memory_tags`; `begin_moves_weights` (a successful, or
+    unknown, `begin` leaves the weights unusable until a complete update finishes: vLLM's layerwise
+    reload moves them to the meta device; the runner then never continues the engine without one).
     """
 
     supports_in_place_pause: ClassVar[bool] = False
+    begin_moves_weights: ClassVar[bool] = False
     pause_modes: ClassVar[frozenset[str]] = frozenset({"abort", "retract"})
     transports: ClassVar[frozenset[str]] = frozenset()
     memory_tags: ClassVar[frozenset[str]] = frozenset({"weights", "kv_cache"})

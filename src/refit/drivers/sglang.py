@@ -38,7 +38,8 @@ Lifecycle, per state (each step is one HTTP call; SGLang has no batch route):
                           finalized (SGLang's label checks nothing), then POST
                           /update_weight_version {"new_version", "abort_all_requests": false}
                           (its default aborts every request in flight); continue_generation():
-                          POST /continue_generation {}.
+                          POST /continue_generation {}, after resuming the KV memory if the
+                          driver released it (SGLang's continue checks nothing).
   RESTORING (colocated)   resume_memory(["kv_cache"]): POST /resume_memory_occupation with tags
                           kv_cache and cuda_graph (the graphs go with the KV cache, as slime does),
                           those of them released.
@@ -450,8 +451,13 @@ class SGLangEngine(HttpEngineDriver):
         self._quarantined = None
 
     def continue_generation(self, *, timeout: float) -> None:
+        """Continue, with the KV memory back first if this driver released it: SGLang's
+        continue_generation checks nothing, and its scheduler would run requests in released KV."""
         self._check_serving()
-        self._call("POST", "/continue_generation", "continue_generation", timeout=timeout, body={})
+        end = time.monotonic() + timeout
+        if "kv_cache" in self._released:
+            self.resume_memory(["kv_cache"], timeout=timeout)
+        self._call("POST", "/continue_generation", "continue_generation", timeout=end - time.monotonic(), body={})
 
     def quarantine(self, reason: str, *, timeout: float) -> None:
         """Stop serving (pause, aborting what runs) and close any update session this run left open

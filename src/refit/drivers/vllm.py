@@ -8,7 +8,9 @@ Lifecycle, per state (each step is one HTTP call; vLLM has no batch route):
                           "default" after this driver published one means the server restarted
                           (refused as `restarted`: the next refit reconnects); `version_ahead`
                           when it already holds the target.
-  OFFLOADING (colocated)  resume_memory(["weights"]): POST /wake_up?tags=weights.
+  OFFLOADING (colocated)  resume_memory(["weights"]): POST /wake_up?tags=weights, only for what the
+                          driver released (a wake_up that leaves nothing asleep resumes the
+                          scheduler, which would undo a pause or a quarantine).
   CONNECTING              attach(info): POST /init_weight_transfer_engine {"init_info"} (NCCL:
                           while the trainer's group forms; IPC: {"packed": true}).
   PAUSING                 pause(mode): abort -> POST /pause?mode=abort; retract -> mode=keep (frozen
@@ -26,11 +28,16 @@ Lifecycle, per state (each step is one HTTP call; vLLM has no batch route):
   TRANSFERRING            load(payload): POST /update_weights {"update_info": names, dtype_names,
                           shapes (+ IPC handles and tensor_sizes)}, always full metadata (an empty
                           list means "reuse the last", which a restarted server does not have).
+                          start_weight_update moved every layer to the meta device (vLLM's
+                          layerwise reload; `begin_moves_weights`): from `begin` on, the engine
+                          holds no usable weights until a complete update finishes, so any
+                          failed load is `state_unknown` (quarantined, never continued).
   POST_PROCESSING         finalize(): POST /finish_weight_update {} (no version: publishing is its
                           own step); refused as `incomplete` unless every planned bucket was acked.
   CONTINUING              publish(v): refused here unless the session acked every bucket and
                           finished, then POST /update_weight_version {"new_version"};
-                          continue_generation(): POST /resume.
+                          continue_generation(): POST /resume, after waking the KV memory if the
+                          driver released it (/resume unpauses whatever sleeps).
   RESTORING (colocated)   resume_memory(["kv_cache"]): POST /wake_up?tags=kv_cache&tags=scheduling.
   QUARANTINING            quarantine(reason): POST /pause?mode=abort&clear_cache=false (new
                           requests get 503 until a refit completes; its refit flushes), and
@@ -150,6 +157,7 @@ class VLLMEngine(HttpEngineDriver):
     """One vLLM server, driven over HTTP. See the module docstring for the route per state."""
 
     supports_in_place_pause = False  # keep without clearing the cache serves old-weight KV
+    begin_moves_weights = True  # start_weight_update moves every layer to the meta device (layerwise reload)
     pause_modes = frozenset({"abort", "retract"})
     transports = frozenset({"vllm_nccl", "vllm_ipc"})
     memory_tags = frozenset({"weights", "kv_cache"})
@@ -163,12 +171,15 @@ class VLLMEngine(HttpEngineDriver):
         tp: int = 1,
         model: str | None = None,
         weights_cpu_backup: bool = False,
+        released: Sequence[str] = (),
         transport: httpx.BaseTransport | None = None,
     ) -> None:
         """`url`: the server's base URL (started with VLLM_SERVER_DEV_MODE=1 and a
         --weight-transfer-config). `api_key`: for /v1 routes. `tp`: its worker count (TP x PP).
         `model`: the served model name for /v1/completions (default: the first /v1/models entry).
-        `weights_cpu_backup`: released weights are kept on the CPU (sleep level 1)."""
+        `weights_cpu_backup`: released weights are kept on the CPU (sleep level 1). `released`:
+        memory tags already asleep when refit takes the server (release through `release_memory`
+        instead, and the driver knows): only what is asleep is woken."""
         super().__init__(name, url, api_key=api_key, tp=tp, transport=transport)
         self.model = model
         self.weights_cpu_backup = weights_cpu_backup
@@ -177,7 +188,7 @@ class VLLMEngine(HttpEngineDriver):
         self._published: str | None = None
         self._attached: ConnectInfo | None = None
         self._session_unknown = False
-        self._released: set[str] = set()
+        self._released: set[str] = {t for t in released if t in self.memory_tags}
         with contextlib.suppress(TimeoutError, EngineDied, EngineError):
             self._read_capabilities(5.0)
 
@@ -266,10 +277,13 @@ class VLLMEngine(HttpEngineDriver):
             self._released.add("kv_cache")
 
     def resume_memory(self, tags: Sequence[str], *, timeout: float) -> dict[str, Any]:
-        wake = [t for t in tags if t in self.memory_tags]
-        if "kv_cache" in wake:
-            wake.append("scheduling")  # a sleeping vLLM schedules again only once fully awake
-        self._call("POST", "/wake_up", "resume_memory", timeout=timeout, params={"tags": wake})
+        """Wake only what this driver released: vLLM's wake_up resumes the scheduler whenever nothing
+        is left asleep (v1/engine/core.py wake_up), which would undo a pause, or a quarantine."""
+        wake = [t for t in tags if t in self.memory_tags and t in self._released]
+        if wake:
+            if "kv_cache" in wake:
+                wake.append("scheduling")
+            self._call("POST", "/wake_up", "resume_memory", timeout=timeout, params={"tags": wake})
         resumed = [t for t in tags if t in self._released]
         intact = self.weights_cpu_backup or "weights" not in self._released
         self._released -= set(tags)
@@ -338,7 +352,18 @@ class VLLMEngine(HttpEngineDriver):
         manifest = payload.manifest
         self._ledger.check_load(payload, attached=self._attached.kind if self._attached else None, tp=self._tp)
         info = update_info(manifest, payload.parts if payload.kind == "vllm_ipc" else None)
-        self._call("POST", "/update_weights", "load", timeout=timeout, body={"update_info": info}, update=True)
+        try:
+            self._call("POST", "/update_weights", "load", timeout=timeout, body={"update_info": info}, update=True)
+        except EngineError as exc:
+            if not exc.no_effect:
+                raise
+            # refused before a byte landed, but after start_weight_update moved the layers to the meta
+            # device; vLLM then drops the session without finishing the reload: no usable weights
+            raise EngineError(
+                "state_unknown",
+                f"{exc.message} [{exc.kind}; vLLM left the model's layers on the meta device (its start_weight_update "
+                "began a layerwise reload that this failure did not finish): the engine needs a complete refit]",
+            ) from exc
         self._ledger.ack(manifest.index)
 
     def finalize(self, *, timeout: float) -> None:
@@ -364,8 +389,13 @@ class VLLMEngine(HttpEngineDriver):
         self._quarantined = None
 
     def continue_generation(self, *, timeout: float) -> None:
+        """Resume, with the KV memory awake first if this driver released it: vLLM's /resume
+        unpauses whatever sleeps (v1/engine/core.py resume_scheduler)."""
         self._check_serving()
-        self._call("POST", "/resume", "continue_generation", timeout=timeout)
+        end = time.monotonic() + timeout
+        if "kv_cache" in self._released:
+            self.resume_memory(["kv_cache"], timeout=timeout)
+        self._call("POST", "/resume", "continue_generation", timeout=end - time.monotonic())
 
     def quarantine(self, reason: str, *, timeout: float) -> None:
         """Stop serving (new requests get 503) and finish a session this run may have left open."""

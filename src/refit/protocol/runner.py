@@ -451,6 +451,10 @@ class _Run:
                 e.previous_version = err.data["version"]  # it keeps serving the version it holds
         if call == "load" and not getattr(err, "no_effect", False):
             e.weights = "changed" if e.weights == "kept" else e.weights  # part of it may have landed
+        elif (
+            call == "begin" and getattr(e.driver, "begin_moves_weights", False) and not getattr(err, "no_effect", False)
+        ):
+            e.weights = "changed" if e.weights == "kept" else e.weights  # it may have begun: weights unusable
         elif call == "pause" and e.machine.can(EV.PAUSE):
             e.machine.fire(EV.PAUSE)  # it may have paused: it is owed a continue or a quarantine
         elif call == "finalize" and e.machine.can(EV.CLOSE):
@@ -483,6 +487,8 @@ class _Run:
             e.machine.fire(EV.PAUSE)
         elif call == "begin":
             e.machine.fire(EV.OPEN)
+            if getattr(e.driver, "begin_moves_weights", False):  # unusable until a complete update
+                e.weights = "changed" if e.weights == "kept" else e.weights
         elif call == "load":
             assert step.bucket is not None
             e.acked.add(step.bucket)

@@ -36,7 +36,9 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import secrets
 import threading
+import time
 from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -46,7 +48,7 @@ from refit.drivers.buckets import BucketManifest, TensorEntry, TensorMeta, items
 from refit.drivers.flattened import FLATTENED_BUCKET, manifest_from_metadata, peek_metadata
 from refit.drivers.http import version_tuple
 from refit.drivers.reference import ReferenceEngine
-from refit.drivers.sglang import NORMAL_ROUTES, SGLangEngine
+from refit.drivers.sglang import SGLangEngine
 from refit.errors import EngineError
 from refit.testing.emulated import EmulatedServer, EmulatorClient, _Drop, _Reply, label_of
 
@@ -97,6 +99,14 @@ REQUIRED = {
     "/update_weight_version": ("new_version",),
 }
 PAUSE_MODES = ("abort", "retract", "in_place")
+# entrypoints/http_server.py routes under @auth_level(AuthLevel.ADMIN_OPTIONAL) that the emulator serves
+ADMIN_ROUTES = frozenset({
+    "/pause_generation", "/continue_generation", "/flush_cache", "/begin_weight_update", "/end_weight_update",
+    "/update_weights_from_tensor", "/update_weights_from_distributed", "/init_weights_update_group",
+    "/destroy_weights_update_group", "/update_weight_version", "/release_memory_occupation",
+    "/resume_memory_occupation",
+})  # fmt: skip
+ABORT_POLL_S = 1.0  # TokenizerManager.pause_generation(abort): re-aborts every second until the model lock is free
 
 
 class Crash(Exception):
@@ -189,6 +199,7 @@ class EmulatedSGLang(EmulatedServer):
         self.groups: dict[str, dict[str, Any]] = {}
         self.bucket_count = 0  # buckets of the open session (the index a fault is armed at)
         self.is_pause = False  # TokenizerManager.is_pause, under is_pause_cond
+        self.scheduler_paused = False  # Scheduler._engine_paused (retract / in_place; abort leaves it)
         self.pause_cond = threading.Condition(threading.RLock())
         self.model_update_lock = _RWLock()  # TokenizerManager.model_update_lock
         import random
@@ -218,13 +229,17 @@ class EmulatedSGLang(EmulatedServer):
         )
 
     def authorize(self, method: str, path: str, header: str | None) -> _Reply | None:
-        """utils/auth.py `decide_request_auth`: /health* always open; the weight and control routes
-        (ADMIN_OPTIONAL) take the admin key if the server has one, else its api_key; the others
-        (NORMAL) take the api_key if it has one, else nothing. Refused: 401 {"error": "Unauthorized"}."""
-        if path.startswith(("/health", "/ready", "/metrics", "/_refit/")):
+        """utils/auth.py `decide_request_auth`: /health*, /ready*, /metrics* always open; the weight
+        and control routes (@auth_level(ADMIN_OPTIONAL)) take the admin key if the server has one,
+        else its api_key; every other path (NORMAL, unknown ones and /openapi.json too) takes the
+        api_key if it has one, else nothing. "Bearer" in any case. 401 {"error": "Unauthorized"}."""
+        if method == "OPTIONS" or path.startswith(("/health", "/ready", "/metrics", "/_refit/")):
             return None
-        key = self.api_key if path in NORMAL_ROUTES else self.admin_api_key or self.api_key
-        if key and header != f"Bearer {key}":
+        key = (self.admin_api_key or self.api_key) if path in ADMIN_ROUTES else self.api_key
+        if not key:
+            return None
+        scheme, _, token = (header or "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token, key):
             return _Reply(401, {"error": "Unauthorized"})
         return None
 
@@ -263,7 +278,7 @@ class EmulatedSGLang(EmulatedServer):
         """Scheduler.is_fully_idle(ignore_waiting=paused): nothing running, and nothing waiting
         unless the engine is paused (before 0.5.21 the waiting queue always counts)."""
         info = self._engine("info")
-        ignore_waiting = info["paused"] and self.v >= (0, 5, 21)
+        ignore_waiting = self.scheduler_paused and self.v >= (0, 5, 21)
         return not info["running"] and (ignore_waiting or not info["waiting"])
 
     def _flush(self) -> bool:
@@ -279,20 +294,25 @@ class EmulatedSGLang(EmulatedServer):
     # ---- operations (one per tokenizer-manager method) ----------------------------------------
 
     def op_pause_generation(self, obj: Any) -> None:
-        """TokenizerManager.pause_generation: is_pause, then abort everything (until the model lock
-        is free) or hand the mode to the scheduler (retract / in_place)."""
+        """TokenizerManager.pause_generation, holding is_pause_cond throughout: is_pause; then, for
+        abort, abort everything and poll every second until no request holds the model lock (the
+        scheduler itself is not paused); for retract / in_place, hand the mode to the scheduler."""
         self._fault()
         with self.pause_cond:
             self.is_pause = True
-            self._engine("pause", obj.mode)
-        if obj.mode == "abort":
-            with self.model_update_lock._cond:
-                self.model_update_lock._cond.wait_for(lambda: not self.model_update_lock.readers, timeout=60.0)
+            if obj.mode != "abort":
+                self.scheduler_paused = True  # Scheduler._engine_paused
+                self._engine("pause", obj.mode)
+                return
+            self._engine("pause", "abort")  # aborts what runs; the engine holds new requests, as is_pause does
+            while self.model_update_lock.locked():
+                time.sleep(ABORT_POLL_S)
+                self._engine("abort_requests")
 
     def op_continue_generation(self, obj: Any) -> None:
         self._fault()
         with self.pause_cond:
-            self.is_pause = False
+            self.is_pause = self.scheduler_paused = False
             self._engine("continue_generation")
             self.pause_cond.notify_all()
 
@@ -334,11 +354,11 @@ class EmulatedSGLang(EmulatedServer):
         except EngineError as exc:
             raise self.crash(f"{method}: {exc.kind}: {exc.message}") from None
 
-    def _after_update(self, obj: Any) -> tuple[bool, str]:
+    def _after_update(self, obj: Any, message: str = "Success") -> tuple[bool, str]:
         """What follows a successful load: the session marks a load, the label, the flush."""
         self.session_loaded = True
         self.bucket_count += 1
-        success, message = True, "Success"
+        success = True
         if obj.flush_cache and not self._flush():
             if self.v <= (0, 5, 21):  # `assert` in the scheduler (before 0.5.22): the server dies
                 raise self.crash("Cache flush failed after updating weights")
@@ -405,8 +425,11 @@ class EmulatedSGLang(EmulatedServer):
                     return False, NO_SESSION.format(op="update_weights_from_distributed")
                 index = self._bucket_index()
                 self._fault(bucket=index)
-                if obj.group_name not in self.groups:
-                    return False, f"Failed to receive weights: {obj.group_name!r}"
+                if obj.group_name not in self.groups:  # an assert in receive_weights_from_distributed
+                    return False, (
+                        f"Failed to receive weights: Group {obj.group_name} not in {list(self.groups)}. "
+                        "Please call `init_weights_update_group` first."
+                    )
                 try:
                     payload = self._distributed_payload(obj, index)
                 except ValueError as exc:
@@ -421,11 +444,13 @@ class EmulatedSGLang(EmulatedServer):
                     if exc.kind == "bad_payload":
                         return False, f"Failed to receive weights: {exc.message}"
                     return False, PARTIAL.format(e=exc.message)
-                return self._after_update(obj)
+                return self._after_update(obj, "Succeeded to update parameter online.")
 
         return self._label_after(obj, *self._weights_call(run))
 
     def _distributed_payload(self, obj: Any, index: int) -> Payload:
+        if obj.load_format == FLATTENED_BUCKET and not obj.names:  # FlattenedTensorBucket.empty
+            raise ValueError("Cannot create empty tensor bucket")
         entries, offset = [], 0
         for name, dtype, shape in zip(obj.names, obj.dtypes, obj.shapes, strict=True):
             meta = TensorMeta(name, str(dtype).removeprefix("torch."), tuple(int(d) for d in shape))

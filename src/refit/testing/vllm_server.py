@@ -50,14 +50,28 @@ UPDATE_KEYS = {
     "ipc": frozenset({"names", "dtype_names", "shapes", "ipc_handles", "ipc_handles_pickled", "tensor_sizes"}),
 }
 MODEL_ID = "refit-reference"
+BOOL_ENVS = frozenset({"VLLM_SERVER_DEV_MODE", "VLLM_ALLOW_INSECURE_SERIALIZATION"})  # parsed as bool(int(...))
 PUBLIC_ROUTES = frozenset({"/version", "/v1/models", "/v1/completions", "/health"})
 
 
-def _rpc_error(message: str) -> _Reply:
-    """How vLLM answers a worker-side failure: HTTP 500, whatever the worker raised."""
+def _rpc_error(message: str, tp: int = 1) -> _Reply:
+    """How vLLM answers a worker-side failure: HTTP 500, whatever the worker raised; with several
+    workers their executor wraps the message (v1/executor/multiproc_executor.py)."""
+    if tp > 1:
+        message = f"Worker failed with error '{message}', please check the stack trace above for the root cause"
     return _Reply(
         500,
         {"error": {"message": f"Call to collective_rpc method failed: {message}", "type": "InternalServerError",
+                   "param": None, "code": 500}},
+    )  # fmt: skip
+
+
+def _utility_error(method: str, message: str) -> _Reply:
+    """An engine-core utility call that raised (v1/engine/core.py `_invoke_utility_method`), answered
+    by vLLM's catch-all exception handler: HTTP 500."""
+    return _Reply(
+        500,
+        {"error": {"message": f"Call to {method} method failed: {message}", "type": "InternalServerError",
                    "param": None, "code": 500}},
     )  # fmt: skip
 
@@ -114,6 +128,23 @@ class EmulatedVLLM(EmulatedServer):
         self.rejecting = False  # abort/wait pauses reject new requests (503) until /resume
         self.last_update: dict[str, Any] | None = None
         self.bucket_count = 0
+        self.asleep: set[str] = set()  # executor memory asleep (sleep, release_kv_cache_memory)
+
+    def flag(self, name: str) -> bool:
+        """A VLLM_* switch as vllm/envs.py parses it: bool(int(value)), default 0."""
+        try:
+            return bool(int(self.env.get(name, "0")))
+        except ValueError:
+            return False
+
+    def authorize(self, method: str, path: str, header: str | None) -> _Reply | None:
+        """Only /v1 routes take --api-key; a refusal is 401 {"error": "Unauthorized"}."""
+        if self.api_key and self.requires_key(path) and header != f"Bearer {self.api_key}":
+            return _Reply(401, {"error": "Unauthorized"})
+        return None
+
+    def _rpc(self, message: str) -> _Reply:
+        return _rpc_error(message, self.tp)
 
     def invalid(self, detail: Any) -> _Reply:
         """vLLM's validation handler (entrypoints/serve/exception_handling/handlers/validation.py): 400."""
@@ -125,7 +156,7 @@ class EmulatedVLLM(EmulatedServer):
     def handle(self, method: str, path: str, query: dict[str, list[str]], body: Any, call: str | None) -> Any:
         """vLLM registers its dev and RL routers only with VLLM_SERVER_DEV_MODE=1
         (vllm/entrypoints/launchers/api_server/routers.py): without it they are 404."""
-        dev = self.env.get("VLLM_SERVER_DEV_MODE") == "1"
+        dev = self.flag("VLLM_SERVER_DEV_MODE")
         if not dev and path not in PUBLIC_ROUTES and not path.startswith("/_refit/"):
             raise _Reply(404, {"detail": "Not Found"})
         return super().handle(method, path, query, body, call)
@@ -138,7 +169,8 @@ class EmulatedVLLM(EmulatedServer):
             "weight_transfer_config": {"backend": self.backend},
         }
         return {"vllm_config": config if (query or {}).get("config_format") == ["json"] else str(config),
-                "vllm_env": {k: v for k, v in self.env.items() if "KEY" not in k}, "system_env": {}}  # fmt: skip
+                "vllm_env": {k: (self.flag(k) if k in BOOL_ENVS else v) for k, v in self.env.items() if "KEY" not in k},
+                "system_env": {}}  # fmt: skip
 
     # ---- generation control ------------------------------------------------------------------
 
@@ -193,6 +225,13 @@ class EmulatedVLLM(EmulatedServer):
         if not ok and running:  # blocks held by running requests: preempt them (KV dropped), then reset
             self._engine("pause", "retract")
             ok = self._reset_cache()
+            if not ok:  # v1/core/sched/scheduler.py reset_prefix_cache raises then
+                raise _utility_error(
+                    "reset_prefix_cache",
+                    "Failed to reset KV cache even when all the running requests are preempted and moved to the "
+                    "waiting queue. This is likely due to the presence of running requests waiting for remote KV "
+                    "transfer, which is not supported yet.",
+                )
         return {"success": ok}
 
     def r_reset_encoder_cache(self, method: str, query: Any, body: Any, call: str | None) -> Any:
@@ -206,6 +245,8 @@ class EmulatedVLLM(EmulatedServer):
     # ---- memory --------------------------------------------------------------------------------
 
     def r_sleep(self, method: str, query: dict[str, list[str]], body: Any, call: str | None) -> Any:
+        """v1/engine/core.py `sleep`: the scheduler paused in `mode`; level 1 offloads the weights (a
+        CPU copy) and discards the KV cache, level 2 discards both; level 0 only pauses."""
         level = int((query.get("level") or ["1"])[-1])
         mode = (query.get("mode") or ["abort"])[-1]
         if level not in (0, 1, 2):
@@ -217,24 +258,45 @@ class EmulatedVLLM(EmulatedServer):
             try:
                 self._engine("release_memory", ["kv_cache", "weights"], cpu_backup=level == 1)
             except EngineError as exc:
-                raise _Reply(500, {"error": {"message": exc.message, "code": 500}}) from None
+                raise _utility_error("sleep", exc.message) from None
+            self.asleep |= {"weights", "kv_cache"}
         return {"status": "sleeping", "level": level}
 
     def r_release_kv_cache_memory(self, method: str, query: Any, body: Any, call: str | None) -> Any:
+        """`release_kv_cache_memory`: only after a completed pause with no request left, and with
+        every allocation resident."""
         self._check("/release_kv_cache_memory", body)
         self._fault(call)
+        info = self._engine("info")
+        if not info["paused"] or info["running"] or info["waiting"]:
+            raise _utility_error(
+                "release_kv_cache_memory", "release_kv_cache_memory() requires a completed pause first"
+            )
+        if self.asleep:
+            raise _utility_error(
+                "release_kv_cache_memory", "release_kv_cache_memory() requires all executor memory to be resident"
+            )
         try:
             self._engine("release_memory", ["kv_cache"])
         except EngineError as exc:
-            raise _Reply(500, {"error": {"message": exc.message, "code": 500}}) from None
+            raise _utility_error("release_kv_cache_memory", exc.message) from None
+        self.asleep.add("kv_cache")
         return {"status": "kv_cache_released"}
 
     def r_wake_up(self, method: str, query: dict[str, list[str]], body: Any, call: str | None) -> Any:
-        tags = query.get("tags") or ["weights", "kv_cache", "scheduling"]
+        """`wake_up`: what it names comes back ("scheduling" is no allocation); once nothing sleeps,
+        the scheduler resumes. Answers "awake" only then (entrypoints/serve/dev/sleep/api_router.py)."""
+        tags = query.get("tags") or None
         self._check("/wake_up", None, query)
         self._fault(call)
-        self._engine("resume_memory", [t for t in tags if t in ("weights", "kv_cache")])
-        return {"status": "awake", "tags": tags}
+        memory = [t for t in (tags or ["weights", "kv_cache"]) if t in ("weights", "kv_cache")]
+        self._engine("resume_memory", memory)
+        self.asleep -= set(memory)
+        awake = not self.asleep
+        if awake:  # resume_scheduler
+            self._engine("continue_generation")
+            self.rejecting = False
+        return {"status": "awake" if awake else "sleeping", "tags": tags}
 
     # ---- weight transfer -----------------------------------------------------------------------
 
@@ -249,24 +311,24 @@ class EmulatedVLLM(EmulatedServer):
             allowed = NCCL_INIT_KEYS if self.backend == "nccl" else frozenset({"packed"})
             unknown = sorted(set(init) - allowed)
             if unknown:
-                raise _rpc_error(f"Invalid init_info for {engine}: __init__() got an unexpected keyword argument "
+                raise self._rpc(f"Invalid init_info for {engine}: __init__() got an unexpected keyword argument "
                                  f"{unknown[0]!r}")  # fmt: skip
             if self.initialized is not None:
                 self._engine("detach", f"vllm_{self.backend}")
                 self.initialized = None
             if self.backend == "ipc":
                 if not init.get("packed"):
-                    raise _rpc_error("unpacked IPC transfers are not emulated (send packed buckets)")
+                    raise self._rpc("unpacked IPC transfers are not emulated (send packed buckets)")
                 info = ConnectInfo(
                     "vllm_ipc", "refit.drivers.flattened:VLLMIPCReceiver", {"packed": True}, ({},) * self.tp
                 )
             else:
                 missing = [k for k in ("rank_offset", "world_size") if k not in init]
                 if missing:
-                    raise _rpc_error(f"Invalid init_info for {engine}: __init__() missing required keyword argument "
+                    raise self._rpc(f"Invalid init_info for {engine}: __init__() missing required keyword argument "
                                      f"{missing[0]!r}")  # fmt: skip
                 if init.get("master_address") is None or init.get("master_port") is None:
-                    raise _rpc_error(
+                    raise self._rpc(
                         "NCCLWeightTransferInitInfo: need nccl_unique_id_b64, or both master_address and master_port "
                         f"(got master_address={init.get('master_address')!r}, master_port={init.get('master_port')!r})"
                     )
@@ -280,7 +342,7 @@ class EmulatedVLLM(EmulatedServer):
             try:
                 self._engine("attach", info)
             except EngineError as exc:
-                raise _rpc_error(f"weight transfer group did not form: {exc.message}") from None
+                raise self._rpc(f"weight transfer group did not form: {exc.message}") from None
             self.initialized = dict(init)
             self.last_update = None
         return {"message": "Weight transfer initialized"}
@@ -290,7 +352,7 @@ class EmulatedVLLM(EmulatedServer):
         self._fault(call)
         with self._lock:
             if self.session_open:
-                raise _rpc_error("Cannot release a trainer connection during a weight update")
+                raise self._rpc("Cannot release a trainer connection during a weight update")
             if self.initialized is not None:
                 self._engine("detach", f"vllm_{self.backend}")
                 self.initialized = None
@@ -301,10 +363,12 @@ class EmulatedVLLM(EmulatedServer):
         with self._lock:
             self._fault(call)
             if self.session_open:
-                raise _rpc_error(
+                raise self._rpc(
                     "start_weight_update called while a weight update is already active. "
                     "Call finish_weight_update first."
                 )
+            if self._engine("info")["weights_released"]:  # on "meta" since a failed update: start loads anew
+                self._engine("resume_memory", ["weights"])
             self._engine("begin", None)
             self.session_open, self.bucket_count = True, 0
         return {"message": "Weight update started"}
@@ -316,7 +380,7 @@ class EmulatedVLLM(EmulatedServer):
             raise _bad_request("update_info: Input should be a valid dictionary", "body.update_info")
         with self._lock:
             if not self.session_open:
-                raise _rpc_error("start_weight_update must be called before update_weights.")
+                raise self._rpc("start_weight_update must be called before update_weights.")
             hint = self.bucket_hint()
             index = self.bucket_count if hint is None else hint
             self._fault(call, index)
@@ -324,9 +388,13 @@ class EmulatedVLLM(EmulatedServer):
                 payload = self._payload(index, info)
                 self._engine("load", payload)
             except (ValueError, EngineError) as exc:
-                self.session_open = False  # vLLM clears the session when update_weights raises
+                # vLLM clears the session when update_weights raises (v1/worker/gpu_worker.py
+                # update_weights), and nothing finalizes the layerwise reload its start began: every
+                # layer stays on the meta device (model_loader/reload/layerwise.py): no usable weights
+                self.session_open = False
                 self._close_engine_session()
-                raise _rpc_error(str(exc.message if isinstance(exc, EngineError) else exc)) from None
+                self._engine("release_memory", ["weights"])
+                raise self._rpc(str(exc.message if isinstance(exc, EngineError) else exc)) from None
             self.bucket_count += 1
         return {"message": "Weights updated"}
 
@@ -344,6 +412,11 @@ class EmulatedVLLM(EmulatedServer):
             )
         if self.initialized is None:
             raise ValueError("NCCL weight transfer not initialized. Call init_transfer_engine() first.")
+        pickled = self.backend == "ipc" and info.get("ipc_handles_pickled") is not None
+        if pickled and not self.flag("VLLM_ALLOW_INSECURE_SERIALIZATION"):  # IPCWeightTransferUpdateInfo.__post_init__
+            raise ValueError(
+                "Refusing to deserialize `ipc_handles_pickled` without VLLM_ALLOW_INSECURE_SERIALIZATION=1"
+            )
         names, dtypes, shapes = info.get("names", []), info.get("dtype_names", []), info.get("shapes", [])
         if not names and not dtypes and not shapes and self.backend == "nccl":
             if self.last_update is None:
@@ -375,10 +448,6 @@ class EmulatedVLLM(EmulatedServer):
             self.last_update = {"names": names, "dtype_names": dtypes, "shapes": shapes}
             fields = {"load_format": FLATTENED_BUCKET if packed else None}
             return Payload("vllm_nccl", manifest, fields, ({},) * self.tp)
-        if info.get("ipc_handles_pickled") is not None and self.env.get("VLLM_ALLOW_INSECURE_SERIALIZATION") != "1":
-            raise ValueError(  # IPCWeightTransferUpdateInfo.__post_init__ (distributed/weight_transfer/ipc_engine.py)
-                "Refusing to deserialize `ipc_handles_pickled` without VLLM_ALLOW_INSECURE_SERIALIZATION=1"
-            )
         if info.get("ipc_handles_pickled") is None:
             raise ValueError("Either `ipc_handles` or `ipc_handles_pickled` must be provided")
         sizes = info.get("tensor_sizes")
@@ -397,11 +466,11 @@ class EmulatedVLLM(EmulatedServer):
         with self._lock:
             self._fault(call)
             if not self.session_open:
-                raise _rpc_error("finish_weight_update called without a matching start_weight_update.")
+                raise self._rpc("finish_weight_update called without a matching start_weight_update.")
             try:
                 self._engine("finalize")
             except EngineError as exc:
-                raise _rpc_error(exc.message) from None  # a failed finish leaves the session active
+                raise self._rpc(exc.message) from None  # a failed finish leaves the session active
             self.session_open = False
             if label is not None:
                 self._label(label)
