@@ -56,6 +56,7 @@ from refit.drivers.buckets import (
     slot_bytes,
     torch_dtype,
 )
+from refit.drivers.pickling import ByNamePickler
 
 if TYPE_CHECKING:
     import torch
@@ -252,7 +253,7 @@ def ipc_refs(handle: bytes | str, offset: int) -> int:
     return int.from_bytes(mm[at : at + 8], "little", signed=True)
 
 
-class _SGLangPickler(pickle._Pickler):  # type: ignore[name-defined,misc]
+class _SGLangPickler(ByNamePickler):
     """Python's pickler with the reducers ForkingPickler has, CPU storages by name, CUDA tensors in
     SGLang's form, and `rebuild_cuda_tensor_by_uuid` written as SGLang's own function (by name:
     SGLang need not be installed where refit serializes)."""
@@ -263,26 +264,12 @@ class _SGLangPickler(pickle._Pickler):  # type: ignore[name-defined,misc]
 
         import torch
 
-        super().__init__(file, protocol=pickle.DEFAULT_PROTOCOL)
+        super().__init__(file, {rebuild_cuda_tensor_by_uuid: SGLANG_REBUILD})
         table = copyreg.dispatch_table.copy()
         table.update(ForkingPickler._extra_reducers)
         table[torch.UntypedStorage] = _reduce_storage_by_name
         table[torch.Tensor] = lambda t: sglang_cuda_reduce(t, counters=counters)
         self.dispatch_table = table
-
-    def save(self, obj: Any, save_persistent_id: bool = True) -> None:
-        if obj is rebuild_cuda_tensor_by_uuid:  # written by SGLang's name
-            memo = self.memo.get(id(obj))
-            if memo is not None:
-                self.write(self.get(memo[0]))
-                return
-            module, qualname = SGLANG_REBUILD
-            self.save(module)
-            self.save(qualname)
-            self.write(pickle.STACK_GLOBAL)
-            self.memoize(obj)
-            return
-        super().save(obj, save_persistent_id)
 
 
 def serialize(obj: Any, counters: list[tuple[bytes, int]] | None = None) -> bytes:

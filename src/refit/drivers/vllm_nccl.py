@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import io
-import pickle
 from typing import Any
 
 VLLM_UNIQUE_ID = ("vllm.distributed.device_communicators.pynccl_wrapper", "ncclUniqueId")
@@ -39,18 +38,6 @@ UNIQUE_ID_KEY = "broadcast_from/0/0"  # StatelessProcessGroup.broadcast_obj: the
 
 class _UniqueIdRef:
     """Stands for vLLM's ncclUniqueId class in the pickle (written by name, never imported)."""
-
-
-class _Pickler(pickle._Pickler):  # type: ignore[name-defined,misc]
-    def save(self, obj: Any, save_persistent_id: bool = True) -> None:
-        if obj is _UniqueIdRef:
-            module, name = VLLM_UNIQUE_ID
-            self.save(module)
-            self.save(name)
-            self.write(pickle.STACK_GLOBAL)
-            self.memoize(obj)
-            return
-        super().save(obj, save_persistent_id)
 
 
 class _UniqueId:
@@ -67,8 +54,10 @@ def unique_id_pickle(uid: bytes) -> bytes:
     """`pickle.dumps(ncclUniqueId holding uid)`, as vLLM's rank 0 writes it to the store."""
     if len(uid) != UNIQUE_ID_BYTES:
         raise ValueError(f"an NCCL unique id is {UNIQUE_ID_BYTES} bytes, got {len(uid)}")
+    from refit.drivers.pickling import ByNamePickler
+
     buf = io.BytesIO()
-    _Pickler(buf, protocol=pickle.DEFAULT_PROTOCOL).dump(_UniqueId(bytes(uid)))
+    ByNamePickler(buf, {_UniqueIdRef: VLLM_UNIQUE_ID}).dump(_UniqueId(bytes(uid)))
     return buf.getvalue()
 
 

@@ -381,10 +381,9 @@ class EmulatedSGLang(EmulatedServer):
 
         def run() -> tuple[bool, str]:
             with self._lock:
-                if self.session is None and self.v >= (0, 5, 21):
+                index = self._open_bucket()
+                if index is None:
                     return False, NO_SESSION.format(op="update_weights_from_tensor")
-                index = self._bucket_index()
-                self._fault(bucket=index)
                 try:
                     payload = self._tensor_payload(entries, obj.load_format, index)
                 except Exception as exc:
@@ -399,9 +398,15 @@ class EmulatedSGLang(EmulatedServer):
 
         return self._label_after(obj, *self._weights_call(run))
 
-    def _bucket_index(self) -> int:
+    def _open_bucket(self) -> int | None:
+        """The scheduler's session check (0.5.21+; None: refused, no session), then the index of the
+        bucket this update is (the driver's, else the count), and its armed fault."""
+        if self.session is None and self.v >= (0, 5, 21):
+            return None
         hint = self.bucket_hint()
-        return self.bucket_count if hint is None else hint
+        index = self.bucket_count if hint is None else hint
+        self._fault(bucket=index)
+        return index
 
     def _tensor_payload(self, entries: Any, load_format: Any, index: int) -> Payload:
         """Each TP rank's own entry (`deserialize_own_rank` indexes by TP rank)."""
@@ -421,10 +426,9 @@ class EmulatedSGLang(EmulatedServer):
 
         def run() -> tuple[bool, str]:
             with self._lock:
-                if self.session is None and self.v >= (0, 5, 21):
+                index = self._open_bucket()
+                if index is None:
                     return False, NO_SESSION.format(op="update_weights_from_distributed")
-                index = self._bucket_index()
-                self._fault(bucket=index)
                 if obj.group_name not in self.groups:  # an assert in receive_weights_from_distributed
                     return False, (
                         f"Failed to receive weights: Group {obj.group_name} not in {list(self.groups)}. "
