@@ -120,6 +120,9 @@ class TokenizerShim:
     def startup_time(self) -> dict[str, Any]:
         return self.emu.startup_durations
 
+    def is_ready(self) -> bool:
+        return not self.emu.is_pause
+
     def config_value(self, name: str) -> Any:
         return {"weight_version": self.emu.label, "load_format": "auto"}.get(name)
 

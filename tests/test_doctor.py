@@ -144,3 +144,44 @@ def test_the_command_exits_by_what_works_and_prints_json(servers) -> None:
     bad = subprocess.run([sys.executable, "-m", "refit.cli", "doctor", "localhost:30000"],
                          capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
     assert bad.returncode == 2 and "not an http(s) URL" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_a_server_of_another_shape_or_a_slow_one_is_reported_not_raised() -> None:
+    """Answers in shapes no SGLang sends, and a server that trickles its answer: a report, inside
+    the timeout, never a traceback or a non-GET."""
+    import socketserver
+    import threading
+    import time
+
+    seen: list[str] = []
+
+    class Odd(socketserver.BaseRequestHandler):
+        def handle(self) -> None:
+            request = self.request.recv(65536).decode(errors="replace")
+            seen.append(request.split(" ", 1)[0])
+            path = request.split(" ")[1] if " " in request else "/"
+            body = {"/server_info": b'{"version": "0.5.23", "tp_size": [1], "dp_size": "two"}',
+                    "/openapi.json": b'{"paths": null}'}.get(path, b"{}")  # fmt: skip
+            if path == "/model_info":  # one byte every 0.3 s
+                head = b"HTTP/1.1 200 OK\r\nContent-Length: 40\r\n\r\n"
+                try:
+                    self.request.sendall(head)
+                    for _ in range(40):
+                        self.request.sendall(b" ")
+                        time.sleep(0.3)
+                except OSError:
+                    pass
+                return
+            self.request.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+
+    server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Odd)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        t0 = time.monotonic()
+        report = doctor(f"http://127.0.0.1:{server.server_address[1]}", "sglang", timeout=1.0)
+        assert time.monotonic() - t0 < 6.0  # 4 GETs, each bounded by 1 s as a whole
+        assert not report.ok and any(f.status == "fail" for f in report.findings)
+        assert set(seen) == {"GET"}
+    finally:
+        server.shutdown()

@@ -388,5 +388,8 @@ def test_a_buffer_a_consumer_still_holds_at_its_ack_is_replaced_not_rewritten() 
         transport.release(plan[1].index)
         assert transport._buffers[0] is second and len(transport.held) == 1  # let go: reused
         transport.disconnect()
+        # a counter the file does not hold, or an impossible one, counts as held (fails closed)
+        assert fl._still_held(f"/{name}".encode(), 40) and fl._still_held(f"/{name}".encode(), -1)
+        assert fl._still_held(b"/refit_no_such_counter_file", 0)
     finally:
         os.unlink(f"/dev/shm/{name}")

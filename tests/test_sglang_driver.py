@@ -654,3 +654,85 @@ def test_an_sglang_too_old_for_byte_offset_buckets_is_refused_up_front(sglang_en
     with pytest.raises(EngineError) as err:
         engine.probe(1, timeout=10)
     assert err.value.kind == "unsupported" and err.value.no_effect and "0.5.6" in str(err.value)
+
+
+# ---- what an engine holds across runs (from an adversarial review) ----------------------------
+
+
+@pytest.mark.parametrize("where", ["load", "begin"])
+def test_an_update_a_run_opened_and_never_finished_is_never_continued_by_the_next(
+    trainer, sglang_engines, where
+) -> None:
+    """Run 1 hangs inside the update (a load, or begin itself) and writes the engine off without a
+    quarantine; run 2 fails before its own begin. The driver remembers the update it opened and
+    never completed: its probe says the engine is not serving, so run 2 quarantines it instead of
+    continuing it on a mix of weights labelled with the old version."""
+    (engine,) = sglang_engines(1, in_thread=True)
+    hang = (protocol.FaultPlan().fail_at("transferring", engine=0, bucket=1, call="load", kind="hang") if where == "load"
+            else protocol.FaultPlan().fail_at("invalidating", engine=0, call="begin", kind="hang"))  # fmt: skip
+
+    def ctx(faults: protocol.FaultPlan) -> protocol.RefitContext:
+        return protocol.RefitContext(source=TorchSource(trainer), engines=[engine], transport=SGLangTensorTransport(),
+                                     mode="colocated", bucket_bytes=SMALL_BUCKET, deadline_s=20, retries=0,
+                                     call_timeout_s=1.0, faults=faults)  # fmt: skip
+
+    first = ctx(hang)
+    protocol.run(first)
+    first.close()
+    time.sleep(2.5)  # the hung call lands
+    perturbed(trainer, seed=2)
+    second = ctx(protocol.FaultPlan().fail_at("invalidating", engine=0, call="flush", kind="raise"))
+    result = protocol.run(second)
+    second.close()
+    assert result.engines["sg0"].status == "quarantined", result.engines["sg0"]
+    routes = [r for r, _ in engine.server.received]
+    last_begin = max(i for i, r in enumerate(routes) if r == "/begin_weight_update")
+    assert "/continue_generation" not in routes[last_begin:]
+
+
+def test_a_label_changed_by_another_client_while_memory_is_released_is_refused_not_guessed(
+    trainer, sglang_engines, sglang_ctx
+) -> None:
+    """A restart (nothing released) and another client's /update_weight_version look alike to the
+    driver; a wrong guess kills SGLang (resume of a tag never released, or a load into released
+    memory). With memory released it refuses, naming the way out, and the server lives."""
+    (engine,) = sglang_engines(1)
+    ctx = sglang_ctx(trainer, [engine])
+    engine.release_memory(["weights", "kv_cache"], timeout=30)
+    assert protocol.run(ctx).ok
+    engine.release_memory(["weights", "kv_cache"], timeout=30)
+    httpx.post(f"{engine.url}/update_weight_version", json={"new_version": "1-canary", "abort_all_requests": False})
+    perturbed(trainer, seed=3)
+    refused = protocol.run(ctx)
+    assert not refused.ok and "memory_unknown" in str(refused.engines["sg0"].error)
+    assert "set_released" in str(refused.engines["sg0"].error)
+    assert engine.server.crashed is None and engine.server.offload_tags == {"weights", "kv_cache", "cuda_graph"}
+    engine.set_released(["weights", "kv_cache"])  # the user says what is released
+    result = protocol.run(ctx)
+    assert result.ok, result.error
+    serves(engine, trainer, result.version)
+
+
+def test_a_server_that_died_and_came_back_is_a_new_process_to_the_driver(trainer, sglang_engines, sglang_ctx) -> None:
+    """The server dies while refit labels it, and its orchestrator restarts it. The driver saw
+    nothing listening: what answers next is a new process, with nothing released, so the next
+    refit resumes nothing it never released (SGLang dies on that) and goes through."""
+    (engine,) = sglang_engines(1)
+    ctx = sglang_ctx(trainer, [engine], retries=0)
+    engine.release_memory(["weights", "kv_cache"], timeout=30)
+    assert protocol.run(ctx).ok
+    engine.release_memory(["weights", "kv_cache"], timeout=30)
+
+    def die(*a: object) -> None:
+        raise engine.server.crash("killed while labelling")
+
+    engine.server.r_update_weight_version = die  # type: ignore[method-assign]
+    perturbed(trainer, seed=1)
+    assert not protocol.run(ctx).ok
+    engine.server.restart()
+    del engine.server.r_update_weight_version
+    perturbed(trainer, seed=2)
+    result = protocol.run(ctx)
+    assert result.ok, result.error
+    assert engine.server.crashed is None
+    serves(engine, trainer, result.version)

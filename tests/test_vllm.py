@@ -438,3 +438,20 @@ def test_a_vllm_older_than_the_weight_transfer_api_is_refused_up_front(vllm_engi
     with pytest.raises(EngineError) as err:
         engine.probe(1, timeout=10)
     assert err.value.kind == "unsupported" and err.value.no_effect and "0.28" in str(err.value)
+
+
+def test_a_vllm_left_paused_mid_update_by_a_crashed_trainer_is_never_continued(trainer, vllm_engines) -> None:
+    """A crashed trainer left vLLM paused with start_weight_update done (its layers on the meta
+    device). A new trainer's first probe finds it paused: not serving. Its first refit fails before
+    its own begin (a flush fault), and the engine is quarantined, never resumed on what it holds."""
+    (engine,) = vllm_engines(1, backend="ipc", in_thread=True)
+    for route, params in (("/pause", {"mode": "abort"}), ("/start_weight_update", None)):  # the crashed trainer
+        assert httpx.post(engine.url + route, params=params).status_code == 200
+    ctx = protocol.RefitContext(source=TorchSource(trainer), engines=[engine], transport=VLLMIPCTransport(),
+                                mode="colocated", bucket_bytes=SMALL_BUCKET, deadline_s=20, retries=0,
+                                faults=protocol.FaultPlan().fail_at("invalidating", engine=0, call="flush",
+                                                                    kind="raise"))  # fmt: skip
+    result = protocol.run(ctx)
+    ctx.close()
+    assert result.engines["vl0"].status == "quarantined"
+    assert "/resume" not in [r for _, r in engine.server.requests]

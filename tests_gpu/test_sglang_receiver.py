@@ -150,3 +150,27 @@ def test_vllm_nccl_group_calls_on_one_gpu() -> None:
     torch.cuda.synchronize()
     assert torch.equal(t, torch.arange(1024, device="cuda", dtype=torch.float32).to(torch.bfloat16))
     group.abort()
+
+
+def test_vllm_nccl_join_without_workers_ends_at_its_timeout() -> None:
+    """No vLLM worker ever joins: the trainer's join gives up at its timeout (a non-blocking NCCL
+    communicator, aborted), instead of blocking its rank's thread forever; the next group forms."""
+    import time
+
+    import torch.distributed as dist
+
+    from refit.drivers.vllm_nccl import VLLMNcclGroup
+
+    store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError):
+        VLLMNcclGroup(store, 2, timeout_s=3.0)
+    took = time.monotonic() - t0
+    print("SUMMARY", json.dumps({"nccl_join_timeout_s": 3.0, "gave_up_after_s": round(took, 2)}))
+    assert took < 6.0
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+    group = VLLMNcclGroup(store, 1, timeout_s=10.0)
+    t = torch.ones(16, device="cuda")
+    group.broadcast([t]).wait()
+    torch.cuda.synchronize()
+    group.abort()

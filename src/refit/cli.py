@@ -440,7 +440,7 @@ def _demo_arguments(p: argparse.ArgumentParser) -> None:
 def _doctor(args: argparse.Namespace) -> int:
     """Exit 0 when some refit mode works with the server, 1 when none does or it cannot be reached,
     2 for a URL that is not one."""
-    from refit.doctor import doctor, render_json
+    from refit.doctor import BadURL, doctor, render_json
 
     if not math.isfinite(args.timeout) or args.timeout <= 0:
         print(f"refit doctor: --timeout must be a positive number of seconds, got {args.timeout}", file=sys.stderr)
@@ -449,7 +449,7 @@ def _doctor(args: argparse.Namespace) -> int:
         report = doctor(
             args.url, args.engine, api_key=args.api_key, admin_api_key=args.admin_api_key, timeout=args.timeout
         )
-    except ValueError as exc:
+    except BadURL as exc:
         print(f"refit doctor: {exc}", file=sys.stderr)
         return 2
     print(render_json(report) if args.json else report.text())

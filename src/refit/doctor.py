@@ -93,22 +93,32 @@ class Answer:
 
 
 def read(url: str, paths: list[str], *, headers: dict[str, str], timeout: float) -> dict[str, Answer]:
-    """GET each of `paths` (never anything else), each bounded by `timeout`."""
+    """GET each of `paths` (never anything else), each bounded by `timeout` as a whole: a server
+    that trickles its answer is given up on at the timeout, whatever httpx's per-read limits."""
+    import threading
+
     import httpx
 
     out: dict[str, Answer] = {}
-    with httpx.Client(base_url=url, headers=headers, timeout=timeout) as client:
-        for path in paths:
+    for path in paths:
+        box: dict[str, Answer] = {}
+
+        def get(path: str = path, box: dict[str, Answer] = box) -> None:
             try:
-                resp = client.get(path)
+                with httpx.Client(base_url=url, headers=headers, timeout=timeout) as client:
+                    resp = client.get(path)
+                    try:
+                        data: Any = resp.json()
+                    except ValueError:
+                        data = resp.text
+                    box["answer"] = Answer(resp.status_code, data)
             except httpx.HTTPError as exc:
-                out[path] = Answer(None, error=f"{type(exc).__name__}: {exc}")
-                continue
-            try:
-                data: Any = resp.json()
-            except ValueError:
-                data = resp.text
-            out[path] = Answer(resp.status_code, data)
+                box["answer"] = Answer(None, error=f"{type(exc).__name__}: {exc}")
+
+        worker = threading.Thread(target=get, name="refit-doctor-get", daemon=True)
+        worker.start()
+        worker.join(timeout)
+        out[path] = box.get("answer") or Answer(None, error=f"no complete answer within {timeout:.3g}s")
     return out
 
 
@@ -135,6 +145,10 @@ def detect(url: str, *, headers: dict[str, str], timeout: float) -> str | None:
     return None
 
 
+class BadURL(ValueError):
+    """The URL given is not one of a server (bad input: exit 2)."""
+
+
 def doctor(
     url: str,
     engine: str | None = None,
@@ -146,7 +160,7 @@ def doctor(
     """Read the server at `url` and report what refit can do with it (see the module docstring)."""
     parsed = urlparse(url)
     if parsed.scheme not in ("http", "https") or not parsed.netloc:
-        raise ValueError(f"{url!r} is not an http(s) URL of a server")
+        raise BadURL(f"{url!r} is not an http(s) URL of a server")
     url = url.rstrip("/")
     # every route read is one SGLang guards with --api-key alone (NORMAL) and vLLM with none but /v1
     key = api_key or admin_api_key
@@ -170,14 +184,20 @@ def doctor(
                 Finding(
                     "engine",
                     "fail",
-                    "neither SGLang's /server_info nor vLLM's /version answered as those servers do",
-                    "name it: --engine sglang|vllm",
+                    f"neither SGLang's /server_info nor vLLM's /version answered as those servers do (within "
+                    f"{timeout:.3g}s each)",
+                    "name it: --engine sglang|vllm, or raise --timeout",
                 )
             )
             return report
     backend = _backend(engine)
     answers = read(url, list(backend.DOCTOR_READS), headers=headers, timeout=timeout)
-    report.version, report.findings, report.verdicts = backend.diagnose(answers, authorized=bool(headers))
+    try:
+        report.version, report.findings, report.verdicts = backend.diagnose(answers, authorized=bool(headers))
+    except (TypeError, ValueError, AttributeError, KeyError, IndexError) as exc:  # answers of another shape
+        why = f"its answers are not what {engine} sends ({type(exc).__name__}: {exc})"
+        report.findings = [Finding("answers", "fail", why, "check the URL and --engine")]
+        report.verdicts = [Verdict(mode, "-", False, why) for mode in ("colocated", "disaggregated")]
     report.findings.insert(0, Finding("reachable", "ok", f"{url} answers"))
     return report
 

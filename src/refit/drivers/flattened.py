@@ -232,7 +232,7 @@ def sglang_cuda_reduce(
     return rebuild_cuda_tensor_by_uuid, (*args[:DEVICE_ARG], uuid_of(args[DEVICE_ARG]), *args[DEVICE_ARG + 1 :])
 
 
-_COUNTER_FILES: dict[str, Any] = {}
+_COUNTER_FILES: dict[str, tuple[int, Any]] = {}  # name -> (inode, mapping)
 COUNTER_HEADER = 64  # at::RefcountedMapAllocator's header (map_alloc_alignment) before the int64 counters
 
 
@@ -241,15 +241,22 @@ def ipc_refs(handle: bytes | str, offset: int) -> int:
     counter per export in a shared-memory file (torch/csrc/CudaIPCTypes.cpp: set to 1 when sent,
     decremented by the consumer's deleter once the last tensor on it is dropped, after that
     deleter synchronized the consumer's stream). 0: the consumer let go, its reads are done.
-    The file is torch's ref-counter file (/dev/shm/<handle>): a 64-byte header, then int64s."""
+    The file is torch's ref-counter file (/dev/shm/<handle>): a 64-byte header, then int64s.
+    Raises ValueError for a slot the file does not hold (read as "held" by the caller)."""
     import mmap
+    import os
 
     name = (handle.decode() if isinstance(handle, bytes) else handle).lstrip("/")
-    mm = _COUNTER_FILES.get(name)
-    if mm is None:
-        with open(f"/dev/shm/{name}", "rb") as f:
-            mm = _COUNTER_FILES[name] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    path = f"/dev/shm/{name}"
+    inode = os.stat(path).st_ino
+    cached = _COUNTER_FILES.get(name)
+    if cached is None or cached[0] != inode:  # a file of that name made anew is another file
+        with open(path, "rb") as f:
+            _COUNTER_FILES[name] = cached = (inode, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
+    mm = cached[1]
     at = COUNTER_HEADER + offset * 8
+    if offset < 0 or at + 8 > len(mm):
+        raise ValueError(f"{path} holds no counter at offset {offset} ({len(mm)} bytes)")
     return int.from_bytes(mm[at : at + 8], "little", signed=True)
 
 
@@ -594,9 +601,10 @@ class SGLangTensorTransport(Transport):
 
 
 def _still_held(handle: bytes, offset: int) -> bool:
-    """Whether a consumer still holds a CUDA export (an unreadable counter counts as held)."""
+    """Whether a consumer still holds a CUDA export (an unreadable or impossible counter counts as
+    held: the buffer is replaced, never rewritten under a reader)."""
     try:
-        return ipc_refs(handle, offset) > 0
+        return ipc_refs(handle, offset) != 0
     except (OSError, ValueError):
         return True
 
@@ -769,7 +777,8 @@ class VLLMBroadcastTransport(SGLangBroadcastTransport):
 
     Backend ``nccl``: what a real vLLM server joins. The trainer speaks vLLM's rendezvous itself
     (`refit.drivers.vllm_nccl`: vLLM's StatelessProcessGroup store key and pickled ncclUniqueId,
-    an NCCL communicator through torch's own bindings, vLLM's one-element all-reduce warm-up).
+    the NCCL library through ctypes as vLLM's own wrapper calls it, vLLM's one-element all-reduce
+    warm-up). It needs a CUDA build of torch and a GPU on the trainer.
     Backend ``gloo``: the CPU stand-in that refit's emulated vLLM server joins (vLLM's own
     receiver is NCCL-only)."""
 
@@ -781,6 +790,17 @@ class VLLMBroadcastTransport(SGLangBroadcastTransport):
             from refit.drivers.vllm_nccl import vllm_group
 
             self.make_group = vllm_group
+
+    def connect(self, plan: Sequence[BucketManifest], topology: Topology, rank: int) -> dict[str, Any]:
+        if self.backend == "nccl" and rank == SOURCE_RANK:
+            import torch
+
+            if not torch.cuda.is_available():
+                raise RuntimeError(
+                    "VLLMBroadcastTransport(backend='nccl') sends from a GPU: this trainer's torch sees no CUDA "
+                    "device. A real vLLM server needs it; backend='gloo' only reaches refit's emulated vLLM server"
+                )
+        return super().connect(plan, topology, rank)
 
     def attach_infos(self, rank_infos: Sequence[dict[str, Any]], topology: Topology) -> dict[str, ConnectInfo]:
         infos = super().attach_infos(rank_infos, topology)

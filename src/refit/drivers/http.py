@@ -36,16 +36,27 @@ class UpdateLedger:
     vLLM label whatever weights they hold). `begin` records the plan; `check_load` refuses, before
     any request, a bucket that is not the next planned one; `ack` records each acknowledged bucket;
     `close` ends the session, then `complete` raises `incomplete` unless every planned bucket was
-    acknowledged; `require_complete` refuses a publish unless the last session completed."""
+    acknowledged; `require_complete` refuses a publish unless the last session completed. `dirty`:
+    an update opened and not completed since (the probe then reports the engine not serving, so
+    the runner never continues it on whatever it holds)."""
 
     def __init__(self, engine: str) -> None:
         self.engine = engine
         self.plan: dict[int, BucketManifest] | None = None
         self.acked: set[int] = set()
         self.finalized = False
+        # an update was (or may have been) opened on the server and has not completed since: its
+        # weights may be a mix (or, on vLLM, on the meta device) whatever label it shows; cleared
+        # by a publish, by a continue the runner asked for (it vouches the weights are a version),
+        # and by a new server process
+        self.dirty = False
 
     def reset(self) -> None:
         self.plan, self.finalized = None, False
+
+    def opening(self) -> None:
+        """Before the begin request: from here the server may hold a partial update."""
+        self.dirty = True
 
     def begin(self, plan: Sequence[BucketManifest]) -> None:
         self.plan = {m.index: m for m in plan}
@@ -92,7 +103,7 @@ class UpdateLedger:
             )
 
     def published(self) -> None:
-        self.finalized = False
+        self.finalized = self.dirty = False
 
 
 class HttpEngineDriver(EngineDriver):
@@ -121,6 +132,7 @@ class HttpEngineDriver(EngineDriver):
         self._swap = threading.Lock()
         self._ledger = UpdateLedger(name)
         self._quarantined: str | None = None  # why this driver took the engine out of service, if it did
+        self._gone = False  # a call found nothing listening at the URL (the server process died)
 
     def _check_serving(self) -> None:
         """Refuse to continue an engine this driver quarantined until a refit completes."""
@@ -218,6 +230,8 @@ class HttpEngineDriver(EngineDriver):
                 self._abandon(client)
             raise TimeoutError(f"{where}: no complete answer within {timeout:.3g}s")
         if "error" in box:
+            if isinstance(box["error"], EngineDied):
+                self._gone = True  # nothing listens: whatever answers next at this URL is a new process
             raise box["error"]
         status, raw = box["answer"]
         try:
@@ -355,5 +369,7 @@ def version_tuple(text: str | None) -> tuple[int, ...] | None:
     """(major, minor, patch) of a server's version string ("0.5.23", "0.33.0rc1"), or None."""
     import re
 
-    m = re.match(r"(\d+)\.(\d+)\.(\d+)", text or "")
+    if not isinstance(text, str):
+        return None
+    m = re.match(r"(\d+)\.(\d+)\.(\d+)", text)
     return tuple(int(x) for x in m.groups()) if m else None

@@ -13,7 +13,14 @@ Lifecycle, per state (each step is one HTTP call; SGLang has no batch route):
                           exposes no identity (`startup_time` is a dict of startup durations), but
                           a restarted server comes back at its launch label ("default"), so a label
                           other than the one this driver last read or set means a new server (a new
-                          incarnation: nothing of ours is released, no group, no session).
+                          incarnation: nothing of ours is released, no group, no session); so
+                          is a server that answers again after a call found nothing listening. A
+                          label that changed while the driver holds memory released is refused
+                          (`memory_unknown`: a wrong guess kills SGLang; `set_released` says which).
+                          At first contact GET /ready: a server found paused (a crashed trainer
+                          mid-update?) is reported not serving, so it is never continued on
+                          whatever it holds; so is one whose update this driver opened and never
+                          completed.
   OFFLOADING (colocated)  resume_memory(["weights"]): POST /resume_memory_occupation {"tags"}, only
                           for tags this driver released (or was told were released: `released=`);
                           SGLang's scheduler raises, and the server dies, on a tag never released.
@@ -222,6 +229,7 @@ class SGLangEngine(HttpEngineDriver):
         self.capabilities: Capabilities | None = None
         self._label: Any = None  # the weight-version label this driver last read or set
         self._restarts = 0
+        self._restarted_since_attach = False
         self._attached: ConnectInfo | None = None
         self._released: set[str] = set(self._server_tags(released))
         self._read_capabilities(5.0)
@@ -293,19 +301,32 @@ class SGLangEngine(HttpEngineDriver):
             self.capabilities = self._supported(Capabilities.of(info.get("version")))
         caps = self.capabilities
         label = self._read_version(caps, left())
-        restarted = self._label is not None and str(label) != str(self._label)
+        first = self._label is None  # first contact (or after an unknown label): what is it doing?
+        if self._gone:  # nothing listened at our last call: what answers now is a new server process
+            self._new_process()
+        elif not first and str(label) != str(self._label):
+            if self._released:  # a restart (nothing released) or another client's label: SGLang dies on a wrong guess
+                raise EngineError(
+                    "memory_unknown",
+                    f"engine {self.name}: the server at {self.url} reports weight version {label!r} where this driver "
+                    f"last saw {self._label!r}, while it holds {sorted(self._released)} released: a restarted server "
+                    "has nothing released, and SGLang's scheduler dies resuming a tag it never released (or loading "
+                    "into released memory). Say which: engine.set_released([...]) with what is released on the "
+                    "server now ([] after a restart)",
+                )
+            self._new_process()
         self._label = label
-        if restarted:  # a new server process: nothing of ours released, no group, no session
-            self._restarts += 1
-            self._released = set()
-            self._quarantined = None
-            if self._attached is not None and self._attached.kind == "sglang_broadcast":
+        if self._restarted_since_attach and self._attached is not None:
+            self._restarted_since_attach = False
+            if self._attached.kind == "sglang_broadcast":  # tensor payloads need no server-side setup
                 self._attached = None
                 raise EngineError(
                     "restarted",
-                    f"engine {self.name}: the server at {self.url} reports weight version {label!r} where this driver "
-                    "last saw another: it restarted and lost its weight-update group; the next refit connects it again",
+                    f"engine {self.name}: the server at {self.url} restarted (its weight version is now {label!r}, "
+                    "or it had stopped answering) and lost its weight-update group; the next refit connects it again",
                 )
+        if first and self._paused(left()):  # left paused by someone (a crashed trainer mid-update?)
+            self._ledger.dirty = True
         self._ledger.reset()
         version = label_version(label)
         if version is not None and version >= target_version:
@@ -314,7 +335,32 @@ class SGLangEngine(HttpEngineDriver):
                 f"engine {self.name} holds weight version {label!r}, the refit targets {target_version}",
                 {"version": version},
             )
-        return {"version": version, "serving": self._quarantined is None, "server_version": caps.version}
+        return {
+            "version": version,
+            "serving": self._quarantined is None and not self._ledger.dirty,
+            "server_version": caps.version,
+        }
+
+    def _new_process(self) -> None:
+        """A new server process at this URL: its checkpoint's weights, nothing released, no session,
+        no group, no quarantine of ours."""
+        self._restarts += 1
+        self._gone = False
+        self._released = set()
+        self._quarantined = None
+        self._ledger.dirty = False
+        self._restarted_since_attach = self._attached is not None
+
+    def set_released(self, tags: Sequence[str]) -> None:
+        """Tell the driver which memory tags are released on the server now (after a restart it
+        could not see, or memory released by another client), and accept the label it shows."""
+        self._released = set(self._server_tags(tags))
+        self._label = None
+
+    def _paused(self, timeout: float) -> bool:
+        """GET /ready: 503 while SGLang is paused (TokenizerManager.is_ready), a read."""
+        status, _ = self._request("GET", "/ready", "probe", timeout=timeout)
+        return status == 503
 
     def _supported(self, caps: Capabilities) -> Capabilities:
         if not caps.flattened_bytes:
@@ -366,6 +412,7 @@ class SGLangEngine(HttpEngineDriver):
                 "bad_request",
                 f"engine {self.name}: connect info has {len(info.parts)} TP parts, the server has {self._tp}",
             )
+        self._restarted_since_attach = False
         if info.kind == "sglang_broadcast":
             f = info.fields
             body = {
@@ -399,6 +446,7 @@ class SGLangEngine(HttpEngineDriver):
 
     def begin(self, plan: Sequence[BucketManifest], *, timeout: float) -> None:
         end = time.monotonic() + timeout
+        self._ledger.opening()
         if self._caps().session:
             try:
                 self._call("POST", "/begin_weight_update", "begin", timeout=timeout, body={}, update=True)
@@ -458,6 +506,7 @@ class SGLangEngine(HttpEngineDriver):
         if "kv_cache" in self._released:
             self.resume_memory(["kv_cache"], timeout=timeout)
         self._call("POST", "/continue_generation", "continue_generation", timeout=end - time.monotonic(), body={})
+        self._ledger.dirty = False  # the runner continues only weights a version names
 
     def quarantine(self, reason: str, *, timeout: float) -> None:
         """Stop serving (pause, aborting what runs) and close any update session this run left open

@@ -5,9 +5,14 @@ One driver per server (one engine, however many workers). The server's version i
 
 Lifecycle, per state (each step is one HTTP call; vLLM has no batch route):
   first engine call       probe(target): the weight version (GET /weight_info); a label back at
-                          "default" after this driver published one means the server restarted
-                          (refused as `restarted`: the next refit reconnects); `version_ahead`
-                          when it already holds the target.
+                          "default" after this driver published one, or a server answering again
+                          after a call found nothing listening, means it restarted (refused as
+                          `restarted` when a transfer engine was attached: the next refit
+                          reconnects); `version_ahead` when it already holds the target. At first
+                          contact GET /is_paused: a server found paused (a crashed trainer
+                          mid-update?) is reported not serving, so it is never continued on
+                          whatever it holds; so is one whose update this driver opened and never
+                          completed.
   OFFLOADING (colocated)  resume_memory(["weights"]): POST /wake_up?tags=weights, only for what the
                           driver released (a wake_up that leaves nothing asleep resumes the
                           scheduler, which would undo a pause or a quarantine).
@@ -185,6 +190,7 @@ class VLLMEngine(HttpEngineDriver):
         self.weights_cpu_backup = weights_cpu_backup
         self.capabilities: Capabilities | None = None
         self._restarts = 0
+        self._seen = False  # probed once: whether it was found paused is known
         self._published: str | None = None
         self._attached: ConnectInfo | None = None
         self._session_unknown = False
@@ -218,6 +224,8 @@ class VLLMEngine(HttpEngineDriver):
             return EngineError("unauthorized", f"{text} (the API key is missing or wrong)")
         if status == 404:
             return EngineError("unsupported", f"{text} (no such route: is VLLM_SERVER_DEV_MODE=1 set?)")
+        if route == "/reset_prefix_cache" and status < 300:  # {"success": false}: blocks still held
+            return EngineError("flush_refused", text)
         if status == 503:
             return EngineError("paused", text)
         if status in (400, 422):
@@ -249,14 +257,28 @@ class VLLMEngine(HttpEngineDriver):
             label = (self._call("GET", "/weight_info", "probe", timeout=end - time.monotonic()) or {}).get(
                 "weight_version"
             )
-        if label == "default" and self._published not in (None, "default"):
+        if self._gone or (label == "default" and self._published not in (None, "default")):
+            attached = self._attached is not None
             self._restarts += 1  # the next run sees a new incarnation and reconnects
-            self._attached, self._released, self._published = None, set(), None
+            self._attached, self._released, self._published, self._gone = None, set(), None, False
+            self._ledger.dirty = False  # a new process holds its checkpoint
+            self._quarantined = None
+            if not attached:
+                self._seen = True
+                return self._probed(label, target_version, caps)
             raise EngineError(
                 "restarted",
                 f"engine {self.name}: the server's weight version is back at 'default' after {self.name} was "
                 "published: it restarted and lost its weight-transfer setup; the next refit reconnects it",
             )
+        if not self._seen:  # first contact: a server left paused (a crashed trainer mid-update?) is not serving
+            self._seen = True
+            paused = self._call("GET", "/is_paused", "probe", timeout=end - time.monotonic())
+            if isinstance(paused, dict) and paused.get("is_paused"):
+                self._ledger.dirty = True
+        return self._probed(label, target_version, caps)
+
+    def _probed(self, label: Any, target_version: int, caps: Capabilities) -> dict[str, Any]:
         self._ledger.reset()
         version = label_version(label)
         if version is not None and version >= target_version:
@@ -265,7 +287,11 @@ class VLLMEngine(HttpEngineDriver):
                 f"engine {self.name} holds weight version {label!r}, the refit targets {target_version}",
                 {"version": version},
             )
-        return {"version": version, "serving": self._quarantined is None, "server_version": caps.version}
+        return {
+            "version": version,
+            "serving": self._quarantined is None and not self._ledger.dirty,
+            "server_version": caps.version,
+        }
 
     def release_memory(self, tags: Sequence[str], *, timeout: float = DEFAULT_TIMEOUT) -> None:
         if "weights" in tags:
@@ -326,13 +352,14 @@ class VLLMEngine(HttpEngineDriver):
         data = self._call(
             "POST", "/reset_prefix_cache", "flush", timeout=timeout, params={"reset_running_requests": "true"}
         )
-        if not (isinstance(data, dict) and data.get("success")):
+        if not (isinstance(data, dict) and data.get("success")):  # a 2xx without {"success": true}
             raise EngineError("flush_refused", f"engine {self.name}: POST /reset_prefix_cache (flush) -> {data}")
         self._call("POST", "/reset_encoder_cache", "flush", timeout=end - time.monotonic())
 
     def begin(self, plan: Sequence[BucketManifest], *, timeout: float) -> None:
         end = time.monotonic() + timeout
         caps = self._caps(timeout)
+        self._ledger.opening()
         if caps.session:
             try:
                 self._start(caps, end - time.monotonic())
@@ -396,6 +423,7 @@ class VLLMEngine(HttpEngineDriver):
         if "kv_cache" in self._released:
             self.resume_memory(["kv_cache"], timeout=timeout)
         self._call("POST", "/resume", "continue_generation", timeout=end - time.monotonic())
+        self._ledger.dirty = False  # the runner continues only weights a version names
 
     def quarantine(self, reason: str, *, timeout: float) -> None:
         """Stop serving (new requests get 503) and finish a session this run may have left open."""

@@ -75,6 +75,23 @@ NCCL_DTYPES = {  # ncclDataType_t (nccl.h)
     "float32": 7, "float64": 8, "bfloat16": 9,
 }  # fmt: skip
 NCCL_SUM = 0
+NCCL_IN_PROGRESS = 7  # ncclInProgress: a non-blocking communicator is still working
+NCCL_UNDEF_INT = -(2**31)  # NCCL_CONFIG_UNDEF_INT (INT_MIN): the library's default
+
+
+class _NcclConfig(ctypes.Structure):
+    """ncclConfig_t as NCCL 2.17 lays it out (nccl.h `ncclConfig_v21700`); later releases read an
+    older config by its `size` and `version`."""
+
+    _fields_ = [
+        ("size", ctypes.c_size_t), ("magic", ctypes.c_uint), ("version", ctypes.c_uint), ("blocking", ctypes.c_int),
+        ("cgaClusterSize", ctypes.c_int), ("minCTAs", ctypes.c_int), ("maxCTAs", ctypes.c_int),
+        ("netName", ctypes.c_char_p),
+    ]  # fmt: skip
+
+    @classmethod
+    def non_blocking(cls) -> _NcclConfig:
+        return cls(ctypes.sizeof(cls), 0xCAFEBEEF, 21700, 0, NCCL_UNDEF_INT, NCCL_UNDEF_INT, NCCL_UNDEF_INT, None)
 
 
 class NcclLibrary:
@@ -102,8 +119,17 @@ class NcclLibrary:
         self.lib.ncclAllReduce.argtypes = [c.c_void_p, c.c_void_p, c.c_size_t, c.c_int, c.c_int, c.c_void_p, c.c_void_p]
         self.lib.ncclBroadcast.argtypes = [c.c_void_p, c.c_void_p, c.c_size_t, c.c_int, c.c_int, c.c_void_p, c.c_void_p]
         self.lib.ncclCommAbort.argtypes = [c.c_void_p]
+        if hasattr(self.lib, "ncclCommInitRankConfig"):
+            self.lib.ncclCommInitRankConfig.argtypes = [
+                c.POINTER(c.c_void_p), c.c_int, _NcclUniqueId, c.c_int, c.POINTER(_NcclConfig),
+            ]  # fmt: skip
+        if hasattr(self.lib, "ncclCommGetAsyncError"):
+            self.lib.ncclCommGetAsyncError.argtypes = [c.c_void_p, c.POINTER(c.c_int)]
+        self.blocking = True
 
     def check(self, rc: int, what: str) -> None:
+        if rc == NCCL_IN_PROGRESS and not self.blocking:  # enqueued; its errors surface asynchronously
+            return
         if rc != 0:
             raise RuntimeError(f"NCCL {what} failed: {self.lib.ncclGetErrorString(rc).decode()} (code {rc})")
 
@@ -112,12 +138,52 @@ class NcclLibrary:
         self.check(self.lib.ncclGetUniqueId(ctypes.byref(uid)), "ncclGetUniqueId")
         return bytes(uid.internal)
 
-    def init_rank(self, world: int, uid: bytes, rank: int) -> Any:
+    def init_rank(self, world: int, uid: bytes, rank: int, *, timeout: float) -> Any:
+        """ncclCommInitRank, bounded: a non-blocking communicator (ncclCommInitRankConfig) polled
+        until it is ready, aborted at `timeout` (a worker that never joins cannot hang the
+        trainer); a library without it: the blocking call on a thread, given up at `timeout`."""
+        import threading
+        import time
+
         comm = ctypes.c_void_p()
         raw = _NcclUniqueId()
         ctypes.memmove(raw.internal, uid, UNIQUE_ID_BYTES)
-        self.check(self.lib.ncclCommInitRank(ctypes.byref(comm), world, raw, rank), "ncclCommInitRank")
+        if hasattr(self.lib, "ncclCommInitRankConfig") and hasattr(self.lib, "ncclCommGetAsyncError"):
+            config = _NcclConfig.non_blocking()
+            rc = self.lib.ncclCommInitRankConfig(ctypes.byref(comm), world, raw, rank, ctypes.byref(config))
+            if rc not in (0, NCCL_IN_PROGRESS):
+                self.check(rc, "ncclCommInitRankConfig")
+            self.settle(comm, time.monotonic() + timeout, "ncclCommInitRankConfig")
+            self.blocking = False
+            return comm
+        box: dict[str, int] = {}
+        worker = threading.Thread(
+            target=lambda: box.setdefault("rc", self.lib.ncclCommInitRank(ctypes.byref(comm), world, raw, rank)),
+            name="refit-nccl-init", daemon=True,
+        )  # fmt: skip
+        worker.start()
+        worker.join(timeout)
+        if worker.is_alive():
+            raise TimeoutError(f"ncclCommInitRank: {world - 1} workers did not join within {timeout:.3g}s")
+        self.check(box["rc"], "ncclCommInitRank")
         return comm
+
+    def settle(self, comm: Any, deadline: float, what: str) -> None:
+        """Wait until a non-blocking communicator is done with `what`; abort it past `deadline`."""
+        import time
+
+        state = ctypes.c_int(NCCL_IN_PROGRESS)
+        while True:
+            self.lib.ncclCommGetAsyncError(comm, ctypes.byref(state))
+            if state.value == 0:
+                return
+            if state.value != NCCL_IN_PROGRESS:
+                self.lib.ncclCommAbort(comm)
+                self.check(state.value, what)
+            if time.monotonic() > deadline:
+                self.lib.ncclCommAbort(comm)
+                raise TimeoutError(f"NCCL {what}: not done by its deadline (the communicator was aborted)")
+            time.sleep(0.005)
 
     def all_reduce(self, tensor: Any, comm: Any, stream: Any) -> None:
         self.check(
@@ -174,20 +240,38 @@ class VLLMNcclGroup:
     has the shape of a torch ProcessGroup's, so refit's broadcast transport drives it as one."""
 
     def __init__(
-        self, store: Any, world: int, *, unique_id: bytes | None = None, nccl: NcclLibrary | None = None
+        self,
+        store: Any,
+        world: int,
+        *,
+        timeout_s: float = 60.0,
+        unique_id: bytes | None = None,
+        nccl: NcclLibrary | None = None,
     ) -> None:
+        import time
+
         import torch
 
         self.nccl = nccl or NcclLibrary()
         self.device = torch.device("cuda", torch.cuda.current_device())
         uid = unique_id if unique_id is not None else self.nccl.unique_id()
         publish_unique_id(store, uid)
+        deadline = time.monotonic() + timeout_s
         with torch.cuda.device(self.device):
-            self.comm = self.nccl.init_rank(int(world), uid, 0)  # returns once every worker called ncclCommInitRank
+            self.comm = self.nccl.init_rank(int(world), uid, 0, timeout=timeout_s)  # every worker joined
             self.stream = torch.cuda.Stream(self.device)
             warm = torch.zeros(1, dtype=torch.float32, device=self.device)  # PyNcclCommunicator's warm-up
-            self.nccl.all_reduce(warm, self.comm, torch.cuda.current_stream())
-            torch.cuda.current_stream().synchronize()
+            stream = torch.cuda.current_stream()
+            self.nccl.all_reduce(warm, self.comm, stream)
+            done = torch.cuda.Event()
+            done.record(stream)
+            while not done.query():  # a worker that skips the warm-up would hang a synchronize
+                if time.monotonic() > deadline:
+                    self.abort()
+                    raise TimeoutError(
+                        f"vLLM's NCCL warm-up all-reduce: not every worker took part within {timeout_s:.3g}s"
+                    )
+                time.sleep(0.001)
 
     def broadcast(self, tensors: list[Any], opts: Any = None) -> _Done:
         import torch
@@ -211,4 +295,4 @@ def vllm_group(store: Any, name: str, rank: int, size: int, timeout_s: float, ba
     """The transport's `make_group` for vLLM over NCCL: rank 0 only (the trainer)."""
     if backend != "nccl" or rank != 0:
         raise ValueError("vllm_group: the trainer is rank 0 of vLLM's NCCL group")
-    return VLLMNcclGroup(store, size)
+    return VLLMNcclGroup(store, size, timeout_s=timeout_s)

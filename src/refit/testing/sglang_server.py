@@ -592,6 +592,12 @@ class EmulatedSGLang(EmulatedServer):
     def r_health(self, method: str, query: Any, body: Any, call: str | None) -> Any:
         return None
 
+    def r_ready(self, method: str, query: Any, body: Any, call: str | None) -> Any:
+        """entrypoints/http_server.py `ready`: 200, or 503 while paused (TokenizerManager.is_ready)."""
+        if self.is_pause:
+            raise _Reply(503, "")
+        return ""
+
     def r_pause_generation(self, method: str, query: Any, body: Any, call: str | None) -> Any:
         obj = self._req(body, "/pause_generation")
         if obj.mode not in (PAUSE_MODES if self.v >= (0, 5, 6) else ("abort",)):

@@ -129,6 +129,7 @@ class EmulatedVLLM(EmulatedServer):
         self.last_update: dict[str, Any] | None = None
         self.bucket_count = 0
         self.asleep: set[str] = set()  # executor memory asleep (sleep, release_kv_cache_memory)
+        self.meta = False  # a weight update started and did not finish: no usable weights
 
     def flag(self, name: str) -> bool:
         """A VLLM_* switch as vllm/envs.py parses it: bool(int(value)), default 0."""
@@ -371,6 +372,7 @@ class EmulatedVLLM(EmulatedServer):
                 self._engine("resume_memory", ["weights"])
             self._engine("begin", None)
             self.session_open, self.bucket_count = True, 0
+            self.meta = True  # initialize_layerwise_reload: every layer's weights on the meta device
         return {"message": "Weight update started"}
 
     def r_update_weights(self, method: str, query: Any, body: Any, call: str | None) -> Any:
@@ -472,6 +474,7 @@ class EmulatedVLLM(EmulatedServer):
             except EngineError as exc:
                 raise self._rpc(exc.message) from None  # a failed finish leaves the session active
             self.session_open = False
+            self.meta = False  # finalize_layerwise_reload: the loaded weights are the model's again
             if label is not None:
                 self._label(label)
         return {"message": "Weight update finished"}
@@ -490,6 +493,10 @@ class EmulatedVLLM(EmulatedServer):
 
     def r_v1__completions(self, method: str, query: Any, body: Any, call: str | None) -> Any:
         obj = self._obj(body, "/v1/completions", ["model", "prompt"])
+        if self.meta:  # what vLLM does with layers on the meta device is not determinable from its source
+            raise _Reply(500, {"error": {"message": "emulated: the model's layers are on the meta device (a weight "
+                                         "update started and did not finish)", "type": "InternalServerError",
+                                         "code": 500}})  # fmt: skip
         if self.rejecting:
             raise _Reply(503, {"error": {"message": "Generation is paused. Please retry after it resumes.",
                                          "type": "ServiceUnavailableError", "code": 503}})  # fmt: skip
