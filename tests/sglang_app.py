@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import copy
 import json
 import socket
 import threading
@@ -114,7 +115,9 @@ class TokenizerShim:
             is_image_understandable_model=False, is_audio_understandable_model=False,
             hf_config=types.SimpleNamespace(model_type="llama", architectures=["LlamaForCausalLM"]),
         )  # fmt: skip
-        self.server_args = sglang_http().server_args
+        # SGLang's /server_info reads the tokenizer manager's ServerArgs: this server's tp_size, as it was launched
+        self.server_args = copy.copy(sglang_http().server_args)
+        self.server_args.tp_size = emu.tp
 
     @property
     def startup_time(self) -> dict[str, Any]:

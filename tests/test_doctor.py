@@ -124,12 +124,12 @@ def test_sglang_diagnosis_refuses_data_parallel_and_an_active_weight_cache() -> 
     info = {"version": "0.5.23", "tp_size": 2, "dp_size": 2, "weight_cache_mode": "shared", "enable_memory_saver": True}
     answers = {"/server_info": Answer(200, info), "/model_info": Answer(200, {"weight_version": "7"}),
                "/openapi.json": Answer(404, {})}  # fmt: skip
-    version, findings, verdicts = diagnose(answers, authorized=False)
+    version, findings, verdicts = diagnose(answers, admin_key=False)
     assert version == "0.5.23" and not any(v.works for v in verdicts)
     failed = {f.check for f in findings if f.status == "fail"}
     assert failed == {"data parallel", "weight cache"}
     assert "dp_size 2" in verdicts[0].why and "--weight-cache-mode shared" in verdicts[0].why
-    denied = diagnose({**answers, "/server_info": Answer(401, {"error": "Unauthorized"})}, authorized=False)
+    denied = diagnose({**answers, "/server_info": Answer(401, {"error": "Unauthorized"})}, admin_key=False)
     assert denied[1][0].check == "auth" and "--api-key" in denied[1][0].fix
 
 
@@ -185,3 +185,19 @@ def test_a_server_of_another_shape_or_a_slow_one_is_reported_not_raised() -> Non
         assert set(seen) == {"GET"}
     finally:
         server.shutdown()
+
+
+def test_a_key_protected_or_misnamed_server_is_told_plainly(servers) -> None:
+    """A server started with --api-key, read without a key: the refusal is named, not "no engine
+    answered". The wrong --engine: a plain "not vLLM's answer", no check of the other server
+    passing for one of this one."""
+    keyed = EmulatedSGLangEngine.start("k", config=CONFIG, in_thread=True, api_key="sesame")
+    servers.append(keyed)
+    report = doctor(keyed.url)
+    assert not report.ok and report.findings[-1].check == "auth" and report.findings[-1].fix == "--api-key KEY"
+    assert doctor(keyed.url, api_key="sesame").ok
+    sglang = EmulatedSGLangEngine.start("s", config=CONFIG, in_thread=True)
+    servers.append(sglang)
+    wrong = doctor(sglang.url, "vllm")
+    assert not wrong.ok and [f.check for f in wrong.findings] == ["reachable", "version"]
+    assert "--engine sglang" in (wrong.findings[1].fix or "")

@@ -478,7 +478,9 @@ def test_sglang_driver_passes_the_conformance_kit() -> None:
     coverage = check_engine_driver(
         lambda name: EmulatedSGLangEngine.start(name, in_thread=True),  # real HTTP; the engine on a thread
         transport=SGLangTensorTransport, max_examples=4, steps=5,
-        call_timeout_s=0.5,  # one HTTP round trip per step: a control wave is several
+        # a step is one to three HTTP round trips; 1 s leaves a loaded 2-core box the slack a real
+        # server needs too (SGLang's abort pause polls every second while a request holds its lock)
+        call_timeout_s=1.0,
     )  # fmt: skip
     assert coverage.checks["weights read back"] > 50 and coverage.checks["quarantined refused"] > 10
     assert {"hang", "kill", "raise", "corrupt"} <= set(coverage.kinds)
@@ -595,9 +597,11 @@ def test_a_restarted_sglang_server_is_seen_by_its_label_and_refit(
 ) -> None:
     """A real restart behind the same URL (a fresh engine process, label "default", no session, no
     group, nothing released): SGLang exposes no identity, so the driver reads the restart from the
-    label it last set. Colocated, the next refit goes through (tensor payloads need no setup, and
-    nothing is resumed that the new server never released: it would die); disaggregated, the probe
-    reports `restarted` (its group is gone) and the refit after it forms a new group."""
+    label it last set. Colocated, the driver held memory released: a relabel by another client
+    looks the same, and a wrong guess kills SGLang, so the probe refuses (`memory_unknown`, the
+    server untouched) until the user says `set_released([], restarted=True)`; then the refit goes
+    through on a new incarnation, resuming nothing. Disaggregated, the probe reports `restarted`
+    (its group is gone) and the refit after it forms a new group."""
     (engine,) = sglang_engines(1, front=front)
     ctx = sglang_ctx(trainer, [engine], mode=mode, retries=0)
     if mode == "colocated":
@@ -610,6 +614,13 @@ def test_a_restarted_sglang_server_is_seen_by_its_label_and_refit(
     assert engine.server.label == "default" and not engine.server.offload_tags
     perturbed(trainer, seed=4)
     result = protocol.run(ctx)
+    if mode == "colocated":
+        assert not result.ok and "memory_unknown" in str(result.engines["sg0"].error)
+        assert result.engines["sg0"].status == "unchanged", result.engines["sg0"]
+        assert engine.server.crashed is None and not engine.server.offload_tags  # nothing was resumed
+        assert engine.incarnation == before
+        engine.set_released([], restarted=True)
+        result = protocol.run(ctx)
     assert engine.incarnation != before
     if mode == "disaggregated":
         assert not result.ok and "restarted" in str(result.engines["sg0"].error)
@@ -736,3 +747,17 @@ def test_a_server_that_died_and_came_back_is_a_new_process_to_the_driver(trainer
     assert result.ok, result.error
     assert engine.server.crashed is None
     serves(engine, trainer, result.version)
+
+
+def test_a_driver_built_for_another_tp_size_is_refused_before_it_kills_the_server(sglang_engines) -> None:
+    """One payload entry per TP rank: a TP=2 server given one entry dies in its scheduler (rank 1
+    indexes past the list). The driver reads tp_size from /server_info and refuses first."""
+    (engine,) = sglang_engines(1, tp=2)
+    short = SGLangEngine("short", engine.url, tp=1)
+    try:
+        with pytest.raises(EngineError) as err:
+            short.probe(1, timeout=10)
+        assert err.value.kind == "misconfigured" and err.value.no_effect and "tp=2" in str(err.value)
+        assert engine.server.crashed is None
+    finally:
+        short.close()

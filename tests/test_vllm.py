@@ -401,7 +401,9 @@ def test_vllm_driver_passes_the_conformance_kit() -> None:
     coverage = check_engine_driver(
         lambda name: EmulatedVLLMEngine.start(name, backend="ipc", in_thread=True),  # real HTTP; engine on a thread
         transport=VLLMIPCTransport, max_examples=4, steps=5,
-        call_timeout_s=0.5,  # one HTTP round trip per step: a control wave is several
+        # a step is one to three HTTP round trips; 1 s leaves a loaded 2-core box the slack a real
+        # server needs too (SGLang's abort pause polls every second while a request holds its lock)
+        call_timeout_s=1.0,
     )  # fmt: skip
     assert coverage.checks["weights read back"] > 50 and coverage.checks["quarantined refused"] > 10
     assert {"hang", "kill", "raise", "corrupt"} <= set(coverage.kinds)
@@ -455,3 +457,16 @@ def test_a_vllm_left_paused_mid_update_by_a_crashed_trainer_is_never_continued(t
     ctx.close()
     assert result.engines["vl0"].status == "quarantined"
     assert "/resume" not in [r for _, r in engine.server.requests]
+
+
+def test_a_vllm_driver_built_for_another_worker_count_is_refused(vllm_engines) -> None:
+    """A wrong worker count leaves a rank of vLLM's group unfilled (the group never forms): the
+    driver reads /get_world_size at first contact and refuses, naming the count."""
+    (engine,) = vllm_engines(1, backend="nccl", tp=2)
+    short = VLLMEngine("short", engine.url, tp=1)
+    try:
+        with pytest.raises(EngineError) as err:
+            short.probe(1, timeout=10)
+        assert err.value.kind == "misconfigured" and "tp=2" in str(err.value)
+    finally:
+        short.close()

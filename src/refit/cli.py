@@ -442,6 +442,12 @@ def _doctor(args: argparse.Namespace) -> int:
     2 for a URL that is not one."""
     from refit.doctor import BadURL, doctor, render_json
 
+    try:
+        import httpx  # noqa: F401 - the SGLang and vLLM extras bring it
+    except ImportError:
+        print("refit doctor needs httpx: pip install 'refit-engine[sglang]' (or [vllm])", file=sys.stderr)
+        return 2
+
     if not math.isfinite(args.timeout) or args.timeout <= 0:
         print(f"refit doctor: --timeout must be a positive number of seconds, got {args.timeout}", file=sys.stderr)
         return 2

@@ -43,6 +43,20 @@ class Verdict:
     fix: str | None = None
 
 
+def verdicts(
+    modes: list[tuple[str, str]], findings: list[Finding], extra: dict[str, str] | None = None
+) -> list[Verdict]:
+    """Each (mode, transport): works unless a check failed (every failed check blocks every mode),
+    or `extra` names what blocks that mode alone; why not, and the fixes of what failed."""
+    failed = [f for f in findings if f.status == "fail"]
+    fixes = list(dict.fromkeys(f.fix for f in failed if f.fix))
+    out = []
+    for mode, transport in modes:
+        why = "; ".join([f.detail for f in failed] + ([extra[mode]] if extra and extra.get(mode) else []))
+        out.append(Verdict(mode, transport, not why, why, "; ".join(fixes) or None if why else None))
+    return out
+
+
 @dataclass
 class Report:
     url: str
@@ -76,9 +90,9 @@ class Report:
             lines.append("  refit modes with this server:")
         for v in self.verdicts:
             state = "works" if v.works else "will not work"
-            lines.append(f"    {v.mode:<14} {v.transport:<32} {state}{': ' + v.why if v.why else ''}")
+            lines.append(f"    {v.mode:<14} {v.transport:<42} {state}{': ' + v.why if v.why else ''}")
             if v.fix:
-                lines.append(f"{'':<52}fix: {v.fix}")
+                lines.append(f"{'':<20}fix: {v.fix}")
         lines.append("  (read only: every request was a GET; nothing on the server was changed)")
         return "\n".join(lines)
 
@@ -132,17 +146,17 @@ def _backend(engine: str) -> Any:
     return vllm
 
 
-def detect(url: str, *, headers: dict[str, str], timeout: float) -> str | None:
-    """Which engine serves `url`: SGLang's /server_info names itself (its fields, a 0.5.x
-    version); vLLM answers /version and has no SGLang /server_info shape. Reads only."""
+def detect(url: str, *, headers: dict[str, str], timeout: float) -> tuple[str | None, dict[str, Answer]]:
+    """Which engine serves `url` (None: not told): SGLang's /server_info names itself (its
+    fields, a version); vLLM answers /version and has no SGLang /server_info shape. Reads only."""
     answers = read(url, ["/server_info", "/version"], headers=headers, timeout=timeout)
     info = answers["/server_info"]
     if info.status == 200 and isinstance(info.data, dict) and "tp_size" in info.data and "version" in info.data:
-        return "sglang"
+        return "sglang", answers
     version = answers["/version"]
     if version.status == 200 and isinstance(version.data, dict) and "version" in version.data:
-        return "vllm"
-    return None
+        return "vllm", answers
+    return None, answers
 
 
 class BadURL(ValueError):
@@ -178,22 +192,22 @@ def doctor(
         )
         return report
     if engine is None:
-        engine = report.engine = detect(url, headers=headers, timeout=timeout)
+        engine, seen = detect(url, headers=headers, timeout=timeout)
+        report.engine = engine
         if engine is None:
-            report.findings.append(
-                Finding(
-                    "engine",
-                    "fail",
-                    f"neither SGLang's /server_info nor vLLM's /version answered as those servers do (within "
-                    f"{timeout:.3g}s each)",
-                    "name it: --engine sglang|vllm, or raise --timeout",
-                )
-            )
+            said = {p: a.status or a.error for p, a in seen.items()}
+            if any(a.status in (401, 403) for a in seen.values()):
+                report.findings.append(Finding("auth", "fail", f"the server refused the reads ({said}): it was "
+                                               "started with --api-key", "--api-key KEY"))  # fmt: skip
+            else:
+                report.findings.append(Finding("engine", "fail", f"neither SGLang's /server_info nor vLLM's /version "
+                                               f"answered as those servers do ({said})",
+                                               "check the URL; --engine sglang|vllm; --timeout"))  # fmt: skip
             return report
     backend = _backend(engine)
     answers = read(url, list(backend.DOCTOR_READS), headers=headers, timeout=timeout)
     try:
-        report.version, report.findings, report.verdicts = backend.diagnose(answers, authorized=bool(headers))
+        report.version, report.findings, report.verdicts = backend.diagnose(answers, admin_key=bool(admin_api_key))
     except (TypeError, ValueError, AttributeError, KeyError, IndexError) as exc:  # answers of another shape
         why = f"its answers are not what {engine} sends ({type(exc).__name__}: {exc})"
         report.findings = [Finding("answers", "fail", why, "check the URL and --engine")]

@@ -230,6 +230,7 @@ class SGLangEngine(HttpEngineDriver):
         self._label: Any = None  # the weight-version label this driver last read or set
         self._restarts = 0
         self._restarted_since_attach = False
+        self._server_tp: Any = None  # the server's tp_size, as its /server_info reports it
         self._attached: ConnectInfo | None = None
         self._released: set[str] = set(self._server_tags(released))
         self._read_capabilities(5.0)
@@ -240,6 +241,7 @@ class SGLangEngine(HttpEngineDriver):
         with contextlib.suppress(TimeoutError, EngineDied, ValueError):
             status, info = self._request("GET", "/server_info", "connect", timeout=timeout)
             if status < 300 and isinstance(info, dict):
+                self._server_tp = info.get("tp_size")
                 with contextlib.suppress(EngineError):  # unsupported: the first probe says so
                     self.capabilities = self._supported(Capabilities.of(info.get("version")))
 
@@ -248,7 +250,7 @@ class SGLangEngine(HttpEngineDriver):
     @property
     def pause_modes(self) -> frozenset[str]:  # type: ignore[override]
         caps = self.capabilities or Capabilities.of(None)
-        modes = set(caps.pause_modes)
+        modes = set(caps.pause_modes) - {"in_place"}  # in_place keeps old-weight KV: refit refuses it
         if not caps.flush_while_paused:
             modes.discard("retract")  # the waiting queue blocks the flush before 0.5.21
         return frozenset(modes)
@@ -299,6 +301,8 @@ class SGLangEngine(HttpEngineDriver):
             if status >= 300 or not isinstance(info, dict):
                 raise self._error("GET", "/server_info", "probe", status, info, update=False)
             self.capabilities = self._supported(Capabilities.of(info.get("version")))
+            self._server_tp = info.get("tp_size")
+        self._check_tp()
         caps = self.capabilities
         label = self._read_version(caps, left())
         first = self._label is None  # first contact (or after an unknown label): what is it doing?
@@ -312,7 +316,7 @@ class SGLangEngine(HttpEngineDriver):
                     f"last saw {self._label!r}, while it holds {sorted(self._released)} released: a restarted server "
                     "has nothing released, and SGLang's scheduler dies resuming a tag it never released (or loading "
                     "into released memory). Say which: engine.set_released([...]) with what is released on the "
-                    "server now ([] after a restart)",
+                    "server now (engine.set_released([], restarted=True) after a restart)",
                 )
             self._new_process()
         self._label = label
@@ -341,6 +345,16 @@ class SGLangEngine(HttpEngineDriver):
             "server_version": caps.version,
         }
 
+    def _check_tp(self) -> None:
+        """One payload entry per TP rank: a driver built with fewer than the server has makes a rank
+        index past the list, which SGLang's scheduler answers by dying (deserialize_own_rank)."""
+        if isinstance(self._server_tp, int) and self._server_tp != self._tp:
+            raise EngineError(
+                "misconfigured",
+                f"engine {self.name}: the server runs tp_size {self._server_tp}, this driver was built with "
+                f"tp={self._tp}: SGLangEngine(..., tp={self._server_tp})",
+            )
+
     def _new_process(self) -> None:
         """A new server process at this URL: its checkpoint's weights, nothing released, no session,
         no group, no quarantine of ours."""
@@ -351,9 +365,13 @@ class SGLangEngine(HttpEngineDriver):
         self._ledger.dirty = False
         self._restarted_since_attach = self._attached is not None
 
-    def set_released(self, tags: Sequence[str]) -> None:
-        """Tell the driver which memory tags are released on the server now (after a restart it
-        could not see, or memory released by another client), and accept the label it shows."""
+    def set_released(self, tags: Sequence[str], *, restarted: bool = False) -> None:
+        """Tell the driver which memory tags are released on the server now (memory released by
+        another client, or `[]` after a restart it could not tell from a relabel), and accept the
+        label it shows. `restarted=True` says the server is a new process (a new incarnation: no
+        group, no session, no quarantine of ours)."""
+        if restarted:
+            self._new_process()
         self._released = set(self._server_tags(tags))
         self._label = None
 
@@ -410,7 +428,8 @@ class SGLangEngine(HttpEngineDriver):
         if len(info.parts) != self._tp:
             raise EngineError(
                 "bad_request",
-                f"engine {self.name}: connect info has {len(info.parts)} TP parts, the server has {self._tp}",
+                f"engine {self.name}: connect info has {len(info.parts)} TP parts, this driver was built with "
+                f"tp={self._tp}",
             )
         self._restarted_since_attach = False
         if info.kind == "sglang_broadcast":
@@ -572,10 +591,11 @@ ROUTES_MEMORY = ("/release_memory_occupation", "/resume_memory_occupation")
 ROUTES_BROADCAST = ("/init_weights_update_group", "/update_weights_from_distributed", "/destroy_weights_update_group")
 
 
-def diagnose(answers: dict[str, Any], *, authorized: bool) -> tuple[str | None, list[Any], list[Any]]:
+def diagnose(answers: dict[str, Any], *, admin_key: bool) -> tuple[str | None, list[Any], list[Any]]:
     """`refit doctor` for an SGLang server, from the answers to `DOCTOR_READS` (no I/O): its
-    version, the routes and server flags refit needs, and which modes and transports will work."""
-    from refit.doctor import Finding, Verdict
+    version, the routes and server flags refit needs, and which modes and transports will work.
+    `admin_key`: the caller has an admin key (which no read-only route can check)."""
+    from refit.doctor import Finding, verdicts
 
     modes = [
         ("colocated", "SGLangTensorTransport(device='cuda')"),
@@ -583,53 +603,52 @@ def diagnose(answers: dict[str, Any], *, authorized: bool) -> tuple[str | None, 
     ]
     info = answers["/server_info"]
     if info.status in (401, 403):
-        why = "the server refused /server_info: it was started with --api-key"
-        fix = "pass --api-key (SGLangEngine(api_key=...)), and --admin-api-key if it set one too"
-        return (
-            None,
-            [Finding("auth", "fail", why, fix)],
-            [Verdict(m, t, False, "not authorized", fix) for m, t in modes],
+        fix = "--api-key KEY (SGLangEngine(api_key=...))"
+        finding = Finding("auth", "fail", "the server refused /server_info: it was started with --api-key", fix)
+        return None, [finding], verdicts(modes, [finding])
+    data = info.data if info.status == 200 and isinstance(info.data, dict) else None
+    if data is None or not isinstance(data.get("version"), str) or "tp_size" not in data:
+        got = info.status or info.error
+        finding = Finding(
+            "server info",
+            "fail",
+            f"GET /server_info -> {got}: not SGLang's server info",
+            "check the URL; a vLLM server: --engine vllm",
         )
-    if info.status != 200 or not isinstance(info.data, dict):
-        why = f"GET /server_info -> {info.status or info.error}: not an SGLang server refit knows"
-        return (
-            None,
-            [Finding("server info", "fail", why, "check the URL and --engine")],
-            [Verdict(m, t, False, why) for m, t in modes],
-        )
-    data = info.data
-    version = data.get("version")
+        return None, [finding], verdicts(modes, [finding])
+    version = data["version"]
     caps = Capabilities.of(version)
     findings: list[Finding] = []
-    blockers: list[str] = []  # what stops every mode
     if not caps.flattened_bytes:
-        blockers.append(f"SGLang {version} reads flattened buckets in element offsets")
-        findings.append(Finding("version", "fail", f"SGLang {version}: refit needs 0.5.6 or newer", "upgrade SGLang"))
+        findings.append(
+            Finding(
+                "version",
+                "fail",
+                f"SGLang {version} reads flattened buckets in element offsets: refit needs 0.5.6 or newer",
+                "SGLang 0.5.21 or newer",
+            )
+        )
     elif not caps.session:
         findings.append(
             Finding(
                 "version",
                 "warn",
-                f"SGLang {version}: no begin/end session (before 0.5.21): each "
-                "update post-processes alone, and retract is not usable",
-                "SGLang 0.5.21 or newer",
+                f"SGLang {version}: no begin/end session (before 0.5.21), each "
+                "update post-processes alone; retract, refit's default pause, is not usable",
+                "RefitContext(pause_mode='abort'), or SGLang 0.5.21 or newer",
             )
         )
     else:
         findings.append(Finding("version", "ok", f"SGLang {version}"))
     model = answers["/model_info"]
     label = model.data.get("weight_version") if model.status == 200 and isinstance(model.data, dict) else None
-    findings.append(
-        Finding(
-            "weight version",
-            "ok" if label is not None else "warn",
-            f"the server labels its weights {label!r}"
-            if label is not None
-            else f"GET /model_info -> {model.status or model.error}",
-        )
-    )
+    if label is not None:
+        findings.append(Finding("weight version", "ok", f"the server labels its weights {label!r}"))
+    else:
+        findings.append(Finding("weight version", "warn", f"GET /model_info -> {model.status or model.error}"))
     api = answers["/openapi.json"]
-    listed = set(api.data.get("paths", {})) if api.status == 200 and isinstance(api.data, dict) else None
+    paths = api.data.get("paths") if api.status == 200 and isinstance(api.data, dict) else None
+    listed = set(paths) if isinstance(paths, dict) else None
     needed = {
         "all": ROUTES_ALWAYS + (ROUTES_SESSION if caps.session else ()),
         "colocated": ROUTES_COLOCATED,
@@ -637,6 +656,7 @@ def diagnose(answers: dict[str, Any], *, authorized: bool) -> tuple[str | None, 
         "memory": ROUTES_MEMORY,
     }
     missing = {k: [r for r in v if listed is not None and r not in listed] for k, v in needed.items()}
+    route_fix = "an SGLang build with the weight-update API (0.5.21+)"
     if listed is None:
         findings.append(
             Finding(
@@ -646,40 +666,41 @@ def diagnose(answers: dict[str, Any], *, authorized: bool) -> tuple[str | None, 
                 f"{api.status or api.error}); assumed from its version",
             )
         )
+    elif missing["all"]:
+        findings.append(Finding("routes", "fail", f"missing: {missing['all']}", route_fix))
     elif any(missing.values()):
         findings.append(
-            Finding(
-                "routes",
-                "fail",
-                f"missing: {sorted({r for v in missing.values() for r in v})}",
-                "an SGLang build with the weight-update API (0.5.21+)",
-            )
+            Finding("routes", "warn", f"missing: {sorted({r for v in missing.values() for r in v})}", route_fix)
         )
     else:
         findings.append(Finding("routes", "ok", "every route refit calls is served"))
-    if missing["all"]:
-        blockers.append(f"routes missing: {missing['all']}")
-    dp = int(data.get("dp_size") or 1)
-    if dp > 1 or data.get("enable_dp_attention"):
-        blockers.append(f"dp_size {dp}: SGLang refuses tensor and distributed updates with data parallelism")
+    dp = data.get("dp_size") or 1
+    if dp != 1 or data.get("enable_dp_attention"):
         findings.append(
             Finding(
                 "data parallel",
                 "fail",
-                f"dp_size {dp} (SGLang's tokenizer manager asserts dp_size == 1 for weight updates)",
+                f"dp_size {dp}: SGLang's tokenizer manager asserts dp_size == 1 for weight updates",
                 "one server per DP replica, each its own refit engine",
             )
         )
-    if data.get("weight_cache_mode") not in (None, "off"):
-        blockers.append(f"--weight-cache-mode {data['weight_cache_mode']}: SGLang refuses weight updates")
+    else:
+        findings.append(Finding("data parallel", "ok", "dp_size 1"))
+    cache = data.get("weight_cache_mode", "off")
+    if cache not in (None, "off"):
         findings.append(
             Finding(
-                "weight cache", "fail", f"--weight-cache-mode {data['weight_cache_mode']}", "--weight-cache-mode off"
+                "weight cache",
+                "fail",
+                f"--weight-cache-mode {cache}: SGLang refuses weight updates",
+                "--weight-cache-mode off",
             )
         )
-    tp = int(data.get("tp_size") or 1)
-    findings.append(Finding("tensor parallel", "ok", f"tp_size {tp}: pass SGLangEngine(..., tp={tp})"))
-    if int(data.get("pp_size") or 1) > 1:
+    else:
+        findings.append(Finding("weight cache", "ok", "off"))
+    tp = data.get("tp_size")
+    findings.append(Finding("tensor parallel", "ok", f"tp_size {tp}: SGLangEngine(..., tp={tp})"))
+    if (data.get("pp_size") or 1) != 1:
         findings.append(
             Finding(
                 "pipeline parallel",
@@ -688,17 +709,24 @@ def diagnose(answers: dict[str, Any], *, authorized: bool) -> tuple[str | None, 
             )
         )
     saver = bool(data.get("enable_memory_saver"))
-    findings.append(
-        Finding(
-            "memory saver",
-            "ok" if saver else "warn",
-            "--enable-memory-saver: colocated refits can release and resume weights and KV memory"
-            if saver
-            else "without --enable-memory-saver, release/resume_memory_occupation free "
-            "nothing: a colocated trainer cannot borrow the engine's GPU memory",
-            None if saver else "--enable-memory-saver",
+    if saver:
+        findings.append(
+            Finding(
+                "memory saver",
+                "ok",
+                "--enable-memory-saver: a colocated trainer can borrow the engine's weight and KV memory",
+            )
         )
-    )
+    else:
+        findings.append(
+            Finding(
+                "memory saver",
+                "warn",
+                "without --enable-memory-saver, release/resume free nothing: "
+                "a colocated trainer cannot borrow the engine's GPU memory",
+                "--enable-memory-saver",
+            )
+        )
     if data.get("enable_weights_cpu_backup"):
         findings.append(
             Finding(
@@ -708,11 +736,24 @@ def diagnose(answers: dict[str, Any], *, authorized: bool) -> tuple[str | None, 
                 "intact (SGLangEngine(weights_cpu_backup=True))",
             )
         )
-    modes_ok = sorted(caps.pause_modes - {"in_place"} - (set() if caps.flush_while_paused else {"retract"}))
-    findings.append(Finding("pause modes", "ok", f"{modes_ok} (in_place keeps old-weight KV: refused by refit)"))
-    verdicts = []
-    for mode, transport in modes:
-        gone = missing[mode] + (missing["memory"] if mode == "colocated" and saver else [])
-        why = "; ".join(blockers + ([f"routes missing: {gone}"] if gone else []))
-        verdicts.append(Verdict(mode, transport, not why, why, None if not why else "see the failed checks above"))
-    return version, findings, verdicts
+    if not admin_key:
+        findings.append(
+            Finding(
+                "admin key",
+                "warn",
+                "not checked: no read-only route takes it; if the server was "
+                "started with --admin-api-key, refit's first pause is refused without it",
+                "--admin-api-key KEY here, SGLangEngine(admin_api_key=...) in the run",
+            )
+        )
+    usable = sorted(caps.pause_modes - {"in_place"} - (set() if caps.flush_while_paused else {"retract"}))
+    findings.append(Finding("pause modes", "ok", f"{usable} (in_place keeps old-weight KV: refused by refit)"))
+    extra = {
+        "colocated": missing["colocated"] + (missing["memory"] if saver else []),
+        "disaggregated": missing["disaggregated"],
+    }
+    return (
+        version,
+        findings,
+        verdicts(modes, findings, {m: (f"routes missing: {r}" if r else "") for m, r in extra.items()}),
+    )

@@ -271,10 +271,18 @@ class VLLMEngine(HttpEngineDriver):
                 f"engine {self.name}: the server's weight version is back at 'default' after {self.name} was "
                 "published: it restarted and lost its weight-transfer setup; the next refit reconnects it",
             )
-        if not self._seen:  # first contact: a server left paused (a crashed trainer mid-update?) is not serving
+        if not self._seen:  # first contact: its worker count, and whether someone left it paused
+            world = self._call("GET", "/get_world_size", "probe", timeout=end - time.monotonic())
+            workers = world.get("world_size") if isinstance(world, dict) else None
+            if isinstance(workers, int) and workers != self._tp:  # one rank per worker in the group
+                raise EngineError(
+                    "misconfigured",
+                    f"engine {self.name}: the server has {workers} workers (TP x PP), this driver was built with "
+                    f"tp={self._tp}: VLLMEngine(..., tp={workers})",
+                )
             self._seen = True
             paused = self._call("GET", "/is_paused", "probe", timeout=end - time.monotonic())
-            if isinstance(paused, dict) and paused.get("is_paused"):
+            if isinstance(paused, dict) and paused.get("is_paused"):  # a crashed trainer mid-update?
                 self._ledger.dirty = True
         return self._probed(label, target_version, caps)
 
@@ -323,7 +331,8 @@ class VLLMEngine(HttpEngineDriver):
         if len(info.parts) != self._tp:
             raise EngineError(
                 "bad_request",
-                f"engine {self.name}: connect info has {len(info.parts)} parts, the server has {self._tp}",
+                f"engine {self.name}: connect info has {len(info.parts)} parts, this driver was built with "
+                f"tp={self._tp}",
             )
         init = nccl_init_info(info.fields) if info.kind == "vllm_nccl" else {"packed": True}
         try:
@@ -331,6 +340,13 @@ class VLLMEngine(HttpEngineDriver):
         except EngineError as exc:
             if info.kind == "vllm_nccl" and exc.kind == "server_error":
                 raise EngineError("rendezvous", exc.message) from exc
+            if exc.kind == "bad_payload":  # most often: the transport is not the server's backend
+                backend = "nccl" if info.kind == "vllm_nccl" else "ipc"
+                raise EngineError(
+                    "bad_payload",
+                    f"{exc.message} (is the server's --weight-transfer-config backend {backend!r}, as "
+                    f"{info.kind} needs? `refit doctor {self.url}` shows it)",
+                ) from exc
             raise
         self._attached = info
 
@@ -478,43 +494,77 @@ class VLLMEngine(HttpEngineDriver):
 
 # ---- refit doctor (read only) ------------------------------------------------------------------
 
-DOCTOR_READS = ("/version", "/server_info?config_format=json", "/weight_info", "/openapi.json")
+DOCTOR_READS = ("/version", "/server_info?config_format=json", "/weight_info", "/get_world_size", "/openapi.json")
+DOCTOR_ROUTES = (
+    "/pause", "/resume", "/is_paused", "/reset_prefix_cache", "/reset_encoder_cache", "/init_weight_transfer_engine",
+    "/start_weight_update", "/update_weights", "/finish_weight_update", "/update_weight_version", "/weight_info",
+    "/get_world_size",
+)  # fmt: skip
 _TRUE = (True, 1, "1", "true", "True")
 
 
-def diagnose(answers: dict[str, Any], *, authorized: bool) -> tuple[str | None, list[Any], list[Any]]:
+def diagnose(answers: dict[str, Any], *, admin_key: bool) -> tuple[str | None, list[Any], list[Any]]:
     """`refit doctor` for a vLLM server, from the answers to `DOCTOR_READS` (no I/O): its version,
     dev mode (the weight-transfer routes), the weight-transfer backend it was started with, the
-    variables and flags each transport needs, and which modes will work."""
-    from refit.doctor import Finding, Verdict
+    variables and flags each transport needs, its workers, and which modes will work."""
+    from refit.doctor import Finding, verdicts
 
     ipc, nccl = (
         ("colocated", "VLLMIPCTransport(device='cuda')"),
         ("disaggregated", "VLLMBroadcastTransport(backend='nccl')"),
     )
-    findings: list[Finding] = []
+    modes = [ipc, nccl]
     ver = answers["/version"]
     version = ver.data.get("version") if ver.status == 200 and isinstance(ver.data, dict) else None
+    if not isinstance(version, str):
+        finding = Finding(
+            "version",
+            "fail",
+            f"GET /version -> {ver.status or ver.error}: not vLLM's version answer",
+            "check the URL; an SGLang server: --engine sglang",
+        )
+        return None, [finding], verdicts(modes, [finding])
     caps = Capabilities.of(version)
-    blockers: list[str] = []
-    if version is None:
-        blockers.append(f"GET /version -> {ver.status or ver.error}")
-        findings.append(Finding("version", "fail", blockers[-1], "check the URL and --engine"))
-    elif not (caps.session and caps.packed_in_init and caps.weight_version):
-        blockers.append(f"vLLM {version} predates the weight-transfer API refit speaks (0.28+)")
-        findings.append(Finding("version", "fail", blockers[-1], "vLLM 0.28 or newer (refit is tested against 0.33)"))
+    findings: list[Finding] = []
+    if not (caps.session and caps.packed_in_init and caps.weight_version):
+        findings.append(
+            Finding(
+                "version",
+                "fail",
+                f"vLLM {version} predates the weight-transfer API refit speaks (0.28+)",
+                "vLLM 0.28 or newer (refit is tested against 0.33)",
+            )
+        )
     else:
         findings.append(Finding("version", "ok", f"vLLM {version}"))
     info = answers["/server_info?config_format=json"]
-    if info.status == 404:
-        blockers.append("VLLM_SERVER_DEV_MODE is not 1: vLLM registers none of its weight-transfer routes")
-        findings.append(Finding("dev mode", "fail", blockers[-1], "start the server with VLLM_SERVER_DEV_MODE=1"))
-        return version, findings, [Verdict(m, t, False, blockers[-1], "VLLM_SERVER_DEV_MODE=1") for m, t in (ipc, nccl)]
-    findings.append(Finding("dev mode", "ok", "VLLM_SERVER_DEV_MODE=1: the weight-transfer routes are served"))
     data = info.data if info.status == 200 and isinstance(info.data, dict) else {}
-    config = data.get("vllm_config") if isinstance(data.get("vllm_config"), dict) else {}
-    env = data.get("vllm_env") if isinstance(data.get("vllm_env"), dict) else {}
-    transfer = (config.get("weight_transfer_config") or {}) if isinstance(config, dict) else {}
+    config, env = data.get("vllm_config"), data.get("vllm_env")
+    if info.status == 404 or not isinstance(config, dict) or not isinstance(env, dict):
+        findings.append(
+            Finding(
+                "dev mode",
+                "fail",
+                "no dev /server_info: VLLM_SERVER_DEV_MODE is not 1, and vLLM "
+                "registers none of its weight-transfer routes",
+                "VLLM_SERVER_DEV_MODE=1",
+            )
+        )
+        return version, findings, verdicts(modes, findings)
+    findings.append(Finding("dev mode", "ok", "VLLM_SERVER_DEV_MODE=1: the weight-transfer routes are served"))
+    api = answers["/openapi.json"]
+    paths = api.data.get("paths") if api.status == 200 and isinstance(api.data, dict) else None
+    if isinstance(paths, dict):
+        missing = [r for r in DOCTOR_ROUTES if r not in paths]
+        findings.append(
+            Finding(
+                "routes",
+                "fail" if missing else "ok",
+                f"missing: {missing}" if missing else "every route refit calls is served",
+                "vLLM 0.33" if missing else None,
+            )
+        )
+    transfer = config.get("weight_transfer_config")
     backend = transfer.get("backend") if isinstance(transfer, dict) else None
     if backend is None:
         findings.append(
@@ -528,64 +578,64 @@ def diagnose(answers: dict[str, Any], *, authorized: bool) -> tuple[str | None, 
     else:
         findings.append(Finding("weight transfer", "ok", f"backend {backend!r}"))
     insecure = env.get("VLLM_ALLOW_INSECURE_SERIALIZATION") in _TRUE
+    findings.append(
+        Finding(
+            "insecure serialization",
+            "ok" if insecure else "warn",
+            "VLLM_ALLOW_INSECURE_SERIALIZATION=1: pickled IPC handles are accepted"
+            if insecure
+            else "VLLM_ALLOW_INSECURE_SERIALIZATION is not 1: the IPC backend refuses refit's handles",
+            None if insecure else "VLLM_ALLOW_INSECURE_SERIALIZATION=1 (colocated, IPC)",
+        )
+    )
+    world = answers["/get_world_size"]
+    workers = world.data.get("world_size") if world.status == 200 and isinstance(world.data, dict) else None
+    if workers is not None:
+        findings.append(Finding("workers", "ok", f"{workers} (TP x PP x DP): VLLMEngine(..., tp={workers})"))
     label = answers["/weight_info"]
     if label.status == 200 and isinstance(label.data, dict):
         findings.append(
             Finding("weight version", "ok", f"the server labels its weights {label.data.get('weight_version')!r}")
         )
-    sleep = bool(((config.get("model_config") or {}) if isinstance(config, dict) else {}).get("enable_sleep_mode"))
+    model = config.get("model_config")
+    sleep = bool(model.get("enable_sleep_mode")) if isinstance(model, dict) else False
     findings.append(
         Finding(
             "sleep mode",
             "ok" if sleep else "warn",
-            "--enable-sleep-mode: colocated refits can release and wake weights and KV memory"
+            "--enable-sleep-mode: a colocated trainer can borrow the engine's weight and KV memory"
             if sleep
             else "without --enable-sleep-mode a colocated trainer cannot borrow the engine's GPU "
             "memory (/sleep, /wake_up)",
             None if sleep else "--enable-sleep-mode",
         )
     )
-    verdicts = []
-    why = "; ".join(blockers)
-    if backend != "ipc":
-        verdicts.append(
-            Verdict(
-                *ipc,
-                False,
-                why or f"the server's weight-transfer backend is {backend!r}, not 'ipc'",
-                '--weight-transfer-config \'{"backend": "ipc"}\' on a server beside the trainer',
+    extra = {
+        "colocated": ""
+        if backend == "ipc" and insecure
+        else (
+            f"the server's weight-transfer backend is {backend!r}, not 'ipc'"
+            if backend != "ipc"
+            else "vLLM refuses pickled IPC handles without VLLM_ALLOW_INSECURE_SERIALIZATION=1"
+        ),
+        "disaggregated": ""
+        if backend == "nccl"
+        else f"the server's weight-transfer backend is {backend!r}, not 'nccl'",
+    }
+    import dataclasses
+
+    out = verdicts(modes, findings, extra)
+    fixes = {
+        "colocated": '--weight-transfer-config \'{"backend": "ipc"}\' and VLLM_ALLOW_INSECURE_SERIALIZATION=1 on a '
+        "server beside the trainer",
+        "disaggregated": '--weight-transfer-config \'{"backend": "nccl"}\'',
+    }
+    blocked = any(f.status == "fail" for f in findings)
+    for k, v in enumerate(out):
+        if not v.works and extra[v.mode] and not blocked:
+            out[k] = dataclasses.replace(v, fix=fixes[v.mode])
+        elif v.works and v.mode == "disaggregated":
+            out[k] = dataclasses.replace(
+                v, why="the trainer needs a CUDA torch and the NCCL library, and must reach the server's host"
             )
-        )
-    elif not insecure:
-        verdicts.append(
-            Verdict(
-                *ipc,
-                False,
-                why
-                or "IPC handles travel pickled over HTTP, which vLLM refuses "
-                "without VLLM_ALLOW_INSECURE_SERIALIZATION=1",
-                "VLLM_ALLOW_INSECURE_SERIALIZATION=1",
-            )
-        )
-    else:
-        verdicts.append(Verdict(*ipc, not why, why, None))
-    if backend != "nccl":
-        verdicts.append(
-            Verdict(
-                *nccl,
-                False,
-                why or f"the server's weight-transfer backend is {backend!r}, not 'nccl'",
-                '--weight-transfer-config \'{"backend": "nccl"}\'',
-            )
-        )
-    else:
-        verdicts.append(
-            Verdict(
-                *nccl,
-                not why,
-                why
-                or "the trainer needs a CUDA torch and the NCCL library, and "
-                "must reach the server's host (vLLM's workers connect to its store)",
-            )
-        )
-    return version, findings, verdicts
+    return version, findings, out

@@ -701,9 +701,13 @@ class EmulatedSGLangEngine(EmulatorClient, SGLangEngine):
         decoder: str = "refit",
         validate: Callable[..., None] | None = None,
         server: Callable[..., EmulatedSGLang] | None = None,
+        memory_saver: bool = True,
+        weights_cpu_backup: bool = False,
     ) -> EmulatedSGLangEngine:
         """A fresh reference engine (own processes, or a thread) behind a new emulated server.
-        `server`: the server class (tests pass one that mounts SGLang's own FastAPI app)."""
+        `server`: the server class (tests pass one that mounts SGLang's own FastAPI app);
+        `memory_saver`, `weights_cpu_backup`: the server's --enable-memory-saver and
+        --enable-weights-cpu-backup."""
 
         def new_engine() -> ReferenceEngine:
             if in_thread:
@@ -713,6 +717,6 @@ class EmulatedSGLangEngine(EmulatorClient, SGLangEngine):
         make = server or EmulatedSGLang
         emu = make(
             new_engine(), version=version, api_key=api_key, admin_api_key=admin_api_key, decoder=decoder,
-            validate=validate, new_engine=new_engine,
+            validate=validate, new_engine=new_engine, memory_saver=memory_saver, weights_cpu_backup=weights_cpu_backup,
         )  # fmt: skip
         return cls(name, emu)
