@@ -99,6 +99,21 @@ def _summary_lines(request: pytest.FixtureRequest) -> Iterator[None]:
         request.node.user_properties.append(("refit-summary", SUMMARY.pop(0)))
 
 
+# The longest files first (measured on a 2-core box): README's command spreads whole files over
+# workers (`--dist loadfile`, with `--no-loadscope-reorder` in pyproject's addopts so this order
+# stands), and a long file started last keeps one worker busy after the others have finished.
+LONGEST_FIRST = (
+    "test_sglang_driver.py", "test_ray.py", "test_fault_matrix_broadcast.py", "test_conformance_kit_broadcast.py",
+    "test_conformance_kit.py", "test_vllm.py", "test_sglang_kit.py", "test_fault_matrix.py", "test_vllm_kit.py",
+    "test_spmd.py", "test_e2e.py", "test_broadcast_ops.py", "test_model_families.py",
+)  # fmt: skip
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+
+
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     if report.when == "teardown":
         _REPORTED.extend(str(v) for k, v in report.user_properties if k == "refit-summary")

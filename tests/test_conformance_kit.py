@@ -30,14 +30,6 @@ def test_the_reference_driver_conforms() -> None:
     assert coverage.checks["weights read back"] > 0 and coverage.checks["in-flight requests"] > 0
 
 
-def test_the_reference_driver_conforms_over_the_broadcast_transport() -> None:
-    """The same kit with the collective transport: a group per connection, rebuilt when a member fails."""
-    from refit.drivers.broadcast import BroadcastTransport
-
-    coverage = check_engine_driver(ReferenceEngine.in_thread, max_examples=10, transport=BroadcastTransport)
-    SUMMARY.append(f"conformance kit (reference driver, broadcast): {coverage.summary()}")
-
-
 class ForgetsToFlush(ReferenceEngine):
     """Reports the KV flush done without doing it (NeMo RL#4018, miles#2782: stale prefix KV)."""
 

@@ -366,7 +366,9 @@ def test_an_engine_killed_mid_bucket_is_reported_and_the_other_updated(trainer, 
 def test_a_distributed_load_that_fails_is_answered_partially_updated_and_quarantined(trainer, sglang_engines) -> None:
     """SGLang catches a failed load from a broadcast ("Failed to update parameter online ... the full
     weights ... are partially updated"): HTTP 400, the server lives. refit takes it as
-    `state_unknown` (the weights changed), quarantines the engine and publishes nothing."""
+    `state_unknown` (the weights changed), quarantines the engine and publishes nothing. SGLang
+    receives what the request names before it loads (weight_updater.py), so the trainer's
+    broadcast of that bucket completes: no send waits out its timeout."""
     (engine,) = sglang_engines(1)
     bad = {**trainer.state_dict(), "model.norm.weight": torch.ones(CONFIG.hidden_size + 1)}
     ctx = protocol.RefitContext(source=TorchSource(bad), engines=[engine], transport=SGLangBroadcastTransport(),
@@ -377,6 +379,8 @@ def test_a_distributed_load_that_fails_is_answered_partially_updated_and_quarant
         error = str(result.engines["sg0"].error)
         assert "state_unknown" in error and "partially updated" in error, error
         assert engine.server.crashed is None and engine.alive
+        sends = [e for e in ctx.recorder.events if (e.get("side"), e.get("event")) == ("transport", "send")]
+        assert sends and not [e for e in sends if e.get("error")], sends
     finally:
         ctx.close()
 
@@ -466,24 +470,6 @@ def test_a_server_trickling_its_answer_is_bounded_by_the_timeout() -> None:
 
 
 # ---- the conformance kit and the demo ------------------------------------------------------------
-
-
-def test_sglang_driver_passes_the_conformance_kit() -> None:
-    """The production SGLang driver, against emulated SGLang servers: every fault kind in every
-    state (hangs and kills really happen in the server), then the Hypothesis state machine; what
-    each engine serves is checked, not what the driver says. SGLang's update carries no checksum,
-    so a corrupted bucket is simulated at the driver boundary."""
-    from refit.testing import check_engine_driver
-
-    coverage = check_engine_driver(
-        lambda name: EmulatedSGLangEngine.start(name, in_thread=True),  # real HTTP; the engine on a thread
-        transport=SGLangTensorTransport, max_examples=4, steps=5,
-        # a step is one to three HTTP round trips; 1 s leaves a loaded 2-core box the slack a real
-        # server needs too (SGLang's abort pause polls every second while a request holds its lock)
-        call_timeout_s=1.0,
-    )  # fmt: skip
-    assert coverage.checks["weights read back"] > 50 and coverage.checks["quarantined refused"] > 10
-    assert {"hang", "kill", "raise", "corrupt"} <= set(coverage.kinds)
 
 
 def test_demo_runs_through_the_sglang_driver_and_says_it_is_emulated() -> None:

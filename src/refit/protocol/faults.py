@@ -31,7 +31,7 @@ from refit.errors import EngineDied, EngineError
 
 FAULT_KINDS = ("raise", "hang", "kill", "corrupt")
 # The calls the runner makes in each state a fault can fire in (engine and trainer side): a fault
-# keyed to any other (state, call) can never fire. tests/test_fault_matrix.py checks every call of
+# keyed to any other (state, call) can never fire. tests/fault_matrix.py checks every call of
 # its real runs against this table, so it cannot drift from the runner.
 FAULT_CALLS: dict[str, frozenset[str]] = {
     "OFFLOADING": frozenset({"offload", "probe", "resume_memory"}),

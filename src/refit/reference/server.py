@@ -382,7 +382,13 @@ class EngineServer:
         if receiver is None:
             raise EngineError("not_attached", f"no {payload.kind!r} transport attached; attach before load")
         index = payload.manifest.index
-        self.core.check_load(payload.manifest)  # the manifest first: a truncated bucket is named as such
+        try:
+            self.core.check_load(payload.manifest)  # the manifest first: a truncated bucket is named as such
+        except EngineError:
+            if payload.fields.get("receive_first"):  # a server that receives what the request names, then loads
+                with contextlib.suppress(ValueError, KeyError, OSError, IndexError, RuntimeError):
+                    receiver.read(payload)  # (SGLang's distributed update): the sender's broadcast completes
+            raise
         problem = None
         tensors: list[tuple[str, Any]] = []
         comm = self.core.comm

@@ -51,10 +51,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import threading
 import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -412,6 +414,7 @@ class DriverStateMachine(RuleBasedStateMachine):
         """What each engine serves, against the trainer's weights of the version it reports."""
         cov = type(self).coverage
         serving = {}
+        refusals: list[tuple[EngineDriver, Future[bool]]] = []  # asked at once, judged after the rest
         for name, o in result.engines.items():
             driver = next(e for e in self.engines if e.name == name)
             if not _alive(driver):
@@ -427,11 +430,13 @@ class DriverStateMachine(RuleBasedStateMachine):
                 serving[name] = o.version
                 self.check_serves(driver, o.version)
             elif o.status == "quarantined":
-                self.check_refuses(driver)
+                refusals.append((driver, self.ask_quarantined(driver)))
         for driver, fut in self.inflight:  # on every engine: one that served them half-updated may be quarantined now
             if _alive(driver) and self.check_request(driver, fut, serving=driver.name in serving):
                 cov.checks["in-flight requests"] += 1
         self.inflight = []
+        for driver, served in refusals:
+            self.check_refuses(driver, served)
 
     def check_serves(self, engine: EngineDriver, version: int) -> None:
         cov = type(self).coverage
@@ -462,14 +467,35 @@ class DriverStateMachine(RuleBasedStateMachine):
             self.check_tokens(engine, list(prompt), out, default_version=version, fresh=True)
             cov.checks["prompts generated"] += 1
 
-    def check_refuses(self, engine: EngineDriver) -> None:
+    @staticmethod
+    def ask_quarantined(engine: EngineDriver) -> Future[bool]:
+        """A one-token request to a quarantined engine, on a thread (its 0.5 s wait overlaps the
+        other engines' checks): True if it was served."""
+        served: Future[bool] = Future()
+
+        def ask() -> None:
+            try:
+                engine.generate(list(PROMPTS[0]), 1, timeout=0.5)
+            except Exception:
+                served.set_result(False)
+                return
+            served.set_result(True)
+
+        threading.Thread(target=ask, name=f"kit-ask-{engine.name}", daemon=True).start()
+        return served
+
+    def check_refuses(self, engine: EngineDriver, served: Future[bool] | None = None) -> None:
         """A quarantined engine does not serve: a request is refused (or never answered)."""
         try:
-            engine.generate(list(PROMPTS[0]), 1, timeout=0.5)
-        except Exception:
-            type(self).coverage.checks["quarantined refused"] += 1
-            return
-        raise AssertionError(f"pause_continue: engine {engine.name} was quarantined but still serves requests")
+            was_served = (served or self.ask_quarantined(engine)).result(timeout=SERVE_TIMEOUT_S)
+        except TimeoutError:
+            raise AssertionError(
+                f"deadline: engine {engine.name}'s driver held a generate call with a 0.5 s timeout past "
+                f"{SERVE_TIMEOUT_S}s: it ignores its timeout"
+            ) from None
+        if was_served:
+            raise AssertionError(f"pause_continue: engine {engine.name} was quarantined but still serves requests")
+        type(self).coverage.checks["quarantined refused"] += 1
 
     def check_request(self, engine: EngineDriver, fut: Any, *, serving: bool) -> bool:
         """A request that was in flight across the refit: on a serving engine it must finish (with
@@ -505,7 +531,8 @@ class DriverStateMachine(RuleBasedStateMachine):
         versions = out.get("weight_versions") or [default_version] * len(tokens)
         if fresh and not tokens:
             raise AssertionError(f"served: engine {engine.name} answered a request with no tokens")
-        for i, (tok, v) in enumerate(zip(tokens, versions, strict=False)):
+        labelled = list(zip(tokens, versions, strict=False))
+        for i, (tok, v) in enumerate(labelled):
             if default_version is not None and v != default_version:
                 raise AssertionError(
                     f"version: engine {engine.name} labelled a token with version {v}; it was reported at "
@@ -515,7 +542,12 @@ class DriverStateMachine(RuleBasedStateMachine):
                 raise AssertionError(
                     f"version: engine {engine.name} labelled a token with version {v}, never published"
                 )
-            logits = self.trainer_logits(v, (*prompt, *tokens[:i]))[-1]
+            # one causal forward per run of tokens under one version: position p's logits depend
+            # only on the tokens up to p, so row len(prompt) + i - 1 is token i's teacher-forced row
+            end = i
+            while end + 1 < len(labelled) and labelled[end + 1][1] == v:
+                end += 1
+            logits = self.trainer_logits(v, (*prompt, *tokens[:end]))[len(prompt) + i - 1]
             gap = float(logits.max() - logits[tok])
             if gap > type(self).logit_tolerance:
                 raise AssertionError(self._diagnose(engine, prompt, tokens, i, v, gap))

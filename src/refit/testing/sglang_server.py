@@ -463,7 +463,11 @@ class EmulatedSGLang(EmulatedServer):
             entries.append(TensorEntry(meta, offset))
             offset += meta.nbytes
         manifest = BucketManifest(index, tuple(entries), offset)
-        return Payload("sglang_broadcast", manifest, {"load_format": obj.load_format}, ({},) * self.tp)
+        # SGLang receives every tensor the request names, then loads (weight_updater.py:
+        # receive_weights_from_distributed, then load_weights_from_distributed): a refused load
+        # has still taken the broadcast
+        fields = {"load_format": obj.load_format, "receive_first": True}
+        return Payload("sglang_broadcast", manifest, fields, ({},) * self.tp)
 
     def op_init_weights_update_group(self, obj: Any) -> tuple[bool, str]:
         self._fault()
