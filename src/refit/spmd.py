@@ -31,6 +31,7 @@ DEFAULT_SPEC: dict[str, Any] = {
     "steps": 3,
     "bucket_bytes": 64 << 10,
     "deadline": 60.0,
+    "cleanup_grace": None,  # seconds past the deadline for cleanup (None: RefitContext's default)
     "call_timeout": 10.0,
     "retries": 1,
     "seed": 0,
@@ -137,6 +138,7 @@ def worker(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
             mode=spec["mode"], pause_mode=spec["pause_mode"], bucket_bytes=spec["bucket_bytes"],
             deadline_s=spec["deadline"], call_timeout_s=spec["call_timeout"], retries=spec["retries"],
             trace=spec["trace"] if rank == 0 else None,
+            **({} if spec["cleanup_grace"] is None else {"cleanup_grace_s": float(spec["cleanup_grace"])}),
         )  # fmt: skip
         if spec["leader_only"]:  # a misuse: rank 1 never calls protocol.run
             report["refits"] = _leader_only(ctx, rank, spec)
