@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from refit.doctor import Answer, doctor
+from refit.doctor import Answer, doctor, read
 from refit.testing.sglang_server import EmulatedSGLangEngine
 from refit.testing.vllm_server import EmulatedVLLMEngine
 
@@ -201,3 +201,52 @@ def test_a_key_protected_or_misnamed_server_is_told_plainly(servers) -> None:
     wrong = doctor(sglang.url, "vllm")
     assert not wrong.ok and [f.check for f in wrong.findings] == ["reachable", "version"]
     assert "--engine sglang" in (wrong.findings[1].fix or "")
+
+
+@pytest.mark.parametrize(
+    "args", [["http://[::1"], ["http://127.0.0.1:abc"], ["http://127.0.0.1:1", "--timeout", "1e12"]]
+)
+def test_a_url_or_timeout_that_is_not_one_exits_2_without_a_traceback(args) -> None:
+    proc = subprocess.run([sys.executable, "-m", "refit.cli", "doctor", *args],
+                          capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "refit doctor" in proc.stderr or "not a URL" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("tp", ["two", None, 0, -1])
+def test_a_tp_size_that_is_not_one_fails_the_diagnosis(tp) -> None:
+    from refit.drivers.sglang import diagnose
+
+    info = {"version": "0.5.23", "tp_size": tp, "dp_size": 1, "enable_memory_saver": True}
+    answers = {"/server_info": Answer(200, info), "/model_info": Answer(200, {"weight_version": "7"}),
+               "/openapi.json": Answer(404, {})}  # fmt: skip
+    _, findings, verdicts = diagnose(answers, admin_key=False)
+    assert [f.status for f in findings if f.check == "tensor parallel"] == ["fail"]
+    assert not any(v.works for v in verdicts)
+
+
+def test_a_read_that_raises_anything_is_a_finding() -> None:
+    """An answer nested past what the JSON decoder takes is read as text, never a thread traceback."""
+    import http.server
+    import threading
+
+    class Deep(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = b"[" * 100000 + b"]" * 100000
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Deep)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        answer = read(url, ["/server_info"], headers={}, timeout=10)["/server_info"]
+        assert answer.status == 200 and isinstance(answer.data, str), answer
+    finally:
+        server.shutdown()

@@ -6,6 +6,7 @@ server runs in CI); SGLang's own code validates every body and decodes tensor pa
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterator
 
@@ -747,3 +748,114 @@ def test_a_driver_built_for_another_tp_size_is_refused_before_it_kills_the_serve
         assert engine.server.crashed is None
     finally:
         short.close()
+
+
+@pytest.mark.parametrize("version", ["0.5.23", "0.5.20"])
+def test_a_restart_between_the_update_and_its_publish_is_never_published(
+    trainer, sglang_engines, sglang_ctx, version
+) -> None:
+    """The server restarts (back at its checkpoint, label "default") after the last bucket and
+    before the label is set: SGLang would take the new label over its launch weights (0.5.20 has
+    no session to lose, so even a restart mid-transfer lands here). The driver reads the label
+    before it publishes: changed since the probe, nothing is published, and the next refit (told
+    of the restart) goes through."""
+    (engine,) = sglang_engines(1, version=version)
+    ctx = sglang_ctx(trainer, [engine], pause_mode="abort", retries=0)
+    assert protocol.run(ctx).ok
+    publish = engine.publish
+
+    def restart_first(*a: object, **kw: object) -> None:
+        engine.server.restart()
+        publish(*a, **kw)  # type: ignore[arg-type]
+
+    engine.publish = restart_first  # type: ignore[method-assign]
+    perturbed(trainer, seed=11)
+    result = protocol.run(ctx)
+    assert not result.ok and result.engines["sg0"].status != "updated", result.engines["sg0"]
+    assert "before publish" in str(result.engines["sg0"].error)
+    assert engine.server.label == "default" and engine.server.crashed is None
+    del engine.publish
+    result = protocol.run(ctx)
+    if not result.ok and "memory_unknown" in str(result.engines["sg0"].error):
+        engine.set_released([], restarted=True)  # colocated: the user says what a restart left released
+        result = protocol.run(ctx)
+    assert result.ok, result.error
+    serves(engine, trainer, result.version)
+
+
+def test_a_dropped_connection_to_a_server_holding_released_memory_is_not_taken_for_a_restart(
+    trainer, sglang_engines, sglang_ctx
+) -> None:
+    """One refused connection (a proxy restarting in front of a live server) then the same label:
+    the same process or a restart that kept its label. With memory released, a wrong guess kills
+    SGLang, so the probe refuses (`memory_unknown`); the server lives and keeps what it released."""
+    import socket
+    import threading
+
+    (server,) = sglang_engines(1)
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def pipe(a: socket.socket, b: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := a.recv(65536):
+                b.sendall(data)
+        for s in (a, b):
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+
+    open_: list[socket.socket] = []
+
+    def accept(ls: socket.socket) -> None:
+        while True:
+            try:
+                c, _ = ls.accept()
+            except OSError:
+                return
+            u = socket.create_connection(server.server.address)
+            open_.extend((c, u))
+            for a, b in ((c, u), (u, c)):
+                threading.Thread(target=pipe, args=(a, b), daemon=True).start()
+
+    threading.Thread(target=accept, args=(listener,), daemon=True).start()
+    engine = SGLangEngine("sg0", f"http://127.0.0.1:{port}")
+    try:
+        ctx = sglang_ctx(trainer, [engine], retries=0)
+        engine.release_memory(["weights", "kv_cache"], timeout=30)
+        assert protocol.run(ctx).ok
+        engine.release_memory(["weights", "kv_cache"], timeout=30)
+        listener.shutdown(socket.SHUT_RDWR)  # the proxy is down for a moment: new connections refused,
+        listener.close()  # its open ones dropped
+        for c in open_:
+            with contextlib.suppress(OSError):
+                c.shutdown(socket.SHUT_RDWR)
+        with pytest.raises(EngineDied):
+            engine.probe(99, timeout=2)
+        listener = socket.create_server(("127.0.0.1", port))
+        threading.Thread(target=accept, args=(listener,), daemon=True).start()
+        perturbed(trainer, seed=12)
+        refused = protocol.run(ctx)
+        assert not refused.ok and "memory_unknown" in str(refused.engines["sg0"].error), refused.engines["sg0"]
+        assert server.server.crashed is None and server.server.offload_tags == {"weights", "kv_cache", "cuda_graph"}
+        engine.set_released(["weights", "kv_cache"])  # the same process: what it still holds released
+        result = protocol.run(ctx)
+        assert result.ok, result.error
+        assert server.server.crashed is None
+    finally:
+        listener.close()
+        engine.close()
+
+
+def test_a_relaunch_under_another_tp_size_is_refused_at_the_next_probe(trainer, sglang_engines, sglang_ctx) -> None:
+    """A restart is read again from /server_info: a relaunch with another --tp-size is refused
+    before a payload with the wrong number of entries kills it."""
+    (engine,) = sglang_engines(1)
+    ctx = sglang_ctx(trainer, [engine], retries=0)
+    assert protocol.run(ctx).ok
+    engine.server.restart()
+    launched = engine.server.server_info
+    engine.server.server_info = lambda: {**launched(), "tp_size": 2}  # type: ignore[method-assign]
+    perturbed(trainer, seed=13)
+    result = protocol.run(ctx)
+    assert not result.ok and "misconfigured" in str(result.engines["sg0"].error), result.engines["sg0"]
+    assert engine.server.crashed is None

@@ -6,6 +6,7 @@ the demo. vLLM's workers (CUDA streams, PyNccl, CUDA IPC rebuilds) cannot run wi
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import time
@@ -454,3 +455,79 @@ def test_a_vllm_driver_built_for_another_worker_count_is_refused(vllm_engines) -
         assert err.value.kind == "misconfigured" and "tp=2" in str(err.value)
     finally:
         short.close()
+
+
+def test_a_vllm_restart_between_the_update_and_its_publish_is_never_published(trainer, vllm_engines, vllm_ctx) -> None:
+    """The server restarts after the last bucket and before the label is set: vLLM would take the
+    new label over its checkpoint. The driver reads the label before it publishes: changed since
+    the probe, nothing is published; the next refits reconnect and go through."""
+    (engine,) = vllm_engines(1, backend="ipc")
+    ctx = vllm_ctx(trainer, [engine], retries=0)
+    assert protocol.run(ctx).ok
+    publish = engine.publish
+
+    def restart_first(*a: object, **kw: object) -> None:
+        engine.server.restart()
+        publish(*a, **kw)  # type: ignore[arg-type]
+
+    engine.publish = restart_first  # type: ignore[method-assign]
+    perturbed(trainer, seed=11)
+    result = protocol.run(ctx)
+    assert not result.ok and result.engines[engine.name].status != "updated", result.engines[engine.name]
+    assert "before publish" in str(result.engines[engine.name].error)
+    assert engine.server.label == "default"
+    del engine.publish
+    for _ in range(2):  # the first may find the transfer engine gone (`restarted`) and reconnect
+        result = protocol.run(ctx)
+        if result.ok:
+            break
+    assert result.ok, result.error
+    serves(engine, trainer, result.version)
+
+
+def test_a_weight_info_of_another_shape_is_named_not_indexed(vllm_engines) -> None:
+    (engine,) = vllm_engines(1, backend="ipc")
+    engine.server.r_weight_info = lambda *a: ["default"]  # type: ignore[method-assign]
+    with pytest.raises(EngineError) as err:
+        engine.probe(1, timeout=10)
+    assert err.value.kind == "bad_answer" and "/weight_info" in str(err.value), err.value
+
+
+def test_a_driver_built_before_its_server_was_up_still_checks_it_at_first_contact(vllm_engines) -> None:
+    """A VLLMEngine made while nothing listens learns nothing then; its first probe still reads the
+    worker count (and whether the server was left paused)."""
+    import socket
+    import threading
+
+    (server,) = vllm_engines(1, backend="ipc", tp=2)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    early = VLLMEngine("early", f"http://127.0.0.1:{port}", tp=1)  # nothing listens there yet
+    listener = socket.create_server(("127.0.0.1", port))  # now the server is up at that address
+
+    def pipe(a: socket.socket, b: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := a.recv(65536):
+                b.sendall(data)
+        for x in (a, b):
+            with contextlib.suppress(OSError):
+                x.shutdown(socket.SHUT_RDWR)
+
+    def accept() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                c, _ = listener.accept()
+                u = socket.create_connection(server.server.address)
+                for a, b in ((c, u), (u, c)):
+                    threading.Thread(target=pipe, args=(a, b), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        with pytest.raises(EngineError) as err:
+            early.probe(1, timeout=10)
+        assert err.value.kind == "misconfigured" and "tp=2" in str(err.value), err.value
+    finally:
+        listener.shutdown(socket.SHUT_RDWR)
+        listener.close()
+        early.close()

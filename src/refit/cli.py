@@ -448,8 +448,8 @@ def _doctor(args: argparse.Namespace) -> int:
         print("refit doctor needs httpx: pip install 'refit-engine[sglang]' (or [vllm])", file=sys.stderr)
         return 2
 
-    if not math.isfinite(args.timeout) or args.timeout <= 0:
-        print(f"refit doctor: --timeout must be a positive number of seconds, got {args.timeout}", file=sys.stderr)
+    if not math.isfinite(args.timeout) or not 0 < args.timeout <= 3600:
+        print(f"refit doctor: --timeout must be seconds in (0, 3600], got {args.timeout}", file=sys.stderr)
         return 2
     try:
         report = doctor(

@@ -123,10 +123,10 @@ def read(url: str, paths: list[str], *, headers: dict[str, str], timeout: float)
                     resp = client.get(path)
                     try:
                         data: Any = resp.json()
-                    except ValueError:
+                    except (ValueError, RecursionError):  # not JSON, or nested past what the decoder takes
                         data = resp.text
                     box["answer"] = Answer(resp.status_code, data)
-            except httpx.HTTPError as exc:
+            except Exception as exc:  # whatever the read raised is the finding, never a traceback
                 box["answer"] = Answer(None, error=f"{type(exc).__name__}: {exc}")
 
         worker = threading.Thread(target=get, name="refit-doctor-get", daemon=True)
@@ -172,8 +172,17 @@ def doctor(
     timeout: float = 5.0,
 ) -> Report:
     """Read the server at `url` and report what refit can do with it (see the module docstring)."""
-    parsed = urlparse(url)
-    if parsed.scheme not in ("http", "https") or not parsed.netloc:
+    try:
+        parsed = urlparse(url)
+        parsed.port  # noqa: B018 - raises ValueError for a port that is not a number in range
+        import httpx
+
+        httpx.URL(url)
+    except (ValueError, TypeError) as exc:
+        raise BadURL(f"{url!r} is not a URL of a server ({exc})") from None
+    except Exception as exc:  # httpx.InvalidURL
+        raise BadURL(f"{url!r} is not a URL of a server ({type(exc).__name__}: {exc})") from None
+    if parsed.scheme not in ("http", "https") or not parsed.hostname:
         raise BadURL(f"{url!r} is not an http(s) URL of a server")
     url = url.rstrip("/")
     # every route read is one SGLang guards with --api-key alone (NORMAL) and vLLM with none but /v1

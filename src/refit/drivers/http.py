@@ -236,7 +236,7 @@ class HttpEngineDriver(EngineDriver):
         status, raw = box["answer"]
         try:
             data: Any = json.loads(raw) if raw else None
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested past what the decoder takes
             data = raw.decode("utf-8", "replace")
         return status, data
 
@@ -275,6 +275,12 @@ class HttpEngineDriver(EngineDriver):
                 "connection_lost",
                 f"{where}: the connection to {self.url} was lost before an answer ({type(exc).__name__}: {exc}); "
                 "the server may have died or dropped the request, and whether it ran is unknown",
+            ) from None
+        except httpx.HTTPError as exc:  # an answer httpx could not read (a bad encoding, a broken redirect)
+            raise EngineError(
+                "bad_answer",
+                f"{where}: the answer from {self.url} could not be read ({type(exc).__name__}: {exc}); whether the "
+                "request ran is unknown",
             ) from None
 
     def _listening(self) -> bool:

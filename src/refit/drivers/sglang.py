@@ -92,6 +92,12 @@ NO_SESSION_TEXTS = ("must run between begin_weight_update", "no weight-update se
 NORMAL_ROUTES = frozenset({"/generate", "/model_info", "/get_model_info", "/server_info", "/get_server_info"})
 
 
+SAY_WHICH = (
+    "Say which: engine.set_released([...]) with what is released on the server now, or "
+    "engine.set_released([], restarted=True) after a restart"
+)
+
+
 @dataclass(frozen=True)
 class Capabilities:
     """What one SGLang server can do, read once from its version (anchor-engine-apis.md, 1.1).
@@ -229,6 +235,7 @@ class SGLangEngine(HttpEngineDriver):
         self.capabilities: Capabilities | None = None
         self._label: Any = None  # the weight-version label this driver last read or set
         self._restarts = 0
+        self._unsure: str | None = None  # why which memory is released is not known (set_released clears it)
         self._restarted_since_attach = False
         self._server_tp: Any = None  # the server's tp_size, as its /server_info reports it
         self._attached: ConnectInfo | None = None
@@ -238,7 +245,7 @@ class SGLangEngine(HttpEngineDriver):
     def _read_capabilities(self, timeout: float) -> None:
         """The server's version, read once here so the first refit connects once; a server not up
         yet is read by the first probe instead."""
-        with contextlib.suppress(TimeoutError, EngineDied, ValueError):
+        with contextlib.suppress(TimeoutError, EngineDied, EngineError, ValueError):  # the first probe says why
             status, info = self._request("GET", "/server_info", "connect", timeout=timeout)
             if status < 300 and isinstance(info, dict):
                 self._server_tp = info.get("tp_size")
@@ -294,31 +301,36 @@ class SGLangEngine(HttpEngineDriver):
         """Reads only (see the module docstring): version, label; a changed label is a restart."""
         end = time.monotonic() + timeout
         left = lambda: end - time.monotonic()  # noqa: E731
+        if self._unsure is not None:
+            raise EngineError("memory_unknown", f"engine {self.name}: {self._unsure}. {SAY_WHICH}")
         if self.capabilities is None:
-            status, info = self._request("GET", "/server_info", "probe", timeout=left())
-            if status == 404:
-                status, info = self._request("GET", "/get_server_info", "probe", timeout=left())
-            if status >= 300 or not isinstance(info, dict):
-                raise self._error("GET", "/server_info", "probe", status, info, update=False)
-            self.capabilities = self._supported(Capabilities.of(info.get("version")))
-            self._server_tp = info.get("tp_size")
-        self._check_tp()
-        caps = self.capabilities
-        label = self._read_version(caps, left())
+            self._read_server_info(left())
+        label = self._read_version(self._caps(), left())
         first = self._label is None  # first contact (or after an unknown label): what is it doing?
-        if self._gone:  # nothing listened at our last call: what answers now is a new server process
-            self._new_process()
-        elif not first and str(label) != str(self._label):
-            if self._released:  # a restart (nothing released) or another client's label: SGLang dies on a wrong guess
+        if self._gone and not first and str(label) == str(self._label):
+            # it refused a connection and answers with the label it had: a dropped connection (a
+            # proxy) or a restart that kept its label; only what we released can tell them apart
+            if self._released:
+                raise EngineError(
+                    "memory_unknown",
+                    f"engine {self.name}: the server at {self.url} refused a connection and answers again with the "
+                    f"weight version it had ({label!r}), while this driver holds {sorted(self._released)} released: "
+                    f"the same process behind a dropped connection, or a restart that kept its label. {SAY_WHICH}",
+                )
+            self._gone = False  # nothing of ours to lose either way: taken as the same process
+        elif self._gone or (not first and str(label) != str(self._label)):
+            if self._released and not self._gone:  # a restart or another client's label: SGLang dies on a wrong guess
                 raise EngineError(
                     "memory_unknown",
                     f"engine {self.name}: the server at {self.url} reports weight version {label!r} where this driver "
                     f"last saw {self._label!r}, while it holds {sorted(self._released)} released: a restarted server "
                     "has nothing released, and SGLang's scheduler dies resuming a tag it never released (or loading "
-                    "into released memory). Say which: engine.set_released([...]) with what is released on the "
-                    "server now (engine.set_released([], restarted=True) after a restart)",
+                    f"into released memory). {SAY_WHICH}",
                 )
-            self._new_process()
+            self._new_process()  # gone and back under another label, or relabelled with nothing released
+            self._read_server_info(left())  # a relaunch may run another version or TP size
+        self._check_tp()
+        caps = self._caps()
         self._label = label
         if self._restarted_since_attach and self._attached is not None:
             self._restarted_since_attach = False
@@ -345,10 +357,26 @@ class SGLangEngine(HttpEngineDriver):
             "server_version": caps.version,
         }
 
+    def _read_server_info(self, timeout: float) -> None:
+        """GET /server_info (older servers /get_server_info): the version and the TP size."""
+        end = time.monotonic() + timeout
+        status, info = self._request("GET", "/server_info", "probe", timeout=timeout)
+        if status == 404:
+            status, info = self._request("GET", "/get_server_info", "probe", timeout=end - time.monotonic())
+        if status >= 300 or not isinstance(info, dict):
+            raise self._error("GET", "/server_info", "probe", status, info, update=False)
+        self.capabilities = self._supported(Capabilities.of(info.get("version")))
+        self._server_tp = info.get("tp_size")
+
     def _check_tp(self) -> None:
         """One payload entry per TP rank: a driver built with fewer than the server has makes a rank
         index past the list, which SGLang's scheduler answers by dying (deserialize_own_rank)."""
-        if isinstance(self._server_tp, int) and self._server_tp != self._tp:
+        tp = self._server_tp
+        if tp is not None and (not isinstance(tp, int) or isinstance(tp, bool) or tp < 1):
+            raise EngineError(
+                "misconfigured", f"engine {self.name}: the server at {self.url} reports tp_size {tp!r}, not a TP size"
+            )
+        if tp is not None and tp != self._tp:
             raise EngineError(
                 "misconfigured",
                 f"engine {self.name}: the server runs tp_size {self._server_tp}, this driver was built with "
@@ -369,11 +397,15 @@ class SGLangEngine(HttpEngineDriver):
         """Tell the driver which memory tags are released on the server now (memory released by
         another client, or `[]` after a restart it could not tell from a relabel), and accept the
         label it shows. `restarted=True` says the server is a new process (a new incarnation: no
-        group, no session, no quarantine of ours)."""
+        group, no session, no quarantine of ours). Call it between runs, never while a run holds
+        the engine (the run reads the released set as it goes; nothing refuses a call mid-run)."""
         if restarted:
             self._new_process()
+            self.capabilities = None  # a relaunch may run another version or TP size: read again
         self._released = set(self._server_tags(tags))
         self._label = None
+        self._gone = False
+        self._unsure = None
 
     def _paused(self, timeout: float) -> bool:
         """GET /ready: 503 while SGLang is paused (TokenizerManager.is_ready), a read."""
@@ -504,8 +536,27 @@ class SGLangEngine(HttpEngineDriver):
         self._ledger.require_complete("SGLang")
         end = time.monotonic() + timeout
         body = {"new_version": str(version), "abort_all_requests": False}
+        before = self._read_version(self._caps(), timeout)  # the label must still be the one the probe read
+        was = self._label
+        if was is not None and str(before) != str(was):
+            # restarted (back at its launch weights) or relabelled by another client since the probe:
+            # what this run sent may be gone; a label now would name weights the server may not hold
+            if self._released:
+                self._unsure = (
+                    f"the server's weight version changed from {was!r} to {before!r} during a refit while "
+                    f"this driver held {sorted(self._released)} released"
+                )
+            else:
+                self._new_process()
+            self._label = before
+            raise EngineError(
+                "state_unknown",
+                f"engine {self.name}: the server at {self.url} reports weight version {before!r} before publish, "
+                f"where this run's probe read {was!r}: it restarted or another client relabelled "
+                "it, and the weights this run sent may be gone; not published",
+            )
         try:
-            self._call("POST", "/update_weight_version", "publish", timeout=timeout, body=body)
+            self._call("POST", "/update_weight_version", "publish", timeout=end - time.monotonic(), body=body)
         except BaseException:
             self._label = None  # it may or may not have taken the label: no restart can be read from it
             raise
@@ -699,7 +750,12 @@ def diagnose(answers: dict[str, Any], *, admin_key: bool) -> tuple[str | None, l
     else:
         findings.append(Finding("weight cache", "ok", "off"))
     tp = data.get("tp_size")
-    findings.append(Finding("tensor parallel", "ok", f"tp_size {tp}: SGLangEngine(..., tp={tp})"))
+    if isinstance(tp, int) and not isinstance(tp, bool) and tp >= 1:
+        findings.append(Finding("tensor parallel", "ok", f"tp_size {tp}: SGLangEngine(..., tp={tp})"))
+    else:  # the driver refuses it too (misconfigured): one payload entry per TP rank needs the count
+        findings.append(
+            Finding("tensor parallel", "fail", f"tp_size {tp!r} is not a TP size", "check the server's --tp-size")
+        )
     if (data.get("pp_size") or 1) != 1:
         findings.append(
             Finding(

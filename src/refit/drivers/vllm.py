@@ -191,6 +191,7 @@ class VLLMEngine(HttpEngineDriver):
         self.capabilities: Capabilities | None = None
         self._restarts = 0
         self._seen = False  # probed once: whether it was found paused is known
+        self._probe_label: Any = None  # the weight version the last probe read
         self._published: str | None = None
         self._attached: ConnectInfo | None = None
         self._session_unknown = False
@@ -249,28 +250,42 @@ class VLLMEngine(HttpEngineDriver):
 
     # ---- protocol calls -----------------------------------------------------------------------
 
+    def _weight_label(self, call: str, timeout: float) -> Any:
+        """GET /weight_info's weight_version; an answer of another shape is named, never indexed."""
+        data = self._call("GET", "/weight_info", call, timeout=timeout)
+        if data is None:
+            return None
+        if not isinstance(data, dict):
+            shown = str(data)[:80]
+            where = f"engine {self.name}: GET /weight_info ({call})"
+            raise EngineError("bad_answer", f"{where} answered {shown!r}, not an object")
+        return data.get("weight_version")
+
+    def _forget_process(self) -> bool:
+        """A new server process at this URL: nothing of ours attached, released or published; read
+        it afresh (version, workers, paused). Returns whether a transport was attached."""
+        attached = self._attached is not None
+        self._restarts += 1  # the next run sees a new incarnation and reconnects
+        self._attached, self._released, self._published, self._gone = None, set(), None, False
+        self._ledger.dirty = False  # a new process holds its checkpoint
+        self._quarantined = None
+        self._seen = False
+        self.capabilities = None
+        return attached
+
     def probe(self, target_version: int, *, timeout: float) -> dict[str, Any]:
         end = time.monotonic() + timeout
         caps = self._caps(timeout)
-        label = None
-        if caps.weight_version:
-            label = (self._call("GET", "/weight_info", "probe", timeout=end - time.monotonic()) or {}).get(
-                "weight_version"
-            )
+        label = self._weight_label("probe", end - time.monotonic()) if caps.weight_version else None
         if self._gone or (label == "default" and self._published not in (None, "default")):
-            attached = self._attached is not None
-            self._restarts += 1  # the next run sees a new incarnation and reconnects
-            self._attached, self._released, self._published, self._gone = None, set(), None, False
-            self._ledger.dirty = False  # a new process holds its checkpoint
-            self._quarantined = None
-            if not attached:
-                self._seen = True
-                return self._probed(label, target_version, caps)
-            raise EngineError(
-                "restarted",
-                f"engine {self.name}: the server's weight version is back at 'default' after {self.name} was "
-                "published: it restarted and lost its weight-transfer setup; the next refit reconnects it",
-            )
+            if self._forget_process():
+                raise EngineError(
+                    "restarted",
+                    f"engine {self.name}: the server's weight version is back at 'default' after {self.name} was "
+                    "published (or it had stopped answering): it restarted and lost its weight-transfer setup; the "
+                    "next refit reconnects it",
+                )
+            caps = self._caps(end - time.monotonic())
         if not self._seen:  # first contact: its worker count, and whether someone left it paused
             world = self._call("GET", "/get_world_size", "probe", timeout=end - time.monotonic())
             workers = world.get("world_size") if isinstance(world, dict) else None
@@ -284,6 +299,7 @@ class VLLMEngine(HttpEngineDriver):
             paused = self._call("GET", "/is_paused", "probe", timeout=end - time.monotonic())
             if isinstance(paused, dict) and paused.get("is_paused"):  # a crashed trainer mid-update?
                 self._ledger.dirty = True
+        self._probe_label = label
         return self._probed(label, target_version, caps)
 
     def _probed(self, label: Any, target_version: int, caps: Capabilities) -> dict[str, Any]:
@@ -419,10 +435,19 @@ class VLLMEngine(HttpEngineDriver):
     def publish(self, version: int, *, timeout: float) -> None:
         self._ledger.require_complete("vLLM")
         end = time.monotonic() + timeout
-        self._call("POST", "/update_weight_version", "publish", timeout=timeout, body={"new_version": str(version)})
-        label = (self._call("GET", "/weight_info", "publish", timeout=end - time.monotonic()) or {}).get(
-            "weight_version"
-        )
+        if self._caps(timeout).weight_version:  # still the process the probe read, at the label it read?
+            before = self._weight_label("publish", timeout)
+            if str(before) != str(self._probe_label):
+                self._forget_process()
+                raise EngineError(
+                    "state_unknown",
+                    f"engine {self.name}: the server reports weight version {before!r} before publish, where this "
+                    f"run's probe read {self._probe_label!r}: it restarted (or another client relabelled it) and the "
+                    "weights this run sent may be gone; not published",
+                )
+        body = {"new_version": str(version)}
+        self._call("POST", "/update_weight_version", "publish", timeout=end - time.monotonic(), body=body)
+        label = self._weight_label("publish", end - time.monotonic())
         if str(label) != str(version):  # a label the server did not set must not be passed on as published
             raise EngineError(
                 "state_unknown", f"engine {self.name}: published version {version}, but the server reports {label!r}"
@@ -487,9 +512,9 @@ class VLLMEngine(HttpEngineDriver):
         return out
 
     def info(self, *, timeout: float = DEFAULT_TIMEOUT) -> dict[str, Any]:
-        data = self._call("GET", "/weight_info", "info", timeout=timeout) or {}
+        label = self._weight_label("info", timeout)
         caps = self.capabilities or Capabilities.of(None)
-        return {"version": label_version(data.get("weight_version")), "capabilities": caps.as_dict()}
+        return {"version": label_version(label), "capabilities": caps.as_dict()}
 
 
 # ---- refit doctor (read only) ------------------------------------------------------------------
