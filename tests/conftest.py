@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import socket
+import threading
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -122,3 +126,56 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     for line in _REPORTED:
         terminalreporter.write_line(line)
+
+
+class Forward:
+    """A TCP forwarder in front of a server (a proxy or load balancer): `down()` drops its open
+    connections and refuses new ones, `up()` listens again on the same port."""
+
+    def __init__(self, target: tuple[str, int], port: int = 0) -> None:
+        self.target, self.port = target, port
+        self.open: list[socket.socket] = []
+        self.up()
+
+    def up(self) -> None:
+        self.listener = socket.create_server(("127.0.0.1", self.port))
+        self.port = self.listener.getsockname()[1]
+        threading.Thread(target=self._accept, args=(self.listener,), daemon=True).start()
+
+    def down(self) -> None:
+        with contextlib.suppress(OSError):
+            self.listener.shutdown(socket.SHUT_RDWR)  # wakes the accept: a closed fd alone keeps listening
+        self.listener.close()
+        for c in self.open:
+            with contextlib.suppress(OSError):
+                c.shutdown(socket.SHUT_RDWR)
+
+    def _accept(self, listener: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                c, _ = listener.accept()
+                u = socket.create_connection(self.target)
+                self.open += [c, u]
+                for a, b in ((c, u), (u, c)):
+                    threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(a: socket.socket, b: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := a.recv(65536):
+                b.sendall(data)
+        for x in (a, b):
+            with contextlib.suppress(OSError):
+                x.shutdown(socket.SHUT_RDWR)
+
+
+def restart_before(engine: Any, call: str) -> None:
+    """The emulated server behind `engine` restarts (a new process at its URL) just before the
+    driver's next `call`; `del engine.<call>` undoes it."""
+    original = getattr(engine, call)
+
+    def restart_first(*a: Any, **kw: Any) -> Any:
+        engine.server.restart()
+        return original(*a, **kw)
+
+    setattr(engine, call, restart_first)

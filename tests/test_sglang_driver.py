@@ -6,7 +6,6 @@ server runs in CI); SGLang's own code validates every body and decodes tensor pa
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Callable, Iterator
 
@@ -22,7 +21,7 @@ from refit.errors import EngineDied, EngineError
 from refit.reference.model import TinyLlama, greedy, prompt_logits
 from refit.testing.sglang_server import EmulatedSGLangEngine
 
-from .conftest import CONFIG, SMALL_BUCKET, matches, perturbed
+from .conftest import CONFIG, SMALL_BUCKET, Forward, matches, perturbed, restart_before
 from .sglang_support import validate_body
 
 pytestmark = pytest.mark.e2e
@@ -762,13 +761,7 @@ def test_a_restart_between_the_update_and_its_publish_is_never_published(
     (engine,) = sglang_engines(1, version=version)
     ctx = sglang_ctx(trainer, [engine], pause_mode="abort", retries=0)
     assert protocol.run(ctx).ok
-    publish = engine.publish
-
-    def restart_first(*a: object, **kw: object) -> None:
-        engine.server.restart()
-        publish(*a, **kw)  # type: ignore[arg-type]
-
-    engine.publish = restart_first  # type: ignore[method-assign]
+    restart_before(engine, "publish")
     perturbed(trainer, seed=11)
     result = protocol.run(ctx)
     assert not result.ok and result.engines["sg0"].status != "updated", result.engines["sg0"]
@@ -789,50 +782,18 @@ def test_a_dropped_connection_to_a_server_holding_released_memory_is_not_taken_f
     """One refused connection (a proxy restarting in front of a live server) then the same label:
     the same process or a restart that kept its label. With memory released, a wrong guess kills
     SGLang, so the probe refuses (`memory_unknown`); the server lives and keeps what it released."""
-    import socket
-    import threading
-
     (server,) = sglang_engines(1)
-    listener = socket.create_server(("127.0.0.1", 0))
-    port = listener.getsockname()[1]
-
-    def pipe(a: socket.socket, b: socket.socket) -> None:
-        with contextlib.suppress(OSError):
-            while data := a.recv(65536):
-                b.sendall(data)
-        for s in (a, b):
-            with contextlib.suppress(OSError):
-                s.shutdown(socket.SHUT_RDWR)
-
-    open_: list[socket.socket] = []
-
-    def accept(ls: socket.socket) -> None:
-        while True:
-            try:
-                c, _ = ls.accept()
-            except OSError:
-                return
-            u = socket.create_connection(server.server.address)
-            open_.extend((c, u))
-            for a, b in ((c, u), (u, c)):
-                threading.Thread(target=pipe, args=(a, b), daemon=True).start()
-
-    threading.Thread(target=accept, args=(listener,), daemon=True).start()
-    engine = SGLangEngine("sg0", f"http://127.0.0.1:{port}")
+    proxy = Forward(server.server.address)
+    engine = SGLangEngine("sg0", f"http://127.0.0.1:{proxy.port}")
     try:
         ctx = sglang_ctx(trainer, [engine], retries=0)
         engine.release_memory(["weights", "kv_cache"], timeout=30)
         assert protocol.run(ctx).ok
         engine.release_memory(["weights", "kv_cache"], timeout=30)
-        listener.shutdown(socket.SHUT_RDWR)  # the proxy is down for a moment: new connections refused,
-        listener.close()  # its open ones dropped
-        for c in open_:
-            with contextlib.suppress(OSError):
-                c.shutdown(socket.SHUT_RDWR)
+        proxy.down()  # for a moment: open connections dropped, new ones refused
         with pytest.raises(EngineDied):
             engine.probe(99, timeout=2)
-        listener = socket.create_server(("127.0.0.1", port))
-        threading.Thread(target=accept, args=(listener,), daemon=True).start()
+        proxy.up()
         perturbed(trainer, seed=12)
         refused = protocol.run(ctx)
         assert not refused.ok and "memory_unknown" in str(refused.engines["sg0"].error), refused.engines["sg0"]
@@ -842,7 +803,7 @@ def test_a_dropped_connection_to_a_server_holding_released_memory_is_not_taken_f
         assert result.ok, result.error
         assert server.server.crashed is None
     finally:
-        listener.close()
+        proxy.down()
         engine.close()
 
 

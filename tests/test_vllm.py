@@ -6,7 +6,6 @@ the demo. vLLM's workers (CUDA streams, PyNccl, CUDA IPC rebuilds) cannot run wi
 
 from __future__ import annotations
 
-import contextlib
 import subprocess
 import sys
 import time
@@ -27,7 +26,7 @@ from refit.errors import EngineDied, EngineError
 from refit.reference.model import TinyLlama, greedy, prompt_logits
 from refit.testing.vllm_server import EmulatedVLLMEngine
 
-from .conftest import CONFIG, SMALL_BUCKET, matches, perturbed
+from .conftest import CONFIG, SMALL_BUCKET, Forward, matches, perturbed, restart_before
 from .vllm_support import validate_request, vllm
 
 pytestmark = pytest.mark.e2e
@@ -464,13 +463,7 @@ def test_a_vllm_restart_between_the_update_and_its_publish_is_never_published(tr
     (engine,) = vllm_engines(1, backend="ipc")
     ctx = vllm_ctx(trainer, [engine], retries=0)
     assert protocol.run(ctx).ok
-    publish = engine.publish
-
-    def restart_first(*a: object, **kw: object) -> None:
-        engine.server.restart()
-        publish(*a, **kw)  # type: ignore[arg-type]
-
-    engine.publish = restart_first  # type: ignore[method-assign]
+    restart_before(engine, "publish")
     perturbed(trainer, seed=11)
     result = protocol.run(ctx)
     assert not result.ok and result.engines[engine.name].status != "updated", result.engines[engine.name]
@@ -497,37 +490,17 @@ def test_a_driver_built_before_its_server_was_up_still_checks_it_at_first_contac
     """A VLLMEngine made while nothing listens learns nothing then; its first probe still reads the
     worker count (and whether the server was left paused)."""
     import socket
-    import threading
 
     (server,) = vllm_engines(1, backend="ipc", tp=2)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     early = VLLMEngine("early", f"http://127.0.0.1:{port}", tp=1)  # nothing listens there yet
-    listener = socket.create_server(("127.0.0.1", port))  # now the server is up at that address
-
-    def pipe(a: socket.socket, b: socket.socket) -> None:
-        with contextlib.suppress(OSError):
-            while data := a.recv(65536):
-                b.sendall(data)
-        for x in (a, b):
-            with contextlib.suppress(OSError):
-                x.shutdown(socket.SHUT_RDWR)
-
-    def accept() -> None:
-        with contextlib.suppress(OSError):
-            while True:
-                c, _ = listener.accept()
-                u = socket.create_connection(server.server.address)
-                for a, b in ((c, u), (u, c)):
-                    threading.Thread(target=pipe, args=(a, b), daemon=True).start()
-
-    threading.Thread(target=accept, daemon=True).start()
+    proxy = Forward(server.server.address, port)  # now the server is up at that address
     try:
         with pytest.raises(EngineError) as err:
             early.probe(1, timeout=10)
         assert err.value.kind == "misconfigured" and "tp=2" in str(err.value), err.value
     finally:
-        listener.shutdown(socket.SHUT_RDWR)
-        listener.close()
+        proxy.down()
         early.close()
