@@ -46,10 +46,10 @@ def run(rank: int, world: int, hf_dir: str, spec: dict[str, Any]) -> dict[str, A
     from transformers import AutoConfig
 
     from refit import protocol
-    from refit.demo import summary
     from refit.drivers.megatron import MegatronSource
     from refit.drivers.reference import ReferenceEngine
     from refit.drivers.shm import SharedMemoryTransport
+    from refit.loop import summary
     from refit.reference.model import ModelConfig
 
     from .megatron_support import causal_mask, cpu_provider, load, load_weights

@@ -19,42 +19,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 from urllib.parse import urlparse
 
+from refit.diagnosis import Answer, Finding, Verdict
+
 ENGINES = ("sglang", "vllm")
-
-
-@dataclass(frozen=True)
-class Finding:
-    """One thing checked: `status` ok, warn (works, with a caveat) or fail; `fix` what to change."""
-
-    check: str
-    status: str
-    detail: str
-    fix: str | None = None
-
-
-@dataclass(frozen=True)
-class Verdict:
-    """Whether refit can run `mode` over `transport` against this server, why not, and the fix."""
-
-    mode: str
-    transport: str
-    works: bool
-    why: str = ""
-    fix: str | None = None
-
-
-def verdicts(
-    modes: list[tuple[str, str]], findings: list[Finding], extra: dict[str, str] | None = None
-) -> list[Verdict]:
-    """Each (mode, transport): works unless a check failed (every failed check blocks every mode),
-    or `extra` names what blocks that mode alone; why not, and the fixes of what failed."""
-    failed = [f for f in findings if f.status == "fail"]
-    fixes = list(dict.fromkeys(f.fix for f in failed if f.fix))
-    out = []
-    for mode, transport in modes:
-        why = "; ".join([f.detail for f in failed] + ([extra[mode]] if extra and extra.get(mode) else []))
-        out.append(Verdict(mode, transport, not why, why, "; ".join(fixes) or None if why else None))
-    return out
 
 
 @dataclass
@@ -95,15 +62,6 @@ class Report:
                 lines.append(f"{'':<20}fix: {v.fix}")
         lines.append("  (read only: every request was a GET; nothing on the server was changed)")
         return "\n".join(lines)
-
-
-@dataclass(frozen=True)
-class Answer:
-    """One GET's outcome: an HTTP status and its decoded body, or `error` (no answer)."""
-
-    status: int | None
-    data: Any = None
-    error: str | None = None
 
 
 def read(url: str, paths: list[str], *, headers: dict[str, str], timeout: float) -> dict[str, Answer]:

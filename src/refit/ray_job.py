@@ -33,8 +33,8 @@ class TrainerRank:
         import torch
         import torch.distributed as dist
 
-        from refit.demo import make_transport
         from refit.drivers.torch_source import TorchSource
+        from refit.loop import make_transport
         from refit.reference.model import ModelConfig
         from refit.spmd import _fsdp_model
 
@@ -60,7 +60,7 @@ class TrainerRank:
         return await self.host.step(session, seq, step)
 
     async def train(self, steps: int) -> float:
-        from refit.demo import train
+        from refit.loop import train
 
         return train(self.model, self.opt, self.gen, steps, self.config.vocab_size)
 

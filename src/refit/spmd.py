@@ -108,8 +108,8 @@ def worker(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
 
     from refit import protocol
-    from refit.demo import Trainer, make_transport, refit_loop, train
     from refit.drivers.torch_source import TorchSource
+    from refit.loop import Trainer, make_transport, refit_loop, train
     from refit.reference.model import ModelConfig, TinyLlama
 
     torch.set_num_threads(1)
@@ -157,7 +157,7 @@ def worker(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
 
 def _leader_only(ctx: Any, rank: int, spec: dict[str, Any]) -> list[dict[str, Any]]:
     from refit import protocol
-    from refit.demo import summary
+    from refit.loop import summary
 
     if rank != 0:
         time.sleep(spec["deadline"] + 5.0)

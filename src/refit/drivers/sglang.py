@@ -646,7 +646,7 @@ def diagnose(answers: dict[str, Any], *, admin_key: bool) -> tuple[str | None, l
     """`refit doctor` for an SGLang server, from the answers to `DOCTOR_READS` (no I/O): its
     version, the routes and server flags refit needs, and which modes and transports will work.
     `admin_key`: the caller has an admin key (which no read-only route can check)."""
-    from refit.doctor import Finding, verdicts
+    from refit.diagnosis import Finding, verdicts
 
     modes = [
         ("colocated", "SGLangTensorTransport(device='cuda')"),

@@ -532,7 +532,7 @@ def diagnose(answers: dict[str, Any], *, admin_key: bool) -> tuple[str | None, l
     """`refit doctor` for a vLLM server, from the answers to `DOCTOR_READS` (no I/O): its version,
     dev mode (the weight-transfer routes), the weight-transfer backend it was started with, the
     variables and flags each transport needs, its workers, and which modes will work."""
-    from refit.doctor import Finding, verdicts
+    from refit.diagnosis import Finding, verdicts
 
     ipc, nccl = (
         ("colocated", "VLLMIPCTransport(device='cuda')"),

@@ -25,6 +25,7 @@ from refit.errors import ConfigError, RefitError
 from refit.protocol.faults import FaultPlan
 from refit.protocol.lock import EngineLock, lock_for
 from refit.protocol.ranks import Ranks, default_ranks
+from refit.protocol.session import disconnect
 from refit.trace import TraceRecorder
 
 Mode = Literal["colocated", "disaggregated"]
@@ -277,8 +278,6 @@ class RefitContext:
             finally:
                 self.ranks.close()
             return
-        from refit.protocol.runner import disconnect
-
         disconnect(self, timeout=self.cleanup_grace_s or 5.0)
         self.ranks.close()
         for lane in self._shared.lanes.values():

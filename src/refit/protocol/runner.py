@@ -62,11 +62,14 @@ from refit.errors import (
     RefitError,
 )
 from refit.invariants.integrity import LATE_TOLERANCE_S
+from refit.protocol.answers import SLACK_S, clean, malformed
 from refit.protocol.context import EngineOutcome, RefitContext, RefitResult
 from refit.protocol.deadline import Deadline
 from refit.protocol.faults import FaultyEngine, FaultyRanks
 from refit.protocol.ranks import RECORDED_RESULTS, RankStep
+from refit.protocol.session import disconnect
 from refit.states import (
+    RETRY_STATES,
     TRANSITIONS,
     EngineEvent,
     EngineMachine,
@@ -77,10 +80,8 @@ from refit.states import (
 )
 
 S, T, E, EV = RefitState, Trigger, EngineState, EngineEvent
-SLACK_S = 0.5  # how long past a wave's budget to wait for drivers whose own timeout should fire
 CLEANUP_FLOOR_S = 0.25  # owed cleanup calls are still sent, and waited on this long, past deadline + grace
 LOCK_TIMEOUT_S = 5.0  # a lock call (or incarnation read) waits at most this long, within the deadline
-RETRY_STATES = ("INVALIDATING", "TRANSFERRING", "POST_PROCESSING")  # failures here are retried
 _ORDER = {s: i for i, s in enumerate(RefitState)}
 
 
@@ -384,9 +385,9 @@ class _Run:
             return [(s, StepResult("timeout", error=err, seconds=now - wave.started)) for s in steps]
         exc = fut.exception()
         if exc is None:
-            exc = _malformed(fut.result(), len(steps))
+            exc = malformed(fut.result(), len(steps))
             if exc is None:
-                pairs = [(s, _clean(r)) for s, r in zip(steps, fut.result(), strict=False)]
+                pairs = [(s, clean(r)) for s, r in zip(steps, fut.result(), strict=False)]
                 return self._late(e, pairs, fut, wave)
         return [(s, StepResult(outcome_of(exc), error=exc, seconds=now - wave.started, done_at=now)) for s in steps]
 
@@ -1032,75 +1033,12 @@ class _Run:
         return EngineOutcome(e.name, status, version, len(e.acked), e.attempts, e.error, serving)  # type: ignore[arg-type]
 
 
-def _malformed(results: Any, n: int) -> BaseException | None:
-    """Why a driver's answer for `n` steps breaks the contract, or None."""
-    if not isinstance(results, list) or not results or len(results) > n:
-        got = len(results) if isinstance(results, list) else type(results).__name__
-        return RuntimeError(f"driver returned {got} results for {n} steps")
-    if not all(isinstance(r, StepResult) and r.outcome in ("ok", "error", "timeout") for r in results):
-        return RuntimeError(f"driver returned something other than StepResults: {results!r:.200}")
-    if any(not r.ok for r in results[:-1]):
-        return RuntimeError("driver went on after a failed step")
-    if len(results) < n and results[-1].ok:
-        return RuntimeError(f"driver returned {len(results)} results for {n} steps, none of them failed")
-    return None
-
-
-def _clean(r: StepResult) -> StepResult:
-    """The result with its timing fields made numbers (a driver may leave them out)."""
-    seconds = r.seconds if isinstance(r.seconds, int | float) else 0.0
-    done_at = r.done_at if isinstance(r.done_at, int | float) else None
-    if seconds is r.seconds and done_at is r.done_at:
-        return r
-    return StepResult(r.outcome, r.value, r.error, float(seconds), done_at)
-
-
 def _rendezvous_only(e: _Engine, attach: list[tuple[Step, StepResult]]) -> bool:
     """This attach went through, or failed only because the collective group did not form."""
     if not e.reachable or not attach:
         return False
     _, res = attach[-1]
     return res.ok or (isinstance(res.error, EngineError) and res.error.kind == "rendezvous")
-
-
-def disconnect(ctx: RefitContext, *, timeout: float, run: _Run | None = None) -> None:
-    """Engines detach, every trainer rank disconnects; best effort, bounded, recorded."""
-    shared = ctx._shared
-    if not ctx.transport_connected and shared.connection_key is None:
-        return
-    attached = list(ctx.engines)  # every engine: detaching one that is not attached changes nothing
-    shared.connection_key, shared.attached = None, set()
-    emit = run.emit if run is not None else ctx.recorder.emit
-    clock = ctx.clock
-    budget = max(timeout, 0.05)
-    futures = [
-        (d, d.run_steps_async([Step("detach", "IDLE")], timeout=budget, executor=ctx.lane(d.name)), clock())
-        for d in attached
-    ]
-    concurrent.futures.wait([f for _, f, _ in futures], timeout=budget + SLACK_S)
-    for d, fut, t0 in futures:
-        res = _first_result(fut, budget)
-        emit(
-            "call", "detach", side="engine", engine=d.name, outcome=res.outcome, duration_s=round(clock() - t0, 6),
-            error=None if res.error is None else f"{type(res.error).__name__}: {res.error}",
-        )  # fmt: skip
-    t0 = clock()
-    outcome, error = "ok", None
-    assert ctx.ranks is not None
-    try:
-        ctx.ranks.start(RankStep("disconnect", "IDLE"), timeout=budget).result(timeout=budget + SLACK_S)
-    except Exception as exc:
-        outcome, error = outcome_of(exc), f"{type(exc).__name__}: {exc}"
-    emit("call", "disconnect", side="transport", outcome=outcome, duration_s=round(clock() - t0, 6), error=error)
-
-
-def _first_result(fut: Future[list[StepResult]], budget: float) -> StepResult:
-    if not fut.done():
-        return StepResult("timeout", error=TimeoutError(f"no answer within {budget:.3g}s"))
-    exc = fut.exception() or _malformed(fut.result(), 1)
-    if exc is not None:
-        return StepResult(outcome_of(exc), error=exc)
-    return _clean(fut.result()[0])
 
 
 def _on_thread(fn: Callable[[], Any]) -> Future[Any]:

@@ -5,6 +5,7 @@ from refit.states._machine import EngineMachine, RefitMachine
 from refit.states._table import (
     ACTIVE_STATES,
     ENGINE_TRANSITIONS,
+    RETRY_STATES,
     TERMINAL_STATES,
     TRANSITIONS,
     EngineEvent,
@@ -16,6 +17,7 @@ from refit.states._table import (
 __all__ = [
     "ACTIVE_STATES",
     "ENGINE_TRANSITIONS",
+    "RETRY_STATES",
     "TERMINAL_STATES",
     "TRANSITIONS",
     "EngineEvent",

@@ -73,6 +73,9 @@ ACTIVE_STATES: tuple[RefitState, ...] = (
     S.RESTORING,
 )
 TERMINAL_STATES: tuple[RefitState, ...] = (S.DONE, S.FAILED)
+# inside the update: an engine that fails here (an error, not a hang or a death) is retried when
+# the run allows retries, its next attempt beginning the update again
+RETRY_STATES: tuple[RefitState, ...] = (S.INVALIDATING, S.TRANSFERRING, S.POST_PROCESSING)
 
 # (trigger, sources, destination), in the order of the happy path, then recovery, then failure.
 TRANSITIONS: tuple[tuple[Trigger, tuple[RefitState, ...], RefitState], ...] = (
