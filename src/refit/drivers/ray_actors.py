@@ -60,7 +60,7 @@ from refit.drivers.base import Source, Transport
 from refit.drivers.reference import ReferenceEngine
 from refit.errors import EngineDied, EngineError, RankError
 from refit.protocol.lock import EngineLock
-from refit.protocol.ranks import Participant, Ranks, RankStep, _combine, _Lanes
+from refit.protocol.ranks import Lanes, Participant, Ranks, RankStep, combine
 
 ACTOR_CALL_TIMEOUT_S = 3600.0  # inside the actor; the caller's own deadline bounds every call
 POLL_S = 0.005  # how often a pending generation is polled
@@ -457,7 +457,7 @@ class RankHost:
 
     def __init__(self, source: Source, transport: Transport, rank: int, world: int) -> None:
         self.participant = Participant(source, transport, rank, world)
-        self._lanes = _Lanes(self.participant)
+        self._lanes = Lanes(self.participant)
         self._lock = threading.Lock()
         self._sessions: dict[str, _Session] = {}  # per leader (context): its own numbering
 
@@ -580,7 +580,7 @@ class RayRanks(Ranks):
 
     def start(self, step: RankStep, *, timeout: float) -> Future[list[Any]]:
         seq = next(self._seq)
-        return _combine([self._call(rank, actor, seq, step) for rank, actor in enumerate(self.actors)])
+        return combine([self._call(rank, actor, seq, step) for rank, actor in enumerate(self.actors)])
 
     def _call(self, rank: int, actor: Any, seq: int, step: RankStep) -> Future[Any]:
         import ray

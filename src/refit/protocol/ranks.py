@@ -233,8 +233,9 @@ class Ranks(ABC):
         """Stop the ranks' lanes (followers leave their loop)."""
 
 
-def _combine(futures: Sequence[Future[Any]]) -> Future[list[Any]]:
-    """One future for every rank's: their values in order, or the first rank's error (by rank)."""
+def combine(futures: Sequence[Future[Any]]) -> Future[list[Any]]:
+    """One future for every rank's: their values in order, or the first rank's error (by rank).
+    Public for hosts of ranks (refit.drivers.ray_actors)."""
     out: Future[list[Any]] = Future()
     left = [len(futures)]
     lock = threading.Lock()
@@ -265,8 +266,8 @@ def _text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-class _Lanes:
-    """A participant's two ordered lanes (main, send)."""
+class Lanes:
+    """A participant's two ordered lanes (main, send); public for hosts of ranks."""
 
     def __init__(self, participant: Participant) -> None:
         self.participant = participant
@@ -302,10 +303,10 @@ class LocalRanks(Ranks):
             raise ValueError("LocalRanks needs at least one participant")
         self.participants = list(participants)
         self.world = len(self.participants)
-        self._lanes = [_Lanes(p) for p in self.participants]
+        self._lanes = [Lanes(p) for p in self.participants]
 
     def start(self, step: RankStep, *, timeout: float) -> Future[list[Any]]:
-        return _combine([lanes.submit(step) for lanes in self._lanes])
+        return combine([lanes.submit(step) for lanes in self._lanes])
 
     def close(self) -> None:
         for lanes in self._lanes:
@@ -334,7 +335,7 @@ class SpmdRanks(Ranks):
         self.leader = rank == 0
         self.tag = tag
         self._seq = 0
-        self._lanes = _Lanes(participant)
+        self._lanes = Lanes(participant)
         self._waiters = ThreadPoolExecutor(4, thread_name_prefix="refit-spmd") if self.leader else None
         self._stale: list[str] = []
         self._ends: list[str] = []  # end-of-run messages, deleted once every rank answered a later step
@@ -493,11 +494,13 @@ def default_ranks(source: Source, transport: Transport) -> Ranks:
 
 
 __all__ = [
+    "Lanes",
     "LocalRanks",
     "Participant",
     "RankStats",
     "RankStep",
     "Ranks",
     "SpmdRanks",
+    "combine",
     "default_ranks",
 ]
