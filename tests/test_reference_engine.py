@@ -318,3 +318,34 @@ def test_hosted_engine_settles_generations_outside_its_lock_and_closes_promptly(
     engine.close()  # not run to the end: they fail (run to the end, they would all be ok)
     for fut in long:
         assert isinstance(fut.exception(timeout=10), EngineDied)
+
+
+def test_a_client_closed_from_several_threads_closes_its_pipe_once() -> None:
+    """An emulated server's death closes its engine client on a thread while its restart closes it
+    too: a second close of the same fd could close a new engine's freshly opened pipe (EBADF)."""
+    import threading
+
+    from refit.reference.client import await_ready, launch_process
+
+    client = await_ready(launch_process("closing", ModelConfig(), seed=0))
+    closes = []
+    channel_close = client._channel.close
+
+    def counted() -> None:
+        closes.append(threading.current_thread().name)
+        channel_close()
+
+    client._channel.close = counted  # type: ignore[method-assign]
+    start = threading.Barrier(4)
+
+    def close() -> None:
+        start.wait()
+        client.close()
+
+    threads = [threading.Thread(target=close) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert len(closes) == 1, closes
+    assert client.process.poll() is not None  # the engine process is gone

@@ -50,6 +50,8 @@ class EngineClient:
         self._pending_lock = threading.Lock()
         self._ids = itertools.count()
         self._dead: EngineDied | None = None
+        self._close_lock = threading.Lock()  # close runs once: a second os.close could hit a reused fd
+        self._closed = False
         self._reader = threading.Thread(target=self._read, name=f"refit-client-{name}", daemon=True)
         self._reader.start()
 
@@ -105,7 +107,16 @@ class EngineClient:
             raise TimeoutError(f"engine {self.name}: {method} did not answer within {timeout:.3g}s") from None
 
     def close(self, timeout: float = 10.0) -> None:
-        """Stop the engine (politely, then by force) and wait for it."""
+        """Stop the engine (politely, then by force) and wait for it. Safe from several threads at
+        once (an emulated server's death closes it on a thread while its restart closes it too):
+        the first call closes, the others wait for it."""
+        with self._close_lock:
+            if self._closed:
+                return
+            self._close(timeout)
+            self._closed = True
+
+    def _close(self, timeout: float) -> None:
         if self._dead is None:
             try:
                 with self._send_lock:
