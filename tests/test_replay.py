@@ -214,3 +214,17 @@ def test_a_hang_with_no_call_timeout_keeps_the_deadline_and_replays(state: str, 
         for e in engines:
             e.close()
     _check_and_replay(path)
+
+
+def test_a_prepare_the_recording_process_chose_is_replayed_as_recorded() -> None:
+    """A shared-memory transport prepares (hashes ahead, in IDLE) while any arena lives in the
+    recording process: a fact of that process, not a decision of the runner. This trace (six real
+    runs; its first prepared because another test's arenas were still alive) once failed `refit
+    check` as a `decisions` violation; the replay now takes the prepare from the trace."""
+    path = Path(__file__).parent / "traces" / "prepared" / "shm-prepared-while-arenas-lived.jsonl"
+    _, events, torn = load_trace(path)
+    assert any(e.get("event") == "prepare" for e in events)
+    assert check_trace(events, torn=torn) == []
+    report = replay(path)
+    assert report.divergence is None, str(report.divergence)
+    assert report.same

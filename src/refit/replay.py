@@ -317,6 +317,16 @@ class ReplayTransport(Transport):
         return out
 
     @property
+    def wants_prepare(self) -> bool:
+        """Whether the recorded run prepared in IDLE: a shared-memory transport does while any
+        arena lives in the recording process, a fact of that process the trace records as the call."""
+        run = self.script.current_run().get("run")
+        return any(
+            (e.get("run"), e.get("kind"), e.get("event"), e.get("side")) == (run, "call", "prepare", "transport")
+            for e in self.script.expected
+        )
+
+    @property
     def connected(self) -> bool:
         return self._connected
 
