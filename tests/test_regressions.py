@@ -242,8 +242,11 @@ def test_a_trainer_step_that_never_returns_ends_the_run_inside_deadline_and_grac
                 yield bucket
 
     engine = ReferenceEngine.in_thread("stuck", CONFIG, seed=0)
+    # zero_copy off: with it, the transport hashes ahead in IDLE (`prepare`) whenever some arena lives
+    # in this process (another test's, in the same pytest worker), and the source would block there
+    transport = SharedMemoryTransport(zero_copy=False)
     ctx = protocol.RefitContext(
-        Stuck(model), SharedMemoryTransport(), [engine], bucket_bytes=SMALL_BUCKET, deadline_s=2.0, cleanup_grace_s=1.0
+        Stuck(model), transport, [engine], bucket_bytes=SMALL_BUCKET, deadline_s=2.0, cleanup_grace_s=1.0
     )
     try:
         t0 = time.monotonic()
