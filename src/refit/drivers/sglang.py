@@ -243,14 +243,11 @@ class SGLangEngine(HttpEngineDriver):
         self._read_capabilities(5.0)
 
     def _read_capabilities(self, timeout: float) -> None:
-        """The server's version, read once here so the first refit connects once; a server not up
-        yet is read by the first probe instead."""
-        with contextlib.suppress(TimeoutError, EngineDied, EngineError, ValueError):  # the first probe says why
-            status, info = self._request("GET", "/server_info", "connect", timeout=timeout)
-            if status < 300 and isinstance(info, dict):
-                self._server_tp = info.get("tp_size")
-                with contextlib.suppress(EngineError):  # unsupported: the first probe says so
-                    self.capabilities = self._supported(Capabilities.of(info.get("version")))
+        """The server's version and TP size, read once here so the first refit connects once; a
+        server not up yet (or one this driver cannot use) is read by the first probe instead, which
+        says why."""
+        with contextlib.suppress(TimeoutError, EngineDied, EngineError, ValueError):
+            self._read_server_info(timeout)
 
     # ---- capabilities -------------------------------------------------------------------------
 
@@ -379,8 +376,8 @@ class SGLangEngine(HttpEngineDriver):
         if tp is not None and tp != self._tp:
             raise EngineError(
                 "misconfigured",
-                f"engine {self.name}: the server runs tp_size {self._server_tp}, this driver was built with "
-                f"tp={self._tp}: SGLangEngine(..., tp={self._server_tp})",
+                f"engine {self.name}: the server runs tp_size {tp}, this driver was built with "
+                f"tp={self._tp}: SGLangEngine(..., tp={tp})",
             )
 
     def _new_process(self) -> None:
