@@ -98,7 +98,7 @@ def test_a_different_outcome_diverges_where_the_path_changes(tmp_path: Path) -> 
 
 def test_changed_code_is_reported_at_its_first_different_event(monkeypatch: pytest.MonkeyPatch) -> None:
     """The corrupt trace was recorded by a runner that retries; a runner that does not diverges at the retry."""
-    monkeypatch.setattr("refit.protocol.runner.RETRY_STATES", ())
+    monkeypatch.setattr("refit.protocol.ledger.RETRY_STATES", ())
     report = replay(Path(__file__).parent / "traces" / "corrupt-then-retried.jsonl")
     d = report.divergence
     assert d is not None

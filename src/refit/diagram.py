@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from refit.states import ENGINE_TRANSITIONS, TERMINAL_STATES, TRANSITIONS, EngineState, RefitState
+from refit.states import ENGINE_TRANSITIONS, FACT_TABLES, TERMINAL_STATES, TRANSITIONS, EngineState, RefitState
 
 DIAGRAM_FILE = "refit-states.md"
 FAILURE_STATES = (RefitState.ABORTING, RefitState.QUARANTINING, RefitState.FAILED)
@@ -34,6 +34,34 @@ def engine_mermaid() -> str:
     return "\n".join(lines) + "\n"
 
 
+def fact_mermaid(name: str) -> str:
+    """One fact table (`refit.states._facts`) as a state diagram."""
+    transitions, initial, finals = FACT_TABLES[name]
+    lines = ["stateDiagram-v2", f"    [*] --> {initial}"]
+    for event, sources, dest in transitions:
+        lines.extend(f"    {src} --> {dest}: {event}" for src in sources)
+    lines.extend(f"    {s} --> [*]" for s in finals)
+    return "\n".join(lines) + "\n"
+
+
+FACT_SECTIONS = (
+    ("weights", "An engine's weights"),
+    ("failure", "Why an engine left its attempt"),
+    ("memory", "Each memory region of a colocated engine (`weights`, `kv_cache`)"),
+    ("connection", "The transport's connection, across runs (the session)"),
+    ("trainer", "The trainer, in a colocated run"),
+    ("ranks", "The trainer ranks' answers"),
+)
+
+
+def _facts() -> str:
+    out = []
+    for name, title in FACT_SECTIONS:
+        transitions = FACT_TABLES[name][0]
+        out.append(f"### {title}\n\n```mermaid\n{fact_mermaid(name)}```\n\n{table(transitions, 'event')}")
+    return "\n".join(out)
+
+
 def table(transitions: Sequence[tuple[Any, Sequence[Any], Any]] = TRANSITIONS, head: str = "trigger") -> str:
     rows = [f"| {head} | from | to |", "|---|---|---|"]
     rows.extend(f"| `{t}` | {', '.join(str(s) for s in sources)} | {dest} |" for t, sources, dest in transitions)
@@ -48,9 +76,11 @@ def render() -> str:
         "## A run\n\n"
         "```mermaid\n" + mermaid() + "```\n\n" + table() + "\n"
         "## Each engine in a run\n\n"
-        "Besides its position, the runner keeps facts about each engine (its weights kept, changed or "
-        "lost; why it left an attempt); outcomes are derived from both.\n\n"
-        "```mermaid\n" + engine_mermaid() + "```\n\n" + table(ENGINE_TRANSITIONS, "event")
+        "Where the engine stands in the update. The ledger (`refit.protocol.ledger`) keeps the facts "
+        "beside it as machines of their own (below); outcomes are derived from all of them.\n\n"
+        "```mermaid\n" + engine_mermaid() + "```\n\n" + table(ENGINE_TRANSITIONS, "event") + "\n"
+        "## Facts kept beside the positions\n\n"
+        "Generated from `src/refit/states/_facts.py`: a move a table lacks raises `IllegalTransition`.\n\n" + _facts()
     )
 
 

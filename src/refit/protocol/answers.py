@@ -7,6 +7,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from refit.drivers.base import StepResult, outcome_of
+from refit.errors import DeadlineExceeded, DriverCallError, RefitError
 
 SLACK_S = 0.5  # how long past a wave's budget to wait for drivers whose own timeout should fire
 
@@ -41,3 +42,13 @@ def first_result(fut: Future[list[StepResult]], budget: float) -> StepResult:
     if exc is not None:
         return StepResult(outcome_of(exc), error=exc)
     return clean(fut.result()[0])
+
+
+def wrap_error(exc: BaseException, call: str, state: str, engine: str | None, bucket: int | None) -> RefitError:
+    """`exc` as a RefitError naming where it happened (a RefitError is kept as it is)."""
+    if isinstance(exc, RefitError):
+        return exc
+    where = {"state": state, "engine": engine, "call": call, "bucket": bucket}
+    if isinstance(exc, TimeoutError):  # concurrent.futures.TimeoutError is TimeoutError
+        return DeadlineExceeded(f"{call} did not finish inside the deadline: {exc}", cause=exc, **where)
+    return DriverCallError(f"{call} failed: {type(exc).__name__}: {exc}", cause=exc, **where)

@@ -25,7 +25,7 @@ from refit.errors import ConfigError, RefitError
 from refit.protocol.faults import FaultPlan
 from refit.protocol.lock import EngineLock, lock_for
 from refit.protocol.ranks import Ranks, default_ranks
-from refit.protocol.session import disconnect
+from refit.protocol.session import Session, disconnect
 from refit.trace import TraceRecorder
 
 Mode = Literal["colocated", "disaggregated"]
@@ -83,22 +83,6 @@ class RefitResult:
 
 
 @dataclass
-class _Shared:
-    """What consecutive runs of one context share."""
-
-    version: int
-    next_version: int
-    connection_key: tuple[Any, ...] | None = None
-    attached: set[str] = field(default_factory=set)  # incarnations attached to the open connection
-    topology: Any = None  # the open connection's Topology
-    engine_versions: dict[str, int | None] = field(default_factory=dict)  # None: stale, must not serve
-    incarnations: dict[str, str] = field(default_factory=dict)  # last incarnation seen per engine name
-    lock_taken: int | None = None  # the lock's acquisition count at the last run (None: unknown)
-    lanes: dict[str, concurrent.futures.ThreadPoolExecutor] = field(default_factory=dict)  # per engine name
-    closed: bool = False
-
-
-@dataclass
 class RefitContext:
     """Everything one refit needs.
 
@@ -144,7 +128,7 @@ class RefitContext:
     ranks: Ranks | None = None
     check_invariants: bool = True
     clock: Callable[[], float] = time.monotonic
-    _shared: _Shared = field(init=False, repr=False)
+    session: Session = field(init=False, repr=False)  # what lasts across this context's runs
     recorder: TraceRecorder = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -163,7 +147,7 @@ class RefitContext:
             if isinstance(self.trace, TraceRecorder)
             else TraceRecorder(self.trace if self.leader else None, config=self.describe(), clock=self.clock)
         )
-        self._shared = _Shared(version=self.version, next_version=self.version + 1)
+        self.session = Session(version=self.version, next_version=self.version + 1)
 
     def validate(self) -> None:
         """Refuse, before anything starts, what cannot be done safely (every rank)."""
@@ -236,7 +220,7 @@ class RefitContext:
     @property
     def published_version(self) -> int:
         """The last version a run of this context published (or the initial one)."""
-        return self._shared.version
+        return self.session.version
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -259,30 +243,27 @@ class RefitContext:
         """One engine's own ordered lane: the calls a driver runs on the executor it is handed (the
         default one call per step; incarnation reads) reach that engine in the order they were
         made, and a driver stuck past its timeout holds up only its own engine."""
-        lane = self._shared.lanes.get(engine)
-        if lane is None:
-            lane = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"refit-call-{engine}")
-            self._shared.lanes[engine] = lane
-        return lane
+        return self.session.lane(engine)
 
     def close(self) -> None:
         """Disconnect the transport (engines detach, every rank frees its buffers) and end the
         trace. Idempotent. Under SPMD every rank calls it."""
-        if self._shared.closed:
+        if self.session.closed:
             return
-        self._shared.closed = True
         assert self.ranks is not None
         if not self.leader:
+            self.session.close()
             try:
                 self.ranks.follow(self.deadline_s + self.cleanup_grace_s + 5.0)
             finally:
                 self.ranks.close()
             return
-        disconnect(self, timeout=self.cleanup_grace_s or 5.0)
-        self.ranks.close()
-        for lane in self._shared.lanes.values():
-            lane.shutdown(wait=False, cancel_futures=True)
-        self.recorder.close()
+        try:
+            disconnect(self, timeout=self.cleanup_grace_s or 5.0)
+            self.ranks.close()
+        finally:
+            self.session.close()
+            self.recorder.close()
 
     def __enter__(self) -> RefitContext:
         return self

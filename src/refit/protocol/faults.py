@@ -10,7 +10,7 @@ once and is recorded in the trace. Kinds:
   corrupt  the step's payload arrives damaged: a bucket's bytes fail their checksum, any other
            request cannot be decoded
 
-Faults are injected by wrappers the runner puts around the engine drivers and the trainer ranks
+Faults are injected by wrappers put around the engine drivers and the trainer ranks (`wrap`)
 for a run that has a plan (`FaultyEngine`, `FaultyRanks`): the runner's own call path knows
 nothing of them. hang, kill and corrupt happen inside the engine when its driver supports
 `arm_fault` (the reference engine does); otherwise the wrapper simulates them at the driver
@@ -274,3 +274,11 @@ class FaultyRanks:
         else:
             out.set_exception(InjectedFault(f"injected {fault.kind} fault at {step.state}/{step.call}"))
         return out
+
+
+def wrap(plan: FaultPlan | None, drivers: Sequence[Any], ranks: Any, on_fire: OnFire) -> tuple[list[Any], Any]:
+    """The drivers and ranks a run calls: as they are without a plan; with one, each behind its
+    fault wrapper (the run's calls go through the wrappers and know nothing of them)."""
+    if plan is None:
+        return list(drivers), ranks
+    return [FaultyEngine(d, plan, i, on_fire) for i, d in enumerate(drivers)], FaultyRanks(ranks, plan, on_fire)

@@ -1,33 +1,95 @@
-"""What lasts across runs of one context: its connection (the transport's groups and buffers, the
-engines attached to it). `disconnect` is the one way it ends: every engine detaches, every trainer
-rank disconnects, best effort, bounded, recorded. (The rest of the session, now in
-`RefitContext`'s shared state, moves here with issue 20.)"""
+"""The session: what lasts across runs of one context.
+
+Versions (the last published, the next to publish, the version each engine was left at), the
+incarnation last seen per engine, the lock's acquisition count, each engine's call lane, and the
+transport's connection: its key (members, plan, mode, storage epochs), the incarnations attached
+to it, its topology, and whether it may be reused (the connection table in `refit.states`).
+
+Every disconnect goes through `Session.tear_down` (the session forgets the connection): inside a
+run the runner detaches engines and disconnects ranks through its waves (recorded as that run's
+calls); outside a run `disconnect` does it for the context.
+"""
 
 from __future__ import annotations
 
 import concurrent.futures
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from refit.drivers.base import Step, outcome_of
 from refit.protocol.answers import SLACK_S, first_result
 from refit.protocol.ranks import RankStep
+from refit.states import Connection, ConnectionEvent, FactMachine
 
 if TYPE_CHECKING:
     from refit.protocol.context import RefitContext
 
 
-def disconnect(ctx: RefitContext, *, timeout: float, run: Any = None) -> None:
-    """Engines detach, every trainer rank disconnects; best effort, bounded, recorded."""
-    shared = ctx._shared
-    if not ctx.transport_connected and shared.connection_key is None:
+@dataclass
+class Session:
+    """What consecutive runs of one context share."""
+
+    version: int  # the last version a run published (or the context's initial one)
+    next_version: int
+    connection: FactMachine = field(default_factory=lambda: FactMachine("connection"))
+    connection_key: tuple[Any, ...] | None = None
+    attached: set[str] = field(default_factory=set)  # incarnations attached to the open connection
+    topology: Any = None  # the open connection's Topology
+    engine_versions: dict[str, int | None] = field(default_factory=dict)  # None: stale, must not serve
+    incarnations: dict[str, str] = field(default_factory=dict)  # last incarnation seen per engine name
+    lock_taken: int | None = None  # the lock's acquisition count at the last run (None: unknown)
+    lanes: dict[str, concurrent.futures.ThreadPoolExecutor] = field(default_factory=dict)  # per engine name
+
+    @property
+    def closed(self) -> bool:
+        return self.connection.state == Connection.CLOSED
+
+    def lane(self, engine: str) -> concurrent.futures.ThreadPoolExecutor:
+        lane = self.lanes.get(engine)
+        if lane is None:
+            lane = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"refit-call-{engine}")
+            self.lanes[engine] = lane
+        return lane
+
+    def reusable(self, key: tuple[Any, ...], connected: bool, incarnations: Sequence[str]) -> bool:
+        """Whether the open connection serves a run whose connection key is `key`."""
+        return self.connection_key == key and connected and self.attached >= set(incarnations)
+
+    def has_connection(self, connected: bool) -> bool:
+        return connected or self.connection_key is not None
+
+    def building(self) -> None:
+        self.connection.fire(ConnectionEvent.BUILD)
+
+    def formed(self, key: tuple[Any, ...], topology: Any) -> None:
+        self.connection_key, self.topology = key, topology
+        self.connection.fire(ConnectionEvent.FORM)
+
+    def tear_down(self) -> None:
+        """The session's side of every disconnect: the connection is forgotten."""
+        self.connection_key, self.attached = None, set()
+        self.connection.fire(ConnectionEvent.TEAR_DOWN)
+
+    def close(self) -> None:
+        self.connection.fire(ConnectionEvent.CLOSE)
+        for lane in self.lanes.values():
+            lane.shutdown(wait=False, cancel_futures=True)
+
+
+def disconnect(ctx: RefitContext, *, timeout: float) -> None:
+    """Outside a run: engines detach, every trainer rank disconnects; best effort, bounded,
+    recorded."""
+    session = ctx.session
+    if not session.has_connection(ctx.transport_connected):
         return
     attached = list(ctx.engines)  # every engine: detaching one that is not attached changes nothing
-    shared.connection_key, shared.attached = None, set()
-    emit = run.emit if run is not None else ctx.recorder.emit
+    session.tear_down()
+    emit = ctx.recorder.emit
     clock = ctx.clock
     budget = max(timeout, 0.05)
     futures = [
-        (d, d.run_steps_async([Step("detach", "IDLE")], timeout=budget, executor=ctx.lane(d.name)), clock())
+        (d, d.run_steps_async([Step("detach", "IDLE")], timeout=budget, executor=session.lane(d.name)), clock())
         for d in attached
     ]
     concurrent.futures.wait([f for _, f, _ in futures], timeout=budget + SLACK_S)

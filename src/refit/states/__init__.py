@@ -1,7 +1,29 @@
 """The refit state tables and the strict machines built from them."""
 
 from refit.errors import IllegalTransition
-from refit.states._machine import EngineMachine, RefitMachine
+from refit.states._facts import (
+    CONNECTION_TRANSITIONS,
+    FACT_TABLES,
+    FAILURE_TRANSITIONS,
+    MEMORY_REGIONS,
+    MEMORY_TRANSITIONS,
+    RANKS_TRANSITIONS,
+    TRAINER_TRANSITIONS,
+    WEIGHTS_TRANSITIONS,
+    Connection,
+    ConnectionEvent,
+    Failure,
+    FailureEvent,
+    Memory,
+    MemoryEvent,
+    Ranks,
+    RanksEvent,
+    Trainer,
+    TrainerEvent,
+    Weights,
+    WeightsEvent,
+)
+from refit.states._machine import EngineMachine, FactMachine, RefitMachine
 from refit.states._table import (
     ACTIVE_STATES,
     ENGINE_TRANSITIONS,
@@ -16,15 +38,36 @@ from refit.states._table import (
 
 __all__ = [
     "ACTIVE_STATES",
+    "CONNECTION_TRANSITIONS",
     "ENGINE_TRANSITIONS",
+    "FACT_TABLES",
+    "FAILURE_TRANSITIONS",
+    "MEMORY_REGIONS",
+    "MEMORY_TRANSITIONS",
+    "RANKS_TRANSITIONS",
     "RETRY_STATES",
     "TERMINAL_STATES",
+    "TRAINER_TRANSITIONS",
     "TRANSITIONS",
+    "WEIGHTS_TRANSITIONS",
+    "Connection",
+    "ConnectionEvent",
     "EngineEvent",
     "EngineMachine",
     "EngineState",
+    "FactMachine",
+    "Failure",
+    "FailureEvent",
     "IllegalTransition",
+    "Memory",
+    "MemoryEvent",
+    "Ranks",
+    "RanksEvent",
     "RefitMachine",
     "RefitState",
+    "Trainer",
+    "TrainerEvent",
     "Trigger",
+    "Weights",
+    "WeightsEvent",
 ]

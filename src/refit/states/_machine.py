@@ -8,9 +8,12 @@ engine, so it must be cheap to build).
 
 from __future__ import annotations
 
+from typing import Any
+
 from transitions import Machine, MachineError
 
 from refit.errors import IllegalTransition
+from refit.states._facts import FACT_TABLES
 from refit.states._table import ENGINE_TRANSITIONS, TRANSITIONS, EngineEvent, EngineState, RefitState, Trigger
 
 
@@ -76,3 +79,42 @@ class EngineMachine:
             raise IllegalTransition(str(self.state), str(event))
         self.state = dest
         return dest
+
+
+def _moves(table: tuple[tuple[Any, tuple[Any, ...], Any], ...]) -> dict[tuple[Any, Any], Any]:
+    moves: dict[tuple[Any, Any], Any] = {}
+    for event, sources, dest in table:
+        for src in sources:
+            if (src, event) in moves:
+                raise ValueError(f"the table lists {event} from {src} twice")
+            moves[(src, event)] = dest
+    return moves
+
+
+_FACT_MOVES = {name: _moves(table) for name, (table, _, _) in FACT_TABLES.items()}
+
+
+class FactMachine:
+    """One fact's position in its table (`refit.states._facts`): weights, failure, a memory
+    region, the connection, the trainer, the ranks."""
+
+    __slots__ = ("_moves", "name", "state")
+
+    def __init__(self, name: str, initial: Any = None) -> None:
+        _, start, _ = FACT_TABLES[name]
+        self.name = name
+        self.state: Any = start if initial is None else type(start)(initial)
+        self._moves = _FACT_MOVES[name]
+
+    def can(self, event: Any) -> bool:
+        return (self.state, event) in self._moves
+
+    def fire(self, event: Any) -> Any:
+        dest = self._moves.get((self.state, event))
+        if dest is None:
+            raise IllegalTransition(f"{self.name} {self.state}", str(event))
+        self.state = dest
+        return dest
+
+    def __repr__(self) -> str:
+        return f"{self.name}:{self.state}"

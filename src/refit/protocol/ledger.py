@@ -1,0 +1,273 @@
+"""The run's ledger: each engine's position and the facts beside it, and what the run found.
+
+Pure: no I/O, no clock, no drivers. The runner hands it each call's outcome (`apply`, `drop`); it
+moves the engine's machines (`refit.states`: the engine table, and the weights, failure and
+memory tables) and returns the trace events that outcome implies. Everything the runner decides
+about an engine is read from here: whether it may be retried (`retryable`), what it is owed when
+it did not take the version (`owed`), and its outcome (`outcome`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from refit.drivers.base import Step, StepResult
+from refit.drivers.buckets import BucketManifest
+from refit.errors import EngineDied, EngineError, InvariantViolation, NoTimeLeft, RefitError
+from refit.protocol.answers import wrap_error
+from refit.protocol.context import EngineOutcome
+from refit.states import (
+    RETRY_STATES,
+    EngineEvent,
+    EngineMachine,
+    EngineState,
+    FactMachine,
+    Failure,
+    FailureEvent,
+    Memory,
+    MemoryEvent,
+    Weights,
+    WeightsEvent,
+)
+
+E, EV, W, WE, F, FE, M, ME = (
+    EngineState, EngineEvent, Weights, WeightsEvent, Failure, FailureEvent, Memory, MemoryEvent,
+)  # fmt: skip
+Event = tuple[str, str, dict[str, Any]]  # (kind, event, fields): what the runner records
+
+
+@dataclass(eq=False)
+class Engine:
+    """The leader's record of one engine during one run."""
+
+    index: int
+    name: str
+    tp: int
+    incarnation: str
+    previous_version: int | None  # None: stale (new incarnation, or left unversioned earlier)
+    begin_moves_weights: bool = False  # its driver's capability: a begin alone makes its weights unusable
+    position: EngineMachine = field(default_factory=EngineMachine)
+    weights: FactMachine = field(default_factory=lambda: FactMachine("weights"))
+    failure: FactMachine = field(default_factory=lambda: FactMachine("failure"))
+    memory: dict[str, FactMachine] = field(default_factory=dict)  # region -> its machine (colocated runs)
+    failed_in: str | None = None  # the state it first left an attempt in
+    error: str | None = None
+    exc: RefitError | None = None
+    attempt: int = -1
+    attempts: int = 0
+    acked: set[int] = field(default_factory=set)  # buckets acked in its current attempt
+    bytes_ok: int = 0
+
+    @property
+    def state(self) -> EngineState:
+        return self.position.state
+
+    @property
+    def reachable(self) -> bool:
+        return self.state != E.GONE
+
+    @property
+    def active(self) -> bool:
+        return self.failure.state == F.NONE and self.reachable
+
+    @property
+    def published(self) -> bool:
+        return self.weights.state == W.LABELLED
+
+    @property
+    def must_not_serve(self) -> bool:
+        """Holds weights its version does not name (or has no current version): never continue it."""
+        return not self.published and (self.weights.state != W.KEPT or self.previous_version is None)
+
+    def region(self, tag: str) -> Memory:
+        machine = self.memory.get(tag)
+        return M.AS_FOUND if machine is None else machine.state
+
+    def _memory(self, tag: str) -> FactMachine:
+        return self.memory.setdefault(tag, FactMachine("memory"))
+
+
+class Ledger:
+    """Per engine and per run: no I/O. `version` is the version the run refits to."""
+
+    def __init__(self, version: int, engines: Sequence[Engine]) -> None:
+        self.version = version
+        self.engines = list(engines)
+        self.plan: list[BucketManifest] = []
+        self.ahead: list[str] = []  # engines found at or past the target version
+        self.first_error: RefitError | None = None
+
+    # ---- outcomes of calls --------------------------------------------------------------------
+
+    def apply(self, e: Engine, step: Step, res: StepResult) -> list[Event]:
+        """Move `e`'s machines for one step's result; the events it implies."""
+        if res.ok:
+            return self._ok(e, step, res.value)
+        err = res.error
+        effect = not getattr(err, "no_effect", False)
+        if isinstance(err, EngineError) and err.kind == "version_ahead":
+            self.ahead.append(e.name)
+            if isinstance(err.data.get("version"), int):
+                e.previous_version = err.data["version"]  # it keeps serving the version it holds
+        call = step.call
+        if call == "load" and effect:
+            e.weights.fire(WE.TOUCH)  # part of it may have landed
+        elif call == "begin" and e.begin_moves_weights and effect:
+            e.weights.fire(WE.TOUCH)  # it may have begun: weights unusable
+        elif call == "pause" and e.position.can(EV.PAUSE):
+            e.position.fire(EV.PAUSE)  # it may have paused: it is owed a continue or a quarantine
+        elif call == "finalize" and e.position.can(EV.CLOSE):
+            e.position.fire(EV.CLOSE)  # a failed finalize closes the session too: never repeated
+        elif call == "publish":
+            e.weights.fire(WE.TOUCH)  # its label is unknown now
+        elif call == "resume_memory" and "weights" in step.args[0]:
+            e.weights.fire(WE.LOSE)  # a failed weight-memory resume leaves the weights unknown
+        return self.drop(e, step, err)
+
+    def _ok(self, e: Engine, step: Step, value: Any) -> list[Event]:
+        call = step.call
+        if call == "probe":
+            return self._probed(e, step, value if isinstance(value, dict) else {})
+        if call == "resume_memory":
+            tags = list(step.args[0])
+            if "weights" in tags and not (isinstance(value, dict) and value.get("weights_intact") is True):
+                e.weights.fire(WE.LOSE)  # contents not reported intact: unknown, so never served unpublished
+            said = value.get("resumed") if isinstance(value, dict) else None
+            for tag in tags:  # only what was released before was taken by this run
+                e._memory(tag).fire(ME.TAKE if not isinstance(said, list) or tag in said else ME.RESUME)
+        elif call == "release_memory":
+            for tag in step.args[0]:
+                e._memory(tag).fire(ME.RELEASE)
+        elif call == "pause":
+            e.position.fire(EV.PAUSE)
+        elif call == "begin":
+            e.position.fire(EV.OPEN)
+            if e.begin_moves_weights:  # unusable until a complete update
+                e.weights.fire(WE.TOUCH)
+        elif call == "load":
+            assert step.bucket is not None
+            e.acked.add(step.bucket)
+            e.bytes_ok += self.plan[step.bucket].payload_bytes
+            e.weights.fire(WE.TOUCH)
+        elif call == "finalize":
+            complete = len(e.acked) == len(self.plan) and e.failure.state == F.NONE
+            e.position.fire(EV.FINALIZE if complete else EV.CLOSE)
+        elif call == "publish":
+            e.position.fire(EV.PUBLISH)
+            e.weights.fire(WE.LABEL)
+        elif call == "continue_generation":
+            if e.must_not_serve:  # a driver bug the table would not see: never report it as clean
+                raise InvariantViolation(f"engine {e.name} was continued holding weights no version names")
+            e.position.fire(EV.CONTINUE)
+        elif call == "quarantine":
+            e.position.fire(EV.QUARANTINE)
+        return []
+
+    def _probed(self, e: Engine, step: Step, info: dict[str, Any]) -> list[Event]:
+        version = info.get("version")
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            return []  # not a version (the driver does not know, or reports nonsense): the runner's record stands
+        e.previous_version = version if info.get("serving", True) else None
+        if version >= self.version:  # a driver whose engine did not refuse
+            self.ahead.append(e.name)
+            return self.drop(e, step, EngineError("version_ahead", f"engine holds version {version}"))
+        return []
+
+    def drop(self, e: Engine, step: Step, err: BaseException | None) -> list[Event]:
+        """`e` leaves the current attempt (the others carry on)."""
+        wrapped = wrap_error(err or RuntimeError("failed"), step.call, step.state, e.name, step.bucket)
+        before = e.failure.state
+        if before == F.DEAD:
+            return []
+        if isinstance(err, EngineDied):
+            e.failure.fire(FE.DIE)
+        elif isinstance(err, TimeoutError):
+            e.failure.fire(FE.RUN_OUT if isinstance(err, NoTimeLeft) else FE.HANG)
+        else:
+            e.failure.fire(FE.ERR)
+        if e.failure.state in (F.DEAD, F.TIMEOUT) and e.position.can(EV.LOSE):
+            e.position.fire(EV.LOSE)
+        if before == F.NONE:
+            e.failed_in = step.state
+        e.error = e.error or str(wrapped)
+        e.exc = e.exc or wrapped
+        self.first_error = self.first_error or wrapped
+        if e.failure.state == before:
+            return []
+        return [("engine", "dropped", {"engine": e.name, "failure": e.failure.state.lower(), "error": str(wrapped)})]
+
+    def rejoin(self, e: Engine) -> None:
+        """`e` failed only because a collective group could not form: it tries again, blameless."""
+        e.failure.fire(FE.REJOIN)
+        e.error, e.exc = None, None
+
+    def begin_attempt(self, e: Engine, attempt: int) -> None:
+        e.failure.fire(FE.REJOIN)
+        e.acked, e.attempt, e.attempts = set(), attempt, e.attempts + 1
+
+    # ---- decisions read from the ledger -----------------------------------------------------------
+
+    def retryable(self, retries: int) -> list[Engine]:
+        """Engines that failed with an error inside the update, are paused, and have attempts left."""
+        return [
+            e for e in self.engines
+            if e.failure.state == F.ERROR and e.failed_in in RETRY_STATES and e.state == E.PAUSED
+            and e.attempts <= retries
+        ]  # fmt: skip
+
+    def finalized(self) -> list[Engine]:
+        return [e for e in self.engines if e.active and e.state == E.FINALIZED]
+
+    def owes_finalize(self) -> list[Engine]:
+        return [e for e in self.engines if e.state == E.OPEN and e.reachable]
+
+    def touched_unpublished(self) -> bool:
+        """Some engine's weights changed without being labelled: the connection is not reused."""
+        return any(e.weights.state == W.CHANGED for e in self.engines)
+
+    def owed(self, e: Engine, *, colocated: bool, cont: str, quarantine: str, kv: str, reason: str) -> list[Step]:
+        """What an engine that did not (or could not) take the version is owed: a continue if it is
+        clean and paused (colocated: and its KV memory back), a quarantine if it holds weights no
+        version names, its weight memory released again if the run took it and never paused."""
+        if not e.reachable or e.state in (E.SERVING, E.QUARANTINED):
+            return []
+        kv_steps = [Step("resume_memory", kv, (["kv_cache"],))] if colocated else []
+        if e.state == E.PUBLISHED:
+            return [Step("continue_generation", cont), *kv_steps]
+        steps: list[Step] = []
+        if e.state == E.JOINED and e.region("weights") == M.TAKEN:
+            steps.append(Step("release_memory", cont, (["weights"],)))
+        if e.must_not_serve and (e.state != E.JOINED or e.weights.state != W.KEPT):
+            return [*steps, Step("quarantine", quarantine, (reason,))]
+        if e.state == E.PAUSED:
+            return [Step("continue_generation", cont), *kv_steps]
+        return steps
+
+    def outcome(self, e: Engine, *, colocated: bool) -> EngineOutcome:
+        st = e.state
+        serving = st == E.SERVING and (e.region("kv_cache") != M.AS_FOUND or not colocated)
+        status: str
+        version: int | None = None
+        if st == E.GONE:
+            status = "failed"  # died or hung
+        elif st == E.QUARANTINED:
+            status = "quarantined"
+        elif st == E.SERVING and not serving:
+            status = "failed"  # continued but without its KV memory
+        elif serving:
+            status, version = ("updated", self.version) if e.published else ("unchanged", e.previous_version)
+        elif st != E.JOINED:
+            status = "failed"  # left paused: a continue or quarantine did not go through
+        elif e.weights.state != W.KEPT or (colocated and e.region("weights") == M.TAKEN):
+            status = "failed"  # its memory could not be given back, or came back empty
+        elif e.previous_version is None:
+            status = "stale"
+        else:  # untouched by the run: as it was before (serving, or released in a colocated job)
+            status, version = "unchanged", e.previous_version
+            serving = not colocated
+        return EngineOutcome(e.name, status, version, len(e.acked), e.attempts, e.error, serving)  # type: ignore[arg-type]
+
+    def outcomes(self, *, colocated: bool) -> dict[str, EngineOutcome]:
+        return {e.name: self.outcome(e, colocated=colocated) for e in self.engines}

@@ -1,0 +1,173 @@
+"""The tables of what is kept beside a position: facts that were booleans and strings in the runner
+are named machines here, in the same (event, sources, destination) form as the run and engine
+tables, with the same rules: every state and legal move listed as data, nothing about drivers,
+I/O or time; a move the table lacks raises `IllegalTransition`.
+
+Per engine and run:
+- **Weights**: what the engine's weights are relative to the versions refit names. KEPT (what it
+  held when the run began), CHANGED (a bucket may have landed, a begin that moves weights ran, or
+  a publish failed, so its label is unknown), LOST (its weight memory came back with contents not
+  reported intact), LABELLED (published: it holds this run's version and says so).
+- **Failure**: why it left the current attempt. NONE (in it), ERROR (an error answer: it may be
+  retried), TIMEOUT (hung), DEADLINE (the run had no time left for its call), DEAD. A worse reason
+  replaces a milder one; DEAD is final; REJOIN puts an engine back into an attempt (a retry, or a
+  collective group rebuilt without the members to blame).
+- **Memory**, one per region (`weights`, `kv_cache`; colocated runs): what this run did to it.
+  AS_FOUND (untouched), RESUMED (resumed; it was held already), TAKEN (resumed from released: if
+  the engine never pauses, the run gives it back).
+
+Per context (`refit.protocol.session.Session`), across runs:
+- **Connection**: whether the transport's connection may be reused. CLEAN (nothing spoiled it),
+  DIRTY (being built, or an engine may still read a buffer that was abandoned), BROKEN (a member
+  broke the collective group: rebuild before streaming again), CLOSED (the context is closed).
+
+Per run:
+- **Trainer**: RESIDENT or OFFLOADED (colocated runs: owed a restore).
+- **Ranks**: ANSWERING, or STUCK once a trainer-side step did not answer in time (later calls get
+  no floor and no slack: they would only stack up).
+"""
+
+from enum import StrEnum
+from typing import Any
+
+
+class Weights(StrEnum):
+    KEPT = "KEPT"
+    CHANGED = "CHANGED"
+    LOST = "LOST"
+    LABELLED = "LABELLED"
+
+
+class WeightsEvent(StrEnum):
+    TOUCH = "touch"  # a load acked or failed with effect; a begin that moves weights; a failed publish
+    LOSE = "lose"  # weight memory resumed without intact contents, or its resume failed
+    LABEL = "label"  # publish succeeded
+
+
+W, WE = Weights, WeightsEvent
+WEIGHTS_TRANSITIONS: tuple[tuple[WeightsEvent, tuple[Weights, ...], Weights], ...] = (
+    (WE.TOUCH, (W.KEPT, W.CHANGED), W.CHANGED),
+    (WE.TOUCH, (W.LOST,), W.LOST),  # still unknown: only a complete update names it
+    (WE.LOSE, (W.KEPT, W.CHANGED, W.LOST), W.LOST),
+    (WE.LABEL, (W.KEPT, W.CHANGED, W.LOST), W.LABELLED),
+)
+
+
+class Failure(StrEnum):
+    NONE = "NONE"
+    ERROR = "ERROR"
+    TIMEOUT = "TIMEOUT"
+    DEADLINE = "DEADLINE"
+    DEAD = "DEAD"
+
+
+class FailureEvent(StrEnum):
+    ERR = "err"  # an error answer (or a call that broke the contract)
+    HANG = "hang"  # no answer inside its budget
+    RUN_OUT = "run_out"  # never sent: the run had no time left
+    DIE = "die"
+    REJOIN = "rejoin"
+
+
+F, FE = Failure, FailureEvent
+FAILURE_TRANSITIONS: tuple[tuple[FailureEvent, tuple[Failure, ...], Failure], ...] = (
+    (FE.ERR, (F.NONE, F.ERROR), F.ERROR),
+    (FE.ERR, (F.TIMEOUT,), F.TIMEOUT),  # a milder reason never replaces a worse one
+    (FE.ERR, (F.DEADLINE,), F.DEADLINE),
+    (FE.ERR, (F.DEAD,), F.DEAD),
+    (FE.HANG, (F.NONE, F.ERROR, F.TIMEOUT, F.DEADLINE), F.TIMEOUT),
+    (FE.RUN_OUT, (F.NONE, F.ERROR, F.TIMEOUT, F.DEADLINE), F.DEADLINE),
+    (FE.DIE, (F.NONE, F.ERROR, F.TIMEOUT, F.DEADLINE, F.DEAD), F.DEAD),
+    (FE.REJOIN, (F.NONE, F.ERROR), F.NONE),
+)
+
+
+class Memory(StrEnum):
+    AS_FOUND = "AS_FOUND"
+    RESUMED = "RESUMED"
+    TAKEN = "TAKEN"
+
+
+class MemoryEvent(StrEnum):
+    RESUME = "resume"  # resumed, and the engine says it was held already
+    TAKE = "take"  # resumed, and it was released before (or the engine does not say)
+    RELEASE = "release"
+
+
+M, ME = Memory, MemoryEvent
+MEMORY_TRANSITIONS: tuple[tuple[MemoryEvent, tuple[Memory, ...], Memory], ...] = (
+    (ME.RESUME, (M.AS_FOUND, M.RESUMED), M.RESUMED),
+    (ME.RESUME, (M.TAKEN,), M.TAKEN),
+    (ME.TAKE, (M.AS_FOUND, M.RESUMED, M.TAKEN), M.TAKEN),
+    (ME.RELEASE, (M.RESUMED, M.TAKEN), M.AS_FOUND),
+)
+MEMORY_REGIONS: tuple[str, ...] = ("weights", "kv_cache")
+
+
+class Connection(StrEnum):
+    CLEAN = "CLEAN"
+    DIRTY = "DIRTY"
+    BROKEN = "BROKEN"
+    CLOSED = "CLOSED"
+
+
+class ConnectionEvent(StrEnum):
+    BUILD = "build"  # teardown done, a new connection being made
+    FORM = "form"  # every rank connected and every member attached
+    ABANDON = "abandon"  # a buffer an engine may still read was abandoned
+    BREAK = "break"  # a member failed a collective bucket
+    TEAR_DOWN = "tear_down"  # engines detached, ranks disconnected
+    CLOSE = "close"
+
+
+C, CE = Connection, ConnectionEvent
+OPEN_CONNECTION = (C.CLEAN, C.DIRTY, C.BROKEN)
+CONNECTION_TRANSITIONS: tuple[tuple[ConnectionEvent, tuple[Connection, ...], Connection], ...] = (
+    (CE.BUILD, OPEN_CONNECTION, C.DIRTY),
+    (CE.FORM, (C.DIRTY,), C.CLEAN),
+    (CE.ABANDON, (C.CLEAN, C.DIRTY), C.DIRTY),
+    (CE.ABANDON, (C.BROKEN,), C.BROKEN),
+    (CE.BREAK, OPEN_CONNECTION, C.BROKEN),
+    (CE.TEAR_DOWN, OPEN_CONNECTION, C.CLEAN),
+    (CE.CLOSE, (*OPEN_CONNECTION, C.CLOSED), C.CLOSED),
+)
+
+
+class Trainer(StrEnum):
+    RESIDENT = "RESIDENT"
+    OFFLOADED = "OFFLOADED"
+
+
+class TrainerEvent(StrEnum):
+    OFFLOAD = "offload"
+    RESTORE = "restore"  # restored, or given up on by the failure path (its error is recorded)
+
+
+TRAINER_TRANSITIONS: tuple[tuple[TrainerEvent, tuple[Trainer, ...], Trainer], ...] = (
+    (TrainerEvent.OFFLOAD, (Trainer.RESIDENT,), Trainer.OFFLOADED),
+    (TrainerEvent.RESTORE, (Trainer.OFFLOADED,), Trainer.RESIDENT),
+)
+
+
+class Ranks(StrEnum):
+    ANSWERING = "ANSWERING"
+    STUCK = "STUCK"
+
+
+class RanksEvent(StrEnum):
+    STALL = "stall"
+
+
+RANKS_TRANSITIONS: tuple[tuple[RanksEvent, tuple[Ranks, ...], Ranks], ...] = (
+    (RanksEvent.STALL, (Ranks.ANSWERING, Ranks.STUCK), Ranks.STUCK),
+)
+
+# name -> (table, initial state, terminal states): what `refit diagram` draws, in this order
+FACT_TABLES: dict[str, tuple[tuple[tuple[Any, tuple[Any, ...], Any], ...], StrEnum, tuple[StrEnum, ...]]] = {
+    "weights": (WEIGHTS_TRANSITIONS, W.KEPT, (W.LABELLED,)),
+    "failure": (FAILURE_TRANSITIONS, F.NONE, (F.DEAD,)),
+    "memory": (MEMORY_TRANSITIONS, M.AS_FOUND, ()),
+    "connection": (CONNECTION_TRANSITIONS, C.CLEAN, (C.CLOSED,)),
+    "trainer": (TRAINER_TRANSITIONS, Trainer.RESIDENT, ()),
+    "ranks": (RANKS_TRANSITIONS, Ranks.ANSWERING, ()),
+}
