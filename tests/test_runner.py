@@ -91,6 +91,29 @@ def test_a_restarted_engine_gets_a_fresh_connection(trainer: TinyLlama, thread_e
         replacement.close()
 
 
+def test_a_connection_with_an_abandoned_buffer_is_rebuilt_by_the_next_run(
+    trainer: TinyLlama, thread_engines, make_ctx
+) -> None:
+    """A load that hangs leaves its buffer abandoned (the engine may still read it): the session's
+    connection is DIRTY, so the next run rebuilds it even though the run itself ended DONE with the
+    other engine updated. (Before issue 20 the flag was per run and the next run reused it.)"""
+    engines = thread_engines(2)
+    plan = protocol.FaultPlan().fail_at("transferring", engine=1, bucket=1, call="load", kind="hang")
+    ctx = make_ctx(trainer, engines, faults=plan, call_timeout_s=1.0)
+    first = protocol.run(ctx)
+    assert first.state == "DONE" and first.engines[engines[1].name].status == "failed"
+    assert "abandon" in [c["event"] for c in calls(ctx, first.run_id)]
+    assert ctx.session.connection.state == "DIRTY"
+    ctx.faults = None
+    perturbed(trainer, seed=7)
+    second = protocol.run(ctx)
+    assert [c["event"] for c in calls(ctx, second.run_id) if c["event"] in ("disconnect", "connect")] == [
+        "disconnect", "connect",
+    ]  # fmt: skip
+    assert second.ok and all(matches(e, trainer) for e in engines)
+    assert ctx.session.connection.state == "CLEAN"
+
+
 def test_unsafe_configurations_are_refused_before_anything_runs(trainer: TinyLlama, thread_engines) -> None:
     engines = thread_engines(2)
     with pytest.raises(protocol.ConfigError, match=r"in_place.*cannot make that KV fresh"):

@@ -181,13 +181,13 @@ class FaultyEngine:
         self.plan = plan
         self.index = index
         self.on_fire = on_fire
-        self.dead = False  # a simulated kill: every later step finds the engine gone
+        self.killed_by: Fault | None = None  # a simulated kill: every later step finds the engine gone
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.driver, name)
 
     def run_steps_async(self, steps: Sequence[Step], *, timeout: float, executor: Executor) -> Future[list[StepResult]]:
-        if self.dead:
+        if self.killed_by is not None:
             return _done([StepResult("error", error=EngineDied(f"engine {self.driver.name} is gone (simulated kill)"))])
         for i, step in enumerate(steps):  # noqa: B007 - `i` marks where the fault fires
             fault = self.plan.take(step.state, step.call, self.index, step.bucket)
@@ -203,7 +203,7 @@ class FaultyEngine:
             _timeout_later(out, timeout + HANG_SLACK_S, f"engine {self.driver.name} did not answer (simulated hang)")
             return out
         if fault.kind == "kill":
-            self.dead = True
+            self.killed_by = fault
             return _done([StepResult("error", error=EngineDied(f"engine {self.driver.name} is gone (simulated kill)"))])
         err: BaseException = (
             InjectedFault(f"injected raise fault at {step.state}/{step.call}")
