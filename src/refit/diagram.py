@@ -48,6 +48,7 @@ FACT_SECTIONS = (
     ("weights", "An engine's weights"),
     ("failure", "Why an engine left its attempt"),
     ("memory", "Each memory region of a colocated engine (`weights`, `kv_cache`)"),
+    ("update", "An HTTP engine's weight-update session, as its driver knows it"),
     ("connection", "The transport's connection, across runs (the session)"),
     ("trainer", "The trainer, in a colocated run"),
     ("ranks", "The trainer ranks' answers"),

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from refit.drivers.base import EngineDriver, Payload
 from refit.drivers.buckets import BucketManifest
 from refit.errors import EngineDied, EngineError
+from refit.states import FactMachine, Update, UpdateEvent
 
 if TYPE_CHECKING:
     import httpx
@@ -32,35 +33,54 @@ DEFAULT_TIMEOUT = 60.0
 
 
 class UpdateLedger:
-    """What a driver knows of the update session it runs; the servers check none of it (SGLang and
-    vLLM label whatever weights they hold). `begin` records the plan; `check_load` refuses, before
-    any request, a bucket that is not the next planned one; `ack` records each acknowledged bucket;
-    `close` ends the session, then `complete` raises `incomplete` unless every planned bucket was
-    acknowledged; `require_complete` refuses a publish unless the last session completed. `dirty`:
-    an update opened and not completed since (the probe then reports the engine not serving, so
-    the runner never continues it on whatever it holds)."""
+    """What a driver knows of the update session it runs (the `update` table in `refit.states`);
+    the servers check none of it (SGLang and vLLM label whatever weights they hold). `opening`
+    before the begin request (from there the server may hold a partial update); `begin` records
+    the plan; `check_load` refuses, before any request, a bucket that is not the next planned one;
+    `ack` records each acknowledged bucket; `close` ends the session, then `complete` raises
+    `incomplete` unless every planned bucket was acknowledged; `require_complete` refuses a publish
+    unless the last session completed. `dirty`: an update opened and not completed since (the probe
+    then reports the engine not serving, so the runner never continues it on whatever it holds)."""
 
     def __init__(self, engine: str) -> None:
         self.engine = engine
+        self.session = FactMachine("update")
         self.plan: dict[int, BucketManifest] | None = None
         self.acked: set[int] = set()
-        self.finalized = False
-        # an update was (or may have been) opened on the server and has not completed since: its
-        # weights may be a mix (or, on vLLM, on the meta device) whatever label it shows; cleared
-        # by a publish, by a continue the runner asked for (it vouches the weights are a version),
-        # and by a new server process
-        self.dirty = False
+
+    @property
+    def dirty(self) -> bool:
+        """Its weights may be a mix whatever label it shows (or, on vLLM, on the meta device)."""
+        return self.session.state != Update.NAMED
+
+    @property
+    def finalized(self) -> bool:
+        return self.session.state == Update.FINALIZED
 
     def reset(self) -> None:
-        self.plan, self.finalized = None, False
+        self.plan = None
+        self.session.fire(UpdateEvent.RESET)
+
+    def taint(self) -> None:
+        """Found paused on first contact (a crashed trainer mid-update?): not serving until named."""
+        self.plan = None
+        self.session.fire(UpdateEvent.TAINT)
+
+    def vouch(self) -> None:
+        """The weights are a version again: a continue the runner asked for (it continues only
+        weights a version names), or a new server process (its checkpoint)."""
+        self.plan = None
+        self.session.fire(UpdateEvent.VOUCH)
 
     def opening(self) -> None:
         """Before the begin request: from here the server may hold a partial update."""
-        self.dirty = True
+        self.plan = None
+        self.session.fire(UpdateEvent.OPEN)
 
     def begin(self, plan: Sequence[BucketManifest]) -> None:
+        self.session.fire(UpdateEvent.BEGIN)
         self.plan = {m.index: m for m in plan}
-        self.acked, self.finalized = set(), False
+        self.acked = set()
 
     def check_load(self, payload: Payload, *, attached: str | None, tp: int) -> None:
         manifest, who = payload.manifest, f"engine {self.engine}"
@@ -81,9 +101,10 @@ class UpdateLedger:
         self.acked.add(index)
 
     def close(self) -> dict[int, BucketManifest]:
-        if self.plan is None:
+        if self.plan is None or self.session.state != Update.OPEN:
             raise EngineError("no_session", f"engine {self.engine}: finalize without an open weight-update session")
         plan, self.plan = self.plan, None
+        self.session.fire(UpdateEvent.CLOSE)
         return plan
 
     def complete(self, plan: dict[int, BucketManifest]) -> None:
@@ -93,7 +114,7 @@ class UpdateLedger:
                 "incomplete",
                 f"engine {self.engine}: finalize after {len(self.acked)} of {len(plan)} buckets; missing {missing}",
             )
-        self.finalized = True
+        self.session.fire(UpdateEvent.COMPLETE)
 
     def require_complete(self, api: str) -> None:
         if not self.finalized:
@@ -103,7 +124,7 @@ class UpdateLedger:
             )
 
     def published(self) -> None:
-        self.finalized = self.dirty = False
+        self.session.fire(UpdateEvent.PUBLISH)
 
 
 class HttpEngineDriver(EngineDriver):

@@ -339,8 +339,9 @@ class SGLangEngine(HttpEngineDriver):
                     "or it had stopped answering) and lost its weight-update group; the next refit connects it again",
                 )
         if first and self._paused(left()):  # left paused by someone (a crashed trainer mid-update?)
-            self._ledger.dirty = True
-        self._ledger.reset()
+            self._ledger.taint()
+        else:
+            self._ledger.reset()
         version = label_version(label)
         if version is not None and version >= target_version:
             raise EngineError(
@@ -387,7 +388,7 @@ class SGLangEngine(HttpEngineDriver):
         self._gone = False
         self._released = set()
         self._quarantined = None
-        self._ledger.dirty = False
+        self._ledger.vouch()
         self._restarted_since_attach = self._attached is not None
 
     def set_released(self, tags: Sequence[str], *, restarted: bool = False) -> None:
@@ -573,7 +574,7 @@ class SGLangEngine(HttpEngineDriver):
         if "kv_cache" in self._released:
             self.resume_memory(["kv_cache"], timeout=timeout)
         self._call("POST", "/continue_generation", "continue_generation", timeout=end - time.monotonic(), body={})
-        self._ledger.dirty = False  # the runner continues only weights a version names
+        self._ledger.vouch()  # the runner continues only weights a version names
 
     def quarantine(self, reason: str, *, timeout: float) -> None:
         """Stop serving (pause, aborting what runs) and close any update session this run left open

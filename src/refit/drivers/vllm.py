@@ -267,7 +267,7 @@ class VLLMEngine(HttpEngineDriver):
         attached = self._attached is not None
         self._restarts += 1  # the next run sees a new incarnation and reconnects
         self._attached, self._released, self._published, self._gone = None, set(), None, False
-        self._ledger.dirty = False  # a new process holds its checkpoint
+        self._ledger.vouch()  # a new process holds its checkpoint
         self._quarantined = None
         self._seen = False
         self.capabilities = None
@@ -298,7 +298,7 @@ class VLLMEngine(HttpEngineDriver):
             self._seen = True
             paused = self._call("GET", "/is_paused", "probe", timeout=end - time.monotonic())
             if isinstance(paused, dict) and paused.get("is_paused"):  # a crashed trainer mid-update?
-                self._ledger.dirty = True
+                self._ledger.taint()
         self._probe_label = label
         return self._probed(label, target_version, caps)
 
@@ -464,7 +464,7 @@ class VLLMEngine(HttpEngineDriver):
         if "kv_cache" in self._released:
             self.resume_memory(["kv_cache"], timeout=timeout)
         self._call("POST", "/resume", "continue_generation", timeout=end - time.monotonic())
-        self._ledger.dirty = False  # the runner continues only weights a version names
+        self._ledger.vouch()  # the runner continues only weights a version names
 
     def quarantine(self, reason: str, *, timeout: float) -> None:
         """Stop serving (new requests get 503) and finish a session this run may have left open."""

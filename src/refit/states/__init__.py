@@ -9,6 +9,7 @@ from refit.states._facts import (
     MEMORY_TRANSITIONS,
     RANKS_TRANSITIONS,
     TRAINER_TRANSITIONS,
+    UPDATE_TRANSITIONS,
     WEIGHTS_TRANSITIONS,
     Connection,
     ConnectionEvent,
@@ -20,6 +21,8 @@ from refit.states._facts import (
     RanksEvent,
     Trainer,
     TrainerEvent,
+    Update,
+    UpdateEvent,
     Weights,
     WeightsEvent,
 )
@@ -49,6 +52,7 @@ __all__ = [
     "TERMINAL_STATES",
     "TRAINER_TRANSITIONS",
     "TRANSITIONS",
+    "UPDATE_TRANSITIONS",
     "WEIGHTS_TRANSITIONS",
     "Connection",
     "ConnectionEvent",
@@ -68,6 +72,8 @@ __all__ = [
     "Trainer",
     "TrainerEvent",
     "Trigger",
+    "Update",
+    "UpdateEvent",
     "Weights",
     "WeightsEvent",
 ]

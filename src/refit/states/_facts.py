@@ -16,6 +16,14 @@ Per engine and run:
   AS_FOUND (untouched), RESUMED (resumed; it was held already), TAKEN (resumed from released: if
   the engine never pauses, the run gives it back).
 
+Per HTTP engine driver (`refit.drivers.http.UpdateLedger`), across runs:
+- **Update**: the engine's weight-update session as its driver knows it (SGLang and vLLM label
+  whatever weights they hold, so the driver keeps this itself). NAMED (no session: the weights are
+  what the label names), OPENING (a begin was sent: the server may hold a partial update), OPEN
+  (begun: loads are checked against the plan), FINALIZED (every planned bucket acked: it may
+  publish), UNNAMED (no session, and the weights may be a mix: an update opened and not completed
+  since, or the server was found paused by someone else).
+
 Per context (`refit.protocol.session.Session`), across runs:
 - **Connection**: whether the transport's connection may be reused. CLEAN (nothing spoiled it),
   DIRTY (being built, or an engine may still read a buffer that was abandoned), BROKEN (a member
@@ -104,6 +112,40 @@ MEMORY_TRANSITIONS: tuple[tuple[MemoryEvent, tuple[Memory, ...], Memory], ...] =
 MEMORY_REGIONS: tuple[str, ...] = ("weights", "kv_cache")
 
 
+class Update(StrEnum):
+    NAMED = "NAMED"
+    OPENING = "OPENING"
+    OPEN = "OPEN"
+    FINALIZED = "FINALIZED"
+    UNNAMED = "UNNAMED"
+
+
+class UpdateEvent(StrEnum):
+    OPEN = "open"  # a begin is about to be sent
+    BEGIN = "begin"  # it succeeded: the plan is recorded
+    CLOSE = "close"  # finalize: the session ends
+    COMPLETE = "complete"  # ... and every planned bucket was acked
+    PUBLISH = "publish"
+    RESET = "reset"  # a probe or a quarantine: whatever session this driver ran is over
+    TAINT = "taint"  # found paused on first contact: someone may have left an update half done
+    VOUCH = "vouch"  # a continue the runner asked for (only for named weights), or a new server process
+
+
+U, UE = Update, UpdateEvent
+ANY_UPDATE = (U.NAMED, U.OPENING, U.OPEN, U.FINALIZED, U.UNNAMED)
+UPDATE_TRANSITIONS: tuple[tuple[UpdateEvent, tuple[Update, ...], Update], ...] = (
+    (UE.OPEN, ANY_UPDATE, U.OPENING),
+    (UE.BEGIN, (U.OPENING,), U.OPEN),
+    (UE.CLOSE, (U.OPEN,), U.UNNAMED),
+    (UE.COMPLETE, (U.UNNAMED,), U.FINALIZED),
+    (UE.PUBLISH, (U.FINALIZED,), U.NAMED),
+    (UE.RESET, (U.OPENING, U.OPEN, U.FINALIZED, U.UNNAMED), U.UNNAMED),
+    (UE.RESET, (U.NAMED,), U.NAMED),
+    (UE.TAINT, ANY_UPDATE, U.UNNAMED),
+    (UE.VOUCH, ANY_UPDATE, U.NAMED),
+)
+
+
 class Connection(StrEnum):
     CLEAN = "CLEAN"
     DIRTY = "DIRTY"
@@ -167,6 +209,7 @@ FACT_TABLES: dict[str, tuple[tuple[tuple[Any, tuple[Any, ...], Any], ...], StrEn
     "weights": (WEIGHTS_TRANSITIONS, W.KEPT, (W.LABELLED,)),
     "failure": (FAILURE_TRANSITIONS, F.NONE, (F.DEAD,)),
     "memory": (MEMORY_TRANSITIONS, M.AS_FOUND, ()),
+    "update": (UPDATE_TRANSITIONS, U.NAMED, ()),
     "connection": (CONNECTION_TRANSITIONS, C.CLEAN, (C.CLOSED,)),
     "trainer": (TRAINER_TRANSITIONS, Trainer.RESIDENT, ()),
     "ranks": (RANKS_TRANSITIONS, Ranks.ANSWERING, ()),
