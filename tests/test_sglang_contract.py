@@ -17,8 +17,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 
+from refit.buckets import TensorMeta
 from refit.drivers.base import Topology
-from refit.drivers.buckets import TensorMeta
 from refit.drivers.flattened import (
     SGLangBroadcastTransport,
     SGLangTensorTransport,

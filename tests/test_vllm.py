@@ -18,7 +18,7 @@ import torch
 from hypothesis import given, settings
 
 from refit import protocol
-from refit.drivers.buckets import TensorMeta, pack_into, plan_buckets, torch_dtype
+from refit.buckets import TensorMeta, pack_into, plan_buckets, torch_dtype
 from refit.drivers.flattened import VLLMBroadcastTransport, VLLMIPCTransport, plan_flattened
 from refit.drivers.torch_source import TorchSource
 from refit.drivers.vllm import Capabilities, VLLMEngine, update_info

@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 
 from refit import protocol
+from refit.buckets import TensorMeta
 from refit.drivers.broadcast import BroadcastTransport, _group
-from refit.drivers.buckets import TensorMeta
 from refit.drivers.flattened import SGLangTensorTransport
 from refit.drivers.ipc import IPCTransport
 from refit.drivers.reference import ReferenceEngine

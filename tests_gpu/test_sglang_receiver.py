@@ -33,9 +33,9 @@ import torch
 import torch.multiprocessing as mp
 from tests_gpu.sglang_engine import engine  # importable by name in the spawned engine process
 
+from refit.buckets import TensorMeta
 from refit.drivers import flattened as fl
 from refit.drivers.base import Topology
-from refit.drivers.buckets import TensorMeta
 
 TENSORS = 8
 ELEMS = 128 << 20  # bf16: 256 MiB a tensor, 2 GiB in all

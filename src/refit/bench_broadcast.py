@@ -35,8 +35,8 @@ import torch
 
 from refit import protocol
 from refit.bench_gpu import SHAPES, _step, refit_times
+from refit.buckets import BucketManifest, TensorMeta, plan_buckets, tensor_digest
 from refit.drivers.broadcast import BroadcastTransport, _broadcast, _group, close_group
-from refit.drivers.buckets import BucketManifest, TensorMeta, plan_buckets, tensor_digest
 from refit.drivers.reference import ReferenceEngine
 from refit.drivers.torch_source import TorchSource
 from refit.reference.model import init_weights

@@ -37,7 +37,7 @@ import torch
 
 from refit import protocol
 from refit.bench import _percentile, _window
-from refit.drivers.buckets import BucketManifest, tensor_digest
+from refit.buckets import BucketManifest, tensor_digest
 from refit.drivers.flattened import SGLangTensorTransport
 from refit.drivers.ipc import IPCTransport
 from refit.drivers.reference import ReferenceEngine

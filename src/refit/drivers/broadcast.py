@@ -53,8 +53,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from refit.drivers.base import ConnectInfo, EngineSpec, LazyTensors, Payload, Receiver, Topology, Transport
-from refit.drivers.buckets import (
+from refit.buckets import (
     BucketManifest,
     TensorEntry,
     TensorMeta,
@@ -64,6 +63,7 @@ from refit.drivers.buckets import (
     torch_dtype,
     unpack,
 )
+from refit.drivers.base import ConnectInfo, EngineSpec, LazyTensors, Payload, Receiver, Topology, Transport
 from refit.errors import EngineError
 
 if TYPE_CHECKING:

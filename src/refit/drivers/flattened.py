@@ -44,9 +44,7 @@ from collections.abc import Iterable, Sequence
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from refit.drivers.base import ConnectInfo, EngineSpec, LazyTensors, Payload, Receiver, Topology, Transport
-from refit.drivers.broadcast import SOURCE_RANK, BroadcastReceiver, BroadcastTransport, _broadcast, _td
-from refit.drivers.buckets import (
+from refit.buckets import (
     BucketManifest,
     TensorEntry,
     TensorMeta,
@@ -56,6 +54,8 @@ from refit.drivers.buckets import (
     slot_bytes,
     torch_dtype,
 )
+from refit.drivers.base import ConnectInfo, EngineSpec, LazyTensors, Payload, Receiver, Topology, Transport
+from refit.drivers.broadcast import SOURCE_RANK, BroadcastReceiver, BroadcastTransport, _broadcast, _td
 from refit.drivers.pickling import ByNamePickler
 
 if TYPE_CHECKING:
@@ -360,7 +360,7 @@ def _nothing(*args: Any, **kwargs: Any) -> None:
 
 
 def _dtype_names() -> frozenset[str]:
-    from refit.drivers.buckets import ITEMSIZE
+    from refit.buckets import ITEMSIZE
 
     return frozenset(ITEMSIZE)
 

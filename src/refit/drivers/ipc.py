@@ -51,6 +51,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from refit.buckets import BucketManifest, TensorMeta, itemsize, pack_into, plan_buckets, slot_bytes, torch_dtype
 from refit.drivers.base import (
     ConnectInfo,
     LazyTensors,
@@ -61,7 +62,6 @@ from refit.drivers.base import (
     Transport,
     routed_payloads,
 )
-from refit.drivers.buckets import BucketManifest, TensorMeta, itemsize, pack_into, plan_buckets, slot_bytes, torch_dtype
 
 if TYPE_CHECKING:
     import torch

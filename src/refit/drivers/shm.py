@@ -38,8 +38,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from refit.buckets import BucketManifest, chunk_digests, itemsize, pack_into, slot_bytes, torch_dtype, unpack
 from refit.drivers.base import ConnectInfo, LazyTensors, Payload, Receiver, Topology, Transport, routed_payloads
-from refit.drivers.buckets import BucketManifest, chunk_digests, itemsize, pack_into, slot_bytes, torch_dtype, unpack
 
 if TYPE_CHECKING:
     import torch

@@ -43,8 +43,8 @@ from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 from typing import Any
 
+from refit.buckets import BucketManifest, TensorEntry, TensorMeta, itemsize
 from refit.drivers.base import ConnectInfo, Payload
-from refit.drivers.buckets import BucketManifest, TensorEntry, TensorMeta, itemsize
 from refit.drivers.flattened import FLATTENED_BUCKET, manifest_from_metadata, peek_metadata
 from refit.drivers.http import version_tuple
 from refit.drivers.reference import ReferenceEngine

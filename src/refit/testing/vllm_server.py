@@ -32,8 +32,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from refit.buckets import ITEMSIZE, BucketManifest, TensorEntry, TensorMeta
 from refit.drivers.base import ConnectInfo, Payload
-from refit.drivers.buckets import ITEMSIZE, BucketManifest, TensorEntry, TensorMeta
 from refit.drivers.flattened import FLATTENED_BUCKET
 from refit.drivers.reference import ReferenceEngine
 from refit.drivers.vllm import VLLMEngine
