@@ -377,16 +377,16 @@ def test_a_buffer_a_consumer_still_holds_at_its_ack_is_replaced_not_rewritten() 
         plan = transport.plan([TensorMeta.of(n, t) for n, t in tensors.items()], 64)
         transport.connect(plan, Topology.of(1, [("a", 1)], colocated=True), 0)
         transport.pack(plan[0], [(n, tensors[n]) for n in plan[0].names])
-        first = transport._buffers[0]
+        first = transport._pool.buffers[0]
         transport._counters[plan[0].index] = [("TP rank 0", f"/{name}".encode(), 3)]
         transport.release(plan[0].index)
-        assert transport._buffers[0] is not first  # replaced: the holder keeps reading the old bytes
+        assert transport._pool.buffers[0] is not first  # replaced: the holder keeps reading the old bytes
         assert transport.held == [{"bucket": plan[0].index, "consumers": ["TP rank 0"]}]
         transport.pack(plan[1], [(n, tensors[n]) for n in plan[1].names])
-        second = transport._buffers[0]
+        second = transport._pool.buffers[0]
         transport._counters[plan[1].index] = [("TP rank 0", f"/{name}".encode(), 4)]
         transport.release(plan[1].index)
-        assert transport._buffers[0] is second and len(transport.held) == 1  # let go: reused
+        assert transport._pool.buffers[0] is second and len(transport.held) == 1  # let go: reused
         transport.disconnect()
         # a counter the file does not hold, or an impossible one, counts as held (fails closed)
         assert fl._still_held(f"/{name}".encode(), 40) and fl._still_held(f"/{name}".encode(), -1)

@@ -68,7 +68,7 @@ class SeedStyleTransport(SGLangTensorTransport):
 
     def connect(self, plan: Any, topology: Any, rank: int) -> dict[str, Any]:
         info = super().connect(plan, topology, rank)
-        self._buffers, self._busy = [], []  # no persistent buffers
+        self._pool = self._new_pool(0)  # no persistent buffers
         return info
 
     def _buffer_for(self, manifest: BucketManifest) -> torch.Tensor:

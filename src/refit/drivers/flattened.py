@@ -37,6 +37,7 @@ Lifecycle (both), per state:
 
 from __future__ import annotations
 
+import functools
 import io
 import logging
 import pickle
@@ -57,6 +58,7 @@ from refit.buckets import (
 from refit.drivers.base import ConnectInfo, EngineSpec, LazyTensors, Payload, Receiver, Topology, Transport
 from refit.drivers.broadcast import SOURCE_RANK, BroadcastReceiver, BroadcastTransport, _broadcast, _td
 from refit.drivers.pickling import ByNamePickler
+from refit.drivers.slots import SlotPool
 
 if TYPE_CHECKING:
     import torch
@@ -160,6 +162,16 @@ def flatten(named_tensors: Sequence[tuple[str, torch.Tensor]], *, share: bool = 
     by_name = dict(named_tensors)
     pack_into(buffer, manifest, [(e.meta.name, by_name[e.meta.name]) for e in manifest.entries])
     return {"flattened_tensor": buffer, "metadata": metadata_of(manifest)}
+
+
+def shared_buffer(nbytes: int, device: Any) -> torch.Tensor:
+    """A uint8 buffer of `nbytes` (at least 1) on `device`; on CPU, in named shared memory."""
+    import torch
+
+    buffer = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
+    if buffer.device.type == "cpu":
+        share_by_name(buffer)
+    return buffer
 
 
 def share_by_name(buffer: torch.Tensor) -> None:
@@ -458,10 +470,9 @@ class SGLangTensorTransport(Transport):
         self.device = device
         self.decoder = decoder
         self.temp_bytes = 0
-        self._buffers: list[torch.Tensor] = []
-        self._busy: list[int | None] = []
         self._own: dict[int, torch.Tensor] = {}
         self._slot_bytes = 0
+        self._pool = self._new_pool(0)
         self._consumers: list[tuple[str, int]] = []
         self._connected = False
         self._counters: dict[int, list[tuple[str, bytes, int]]] = {}  # bucket -> (consumer, CUDA ref counter)
@@ -476,15 +487,15 @@ class SGLangTensorTransport(Transport):
 
     @property
     def buffer_bytes(self) -> int:
-        return len(self._buffers) * self._slot_bytes + sum(int(t.numel()) for t in self._own.values())
+        return len(self._pool.buffers) * self._slot_bytes + sum(int(t.numel()) for t in self._own.values())
 
     def _new_buffer(self, nbytes: int) -> torch.Tensor:
-        import torch
+        return shared_buffer(nbytes, self.device)
 
-        buffer = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self.device)
-        if buffer.device.type == "cpu":
-            share_by_name(buffer)
-        return buffer
+    def _new_pool(self, count: int) -> SlotPool[torch.Tensor]:
+        return SlotPool(
+            count, functools.partial(shared_buffer, self._slot_bytes, self.device), owner=type(self).__name__
+        )
 
     def connect(self, plan: Sequence[BucketManifest], topology: Topology, rank: int) -> dict[str, Any]:
         self.disconnect()
@@ -495,8 +506,7 @@ class SGLangTensorTransport(Transport):
         ]
         if self._consumers:
             self._slot_bytes = slot_bytes(plan)
-            self._buffers = [self._new_buffer(self._slot_bytes) for _ in range(self.slots)]
-            self._busy = [None] * self.slots
+            self._pool = self._new_pool(self.slots)
         self._connected = True
         return {}
 
@@ -546,14 +556,7 @@ class SGLangTensorTransport(Transport):
         if manifest.oversized:
             self._own[manifest.index] = self._new_buffer(manifest.nbytes)
             return self._own[manifest.index]
-        try:
-            slot = self._busy.index(None)
-        except ValueError:
-            raise RuntimeError(
-                f"{type(self).__name__}: no free buffer for bucket {manifest.index}; buckets {self._busy} wait for acks"
-            ) from None
-        self._busy[slot] = manifest.index
-        return self._buffers[slot]
+        return self._pool.take(manifest.index)
 
     def payloads(
         self, manifest: BucketManifest, parts: Sequence[dict[str, Any] | None], topology: Topology
@@ -584,19 +587,17 @@ class SGLangTensorTransport(Transport):
             return
         if self._own.pop(index, None) is not None:
             return
-        if index in self._busy:
-            self._busy[self._busy.index(index)] = None
+        if index in self._pool:
+            self._pool.release(index)
 
     def abandon(self, index: int) -> None:
         """An engine may still read the buffer: it is never written again (a fresh one replaces it)."""
-        if self._own.pop(index, None) is not None or index not in self._busy:
+        if self._own.pop(index, None) is not None or index not in self._pool:
             return
-        slot = self._busy.index(index)
-        self._buffers[slot] = self._new_buffer(self._slot_bytes)
-        self._busy[slot] = None
+        self._pool.abandon(index)
 
     def disconnect(self) -> None:
-        self._buffers, self._busy, self._own, self._consumers, self._counters = [], [], {}, [], {}
+        self._pool, self._own, self._consumers, self._counters = self._new_pool(0), {}, [], {}
         self._connected = False
 
 
