@@ -19,13 +19,9 @@ from hypothesis import given, settings
 
 from refit.buckets import TensorMeta
 from refit.drivers.base import Topology
-from refit.drivers.flattened import (
-    SGLangBroadcastTransport,
-    SGLangTensorTransport,
-    check_flattened,
-    plan_flattened,
-)
+from refit.drivers.flattened import check_flattened, plan_flattened
 from refit.drivers.sglang import Capabilities, distributed_update_body, update_weights_from_tensor_body
+from refit.drivers.sglang_transport import SGLangBroadcastTransport, SGLangTensorTransport
 
 from .sglang_support import fields_of, request_type, sglang, validate_body
 
@@ -364,6 +360,7 @@ def test_a_buffer_a_consumer_still_holds_at_its_ack_is_replaced_not_rewritten() 
     import uuid
 
     from refit.drivers import flattened as fl
+    from refit.drivers.sglang_transport import _still_held
 
     name = f"refit_test_counters_{os.getpid()}_{uuid.uuid4().hex[:8]}"
     counters = bytearray(64 + 8 * 16)  # torch's layout: a 64-byte header, then an int64 per export
@@ -389,7 +386,7 @@ def test_a_buffer_a_consumer_still_holds_at_its_ack_is_replaced_not_rewritten() 
         assert transport._pool.buffers[0] is second and len(transport.held) == 1  # let go: reused
         transport.disconnect()
         # a counter the file does not hold, or an impossible one, counts as held (fails closed)
-        assert fl._still_held(f"/{name}".encode(), 40) and fl._still_held(f"/{name}".encode(), -1)
-        assert fl._still_held(b"/refit_no_such_counter_file", 0)
+        assert _still_held(f"/{name}".encode(), 40) and _still_held(f"/{name}".encode(), -1)
+        assert _still_held(b"/refit_no_such_counter_file", 0)
     finally:
         os.unlink(f"/dev/shm/{name}")

@@ -15,9 +15,9 @@ import torch.distributed as dist
 from refit import protocol
 from refit.buckets import TensorMeta
 from refit.drivers.broadcast import BroadcastTransport, _group
-from refit.drivers.flattened import SGLangTensorTransport
 from refit.drivers.ipc import IPCTransport
 from refit.drivers.reference import ReferenceEngine
+from refit.drivers.sglang_transport import SGLangTensorTransport
 from refit.drivers.torch_source import TorchSource
 from refit.reference.model import ModelConfig, TinyLlama, greedy, prompt_logits
 

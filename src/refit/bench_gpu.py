@@ -38,9 +38,9 @@ import torch
 from refit import protocol
 from refit.bench import _percentile, _window
 from refit.buckets import BucketManifest, tensor_digest
-from refit.drivers.flattened import SGLangTensorTransport
 from refit.drivers.ipc import IPCTransport
 from refit.drivers.reference import ReferenceEngine
+from refit.drivers.sglang_transport import SGLangTensorTransport
 from refit.drivers.torch_source import TorchSource
 from refit.reference.model import ModelConfig, init_weights
 

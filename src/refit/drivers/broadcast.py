@@ -73,7 +73,8 @@ if TYPE_CHECKING:
 SOURCE_RANK = 0
 
 
-def _td(seconds: float) -> datetime.timedelta:
+def timeout_delta(seconds: float) -> datetime.timedelta:
+    """A collective's or store's timeout: `seconds`, at least 50 ms."""
     return datetime.timedelta(seconds=max(float(seconds), 0.05))
 
 
@@ -83,10 +84,10 @@ def _group(store: Any, name: str, rank: int, size: int, timeout_s: float, backen
 
     prefixed = dist.PrefixStore(name, store)
     if backend == "gloo":
-        return dist.ProcessGroupGloo(prefixed, rank, size, _td(timeout_s))
+        return dist.ProcessGroupGloo(prefixed, rank, size, timeout_delta(timeout_s))
     if backend == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = _td(timeout_s)
+        opts._timeout = timeout_delta(timeout_s)
         return dist.ProcessGroupNCCL(prefixed, rank, size, opts)
     raise ValueError(f"backend {backend!r}: use gloo or nccl")
 
@@ -126,7 +127,7 @@ def _options() -> Any:
     return opts
 
 
-def _broadcast(group: Any, tensor: torch.Tensor, *, wait: bool = True) -> Any:
+def broadcast_from_source(group: Any, tensor: torch.Tensor, *, wait: bool = True) -> Any:
     """Broadcast from the source rank. `wait`: the caller's stream (gloo: the host) waits for it;
     otherwise the Work is returned and nothing waits (NCCL: the collective runs on its own stream,
     and the caller orders any reuse of `tensor` on `work.wait()`)."""
@@ -144,12 +145,12 @@ def _broadcast_each(group: Any, tensors: Sequence[torch.Tensor], nccl: bool) -> 
     tensors = [t for t in tensors if t.numel()]
     if not nccl:
         for t in tensors:
-            _broadcast(group, t)
+            broadcast_from_source(group, t)
         return None
     group._start_coalescing()
     try:
         for t in tensors:
-            _broadcast(group, t, wait=False)
+            broadcast_from_source(group, t, wait=False)
     finally:
         work = group._end_coalescing()
     return work
@@ -273,7 +274,7 @@ class BroadcastTransport(Transport):
         host = self.host or os.environ.get("MASTER_ADDR") or socket.gethostbyname(socket.gethostname())
         world = 1 + topology.engine_ranks
         self._store = dist.TCPStore(
-            host, 0, world, is_master=True, wait_for_workers=False, timeout=_td(topology.timeout_s)
+            host, 0, world, is_master=True, wait_for_workers=False, timeout=timeout_delta(topology.timeout_s)
         )
         self._slot_bytes = slot_bytes(plan)
         self._pool = self._new_pool(self.slots)
@@ -403,7 +404,7 @@ class BroadcastTransport(Transport):
             work = _broadcast_each(self._group, wire, nccl)
         else:
             manifest, buffer = self._sending(index)
-            work = _broadcast(self._group, buffer[: manifest.nbytes], wait=not nccl)
+            work = broadcast_from_source(self._group, buffer[: manifest.nbytes], wait=not nccl)
         if nccl:
             self._works[index] = work
 
@@ -464,7 +465,7 @@ class BroadcastReceiver(Receiver):
             align_cumem(f.get("nccl_cumem"))
         try:
             store = dist.TCPStore(
-                f["addr"], int(f["port"]), int(f["world"]), is_master=False, timeout=_td(f["timeout_s"])
+                f["addr"], int(f["port"]), int(f["world"]), is_master=False, timeout=timeout_delta(f["timeout_s"])
             )
             self._group = self.make_group(
                 store, f["group"], int(self.part["rank"]), int(f["world"]), f["timeout_s"], f["backend"]
@@ -536,7 +537,7 @@ class BroadcastReceiver(Receiver):
                     work.wait()  # the current stream waits for the bytes
             else:
                 assert buffer is not None
-                _broadcast(self._group, buffer[: manifest.nbytes])
+                broadcast_from_source(self._group, buffer[: manifest.nbytes])
         except BaseException as exc:
             self._broken = f"bucket {manifest.index} ({type(exc).__name__}: {exc})"
             raise

@@ -222,7 +222,7 @@ class EmulatedSGLang(EmulatedServer):
             "attach",
             ConnectInfo(
                 "sglang_tensor",
-                "refit.drivers.flattened:FlattenedTensorReceiver",
+                "refit.drivers.sglang_transport:FlattenedTensorReceiver",
                 fields={"decoder": self.decoder},
                 parts=({},) * self.tp,
             ),
@@ -480,7 +480,7 @@ class EmulatedSGLang(EmulatedServer):
                 )
             info = ConnectInfo(
                 "sglang_broadcast",
-                "refit.drivers.flattened:SGLangBroadcastReceiver",
+                "refit.drivers.sglang_transport:SGLangBroadcastReceiver",
                 fields={
                     "addr": obj.master_address, "port": int(obj.master_port), "world": int(obj.world_size),
                     "group": name, "backend": obj.backend, "timeout_s": GROUP_TIMEOUT_S,
