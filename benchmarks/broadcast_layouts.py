@@ -34,8 +34,8 @@ import torch
 
 from refit.bench_broadcast import _free_port, _pair, _plan
 from refit.bench_gpu import SHAPES
+from refit.buckets import tensor_digest
 from refit.drivers.broadcast import close_group
-from refit.drivers.buckets import tensor_digest
 from refit.reference.model import init_weights
 
 LAYOUTS = (

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from refit import protocol
+from refit.buckets import BucketManifest, TensorMeta
 from refit.drivers.base import Payload, Topology
-from refit.drivers.buckets import BucketManifest, TensorMeta
 from refit.drivers.reference import ReferenceEngine
 from refit.drivers.shm import SharedMemoryTransport
 from refit.drivers.torch_source import TorchSource

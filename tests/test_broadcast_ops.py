@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from refit import protocol
+from refit.buckets import BucketManifest, TensorMeta
 from refit.drivers.base import LazyTensors, Source
 from refit.drivers.broadcast import BroadcastTransport
-from refit.drivers.buckets import BucketManifest, TensorMeta
 from refit.drivers.reference import ReferenceEngine
 from refit.drivers.torch_source import TorchSource
 from refit.errors import EngineError

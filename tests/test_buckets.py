@@ -7,7 +7,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from refit.drivers.buckets import ALIGN, BucketManifest, TensorEntry, TensorMeta, pack_into, plan_buckets, unpack
+from refit.buckets import ALIGN, BucketManifest, TensorEntry, TensorMeta, pack_into, plan_buckets, unpack
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int8, torch.bool, torch.float64]
 
@@ -88,7 +88,7 @@ def test_unpack_refuses_a_truncated_buffer_and_unknown_dtypes() -> None:
 def test_copy_digests_over_many_pairs_matches_hashing_each_source() -> None:
     """One pass over a whole bucket (copy each piece, hash it while in cache) gives each source's
     own digests in order, bit-exact copies, and refuses a destination of another size."""
-    from refit.drivers.buckets import CHUNK, chunk_digests, copy_digests
+    from refit.buckets import CHUNK, chunk_digests, copy_digests
 
     gen = torch.Generator().manual_seed(0)
     sources = [torch.randn(n, generator=gen) for n in (1, CHUNK // 4 + 3, 3 * CHUNK // 4, 17)]

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from refit import protocol
+from refit.buckets import TensorMeta
 from refit.drivers.base import ConnectInfo, Payload, Storages, Topology, storage_epoch
 from refit.drivers.broadcast import BroadcastTransport, align_cumem, close_group
-from refit.drivers.buckets import TensorMeta
 from refit.drivers.ipc import IPCReceiver, IPCTransport, open_storage
 from refit.drivers.reference import ReferenceEngine
 from refit.drivers.torch_source import TorchSource

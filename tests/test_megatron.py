@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import torch
 
-from refit.drivers.buckets import plan_buckets
+from refit.buckets import plan_buckets
 from refit.drivers.flattened import plan_flattened
 from refit.drivers.megatron import MegatronSource
 

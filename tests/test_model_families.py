@@ -19,7 +19,7 @@ import transformers
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedModel, Qwen2Config
 
 from refit import protocol
-from refit.drivers.buckets import TensorMeta, plan_buckets
+from refit.buckets import TensorMeta, plan_buckets
 from refit.drivers.reference import ReferenceEngine
 from refit.errors import EngineError
 from refit.reference.engine import EngineCore

@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from refit.buckets import TensorMeta, pack_into, plan_buckets, unpack
 from refit.cli import main
-from refit.drivers.buckets import TensorMeta, pack_into, plan_buckets, unpack
 from refit.drivers.torch_source import TorchSource
 from refit.reference.model import TinyLlama
 from refit.trace import SCHEMA, TraceRecorder, load_trace

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from refit.drivers.buckets import BucketManifest, TensorMeta, plan_buckets
+from refit.buckets import BucketManifest, TensorMeta, plan_buckets
 from refit.errors import EngineError
 from refit.reference.engine import EngineCore
 from refit.reference.model import ModelConfig, TinyLlama, greedy, prompt_logits

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from refit import invariants, protocol
+from refit.buckets import TensorMeta, plan_buckets
 from refit.drivers.base import Payload, Topology
-from refit.drivers.buckets import TensorMeta, plan_buckets
 from refit.drivers.reference import ReferenceEngine
 from refit.drivers.shm import SharedMemoryReceiver, SharedMemoryTransport, leaked_segments
 from refit.drivers.torch_source import TorchSource

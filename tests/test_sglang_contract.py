@@ -17,15 +17,11 @@ import pytest
 import torch
 from hypothesis import given, settings
 
+from refit.buckets import TensorMeta
 from refit.drivers.base import Topology
-from refit.drivers.buckets import TensorMeta
-from refit.drivers.flattened import (
-    SGLangBroadcastTransport,
-    SGLangTensorTransport,
-    check_flattened,
-    plan_flattened,
-)
+from refit.drivers.flattened import check_flattened, plan_flattened
 from refit.drivers.sglang import Capabilities, distributed_update_body, update_weights_from_tensor_body
+from refit.drivers.sglang_transport import SGLangBroadcastTransport, SGLangTensorTransport
 
 from .sglang_support import fields_of, request_type, sglang, validate_body
 
@@ -364,6 +360,7 @@ def test_a_buffer_a_consumer_still_holds_at_its_ack_is_replaced_not_rewritten() 
     import uuid
 
     from refit.drivers import flattened as fl
+    from refit.drivers.sglang_transport import _still_held
 
     name = f"refit_test_counters_{os.getpid()}_{uuid.uuid4().hex[:8]}"
     counters = bytearray(64 + 8 * 16)  # torch's layout: a 64-byte header, then an int64 per export
@@ -377,19 +374,19 @@ def test_a_buffer_a_consumer_still_holds_at_its_ack_is_replaced_not_rewritten() 
         plan = transport.plan([TensorMeta.of(n, t) for n, t in tensors.items()], 64)
         transport.connect(plan, Topology.of(1, [("a", 1)], colocated=True), 0)
         transport.pack(plan[0], [(n, tensors[n]) for n in plan[0].names])
-        first = transport._buffers[0]
+        first = transport._pool.buffers[0]
         transport._counters[plan[0].index] = [("TP rank 0", f"/{name}".encode(), 3)]
         transport.release(plan[0].index)
-        assert transport._buffers[0] is not first  # replaced: the holder keeps reading the old bytes
+        assert transport._pool.buffers[0] is not first  # replaced: the holder keeps reading the old bytes
         assert transport.held == [{"bucket": plan[0].index, "consumers": ["TP rank 0"]}]
         transport.pack(plan[1], [(n, tensors[n]) for n in plan[1].names])
-        second = transport._buffers[0]
+        second = transport._pool.buffers[0]
         transport._counters[plan[1].index] = [("TP rank 0", f"/{name}".encode(), 4)]
         transport.release(plan[1].index)
-        assert transport._buffers[0] is second and len(transport.held) == 1  # let go: reused
+        assert transport._pool.buffers[0] is second and len(transport.held) == 1  # let go: reused
         transport.disconnect()
         # a counter the file does not hold, or an impossible one, counts as held (fails closed)
-        assert fl._still_held(f"/{name}".encode(), 40) and fl._still_held(f"/{name}".encode(), -1)
-        assert fl._still_held(b"/refit_no_such_counter_file", 0)
+        assert _still_held(f"/{name}".encode(), 40) and _still_held(f"/{name}".encode(), -1)
+        assert _still_held(b"/refit_no_such_counter_file", 0)
     finally:
         os.unlink(f"/dev/shm/{name}")

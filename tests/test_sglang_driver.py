@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from refit import protocol
-from refit.drivers.flattened import SGLangBroadcastTransport, SGLangTensorTransport
 from refit.drivers.sglang import SGLangEngine
+from refit.drivers.sglang_transport import SGLangBroadcastTransport, SGLangTensorTransport
 from refit.drivers.torch_source import TorchSource
 from refit.errors import EngineDied, EngineError
 from refit.reference.model import TinyLlama, greedy, prompt_logits

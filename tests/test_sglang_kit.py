@@ -4,7 +4,7 @@ over workers)."""
 
 from __future__ import annotations
 
-from refit.drivers.flattened import SGLangTensorTransport
+from refit.drivers.sglang_transport import SGLangTensorTransport
 from refit.testing import check_engine_driver
 from refit.testing.sglang_server import EmulatedSGLangEngine
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from refit.buckets import TensorMeta, plan_buckets
 from refit.drivers.base import ConnectInfo, Payload, Topology
-from refit.drivers.buckets import TensorMeta, plan_buckets
 from refit.drivers.shm import SharedMemoryReceiver, SharedMemoryTransport, leaked_segments
 
 ONE = Topology.of(1, [("e0", 1)], colocated=False)
@@ -194,7 +194,7 @@ def test_digests_taken_before_the_pause_are_dropped_once_the_tensor_changes(tmp_
     hashed again, so the checksum always names the bytes the engine reads, never stale ones."""
     from torch import nn
 
-    from refit.drivers.buckets import checksum
+    from refit.buckets import checksum
     from refit.drivers.shm import share_memory
     from refit.drivers.torch_source import TorchSource
 

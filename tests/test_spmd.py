@@ -49,7 +49,7 @@ def packs(entry: dict[str, Any]) -> list[tuple[int, int]]:
 def aux_alone_in_the_last_bucket() -> None:
     """With `aux_dtype`, the model carries a one-row bfloat16 tensor: under FSDP2 on 2 ranks, rank 1
     owns none of it (and none of that dtype), and it travels alone in the last bucket."""
-    from refit.drivers.buckets import plan_buckets
+    from refit.buckets import plan_buckets
     from refit.drivers.torch_source import TorchSource
     from refit.reference.model import ModelConfig, TinyLlama
 

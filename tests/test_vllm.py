@@ -18,10 +18,11 @@ import torch
 from hypothesis import given, settings
 
 from refit import protocol
-from refit.drivers.buckets import TensorMeta, pack_into, plan_buckets, torch_dtype
-from refit.drivers.flattened import VLLMBroadcastTransport, VLLMIPCTransport, plan_flattened
+from refit.buckets import TensorMeta, pack_into, plan_buckets, torch_dtype
+from refit.drivers.flattened import plan_flattened
 from refit.drivers.torch_source import TorchSource
 from refit.drivers.vllm import Capabilities, VLLMEngine, update_info
+from refit.drivers.vllm_transport import VLLMBroadcastTransport, VLLMIPCTransport
 from refit.errors import EngineDied, EngineError
 from refit.reference.model import TinyLlama, greedy, prompt_logits
 from refit.testing.vllm_server import EmulatedVLLMEngine

@@ -4,7 +4,7 @@ over workers)."""
 
 from __future__ import annotations
 
-from refit.drivers.flattened import VLLMIPCTransport
+from refit.drivers.vllm_transport import VLLMIPCTransport
 from refit.testing import check_engine_driver
 from refit.testing.vllm_server import EmulatedVLLMEngine
 

@@ -13,11 +13,11 @@ import torch
 import torch.distributed as dist
 
 from refit import protocol
+from refit.buckets import TensorMeta
 from refit.drivers.broadcast import BroadcastTransport, _group
-from refit.drivers.buckets import TensorMeta
-from refit.drivers.flattened import SGLangTensorTransport
 from refit.drivers.ipc import IPCTransport
 from refit.drivers.reference import ReferenceEngine
+from refit.drivers.sglang_transport import SGLangTensorTransport
 from refit.drivers.torch_source import TorchSource
 from refit.reference.model import ModelConfig, TinyLlama, greedy, prompt_logits
 
@@ -164,7 +164,7 @@ def test_nccl_side_group_beside_a_bound_default_group() -> None:
         plan = transport.plan([TensorMeta("w", "float32", (4, 4))], 1 << 20)
         info = transport.connect(plan, topo, 0)
         assert info["backend"] == "nccl" and info.get("nccl_cumem") == os.environ.get("NCCL_CUMEM_ENABLE")
-        assert transport._buffers[0].is_cuda
+        assert transport._pool.buffers[0].is_cuda
         transport.join()  # a group of one: forms at once, without the default group
         transport.disconnect()
         assert not transport.connected

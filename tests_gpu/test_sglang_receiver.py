@@ -33,9 +33,10 @@ import torch
 import torch.multiprocessing as mp
 from tests_gpu.sglang_engine import engine  # importable by name in the spawned engine process
 
+from refit.buckets import TensorMeta
 from refit.drivers import flattened as fl
 from refit.drivers.base import Topology
-from refit.drivers.buckets import TensorMeta
+from refit.drivers.sglang_transport import SGLangTensorTransport
 
 TENSORS = 8
 ELEMS = 128 << 20  # bf16: 256 MiB a tensor, 2 GiB in all
@@ -56,7 +57,7 @@ def _run(mode: str, protect: bool, monkeypatch: pytest.MonkeyPatch) -> dict[str,
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=engine, args=(child, mode, SLEEP_CYCLES), daemon=True)
     proc.start()
-    transport = fl.SGLangTensorTransport(slots=2, device="cuda")
+    transport = SGLangTensorTransport(slots=2, device="cuda")
     try:
         metas = [TensorMeta(f"w{i}", "bfloat16", (ELEMS,)) for i in range(TENSORS)]
         plan = transport.plan(metas, BUCKET)

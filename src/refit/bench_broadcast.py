@@ -35,8 +35,8 @@ import torch
 
 from refit import protocol
 from refit.bench_gpu import SHAPES, _step, refit_times
-from refit.drivers.broadcast import BroadcastTransport, _broadcast, _group, close_group
-from refit.drivers.buckets import BucketManifest, TensorMeta, plan_buckets, tensor_digest
+from refit.buckets import BucketManifest, TensorMeta, plan_buckets, tensor_digest
+from refit.drivers.broadcast import BroadcastTransport, _group, broadcast_from_source, close_group
 from refit.drivers.reference import ReferenceEngine
 from refit.drivers.torch_source import TorchSource
 from refit.reference.model import init_weights
@@ -72,21 +72,21 @@ def _sides(
     buffers = [torch.empty(slot, dtype=torch.uint8, device=device) for _ in range(2)]
     times = []
     for _ in range(repeats + 1):
-        _broadcast(group, torch.zeros(1, device=device))  # line both sides up
+        broadcast_from_source(group, torch.zeros(1, device=device))  # line both sides up
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         for i, m in enumerate(plan):
             if mode == "raw":
-                _broadcast(group, buffers[i % 2][: m.nbytes])
+                broadcast_from_source(group, buffers[i % 2][: m.nbytes])
                 continue
             if rank == 0:  # the seed sender: flatten into a new buffer, send, wait
                 assert state is not None
                 flat = torch.cat([state[n].reshape(-1).view(torch.uint8) for n in m.names])
-                _broadcast(group, flat)
+                broadcast_from_source(group, flat)
             else:  # the seed receiver: a new buffer, receive, copy the slices out, wait
                 assert state is not None
                 flat = torch.empty(m.nbytes, dtype=torch.uint8, device=device)
-                _broadcast(group, flat)
+                broadcast_from_source(group, flat)
                 offset = 0
                 for n in m.names:
                     t = state[n]

@@ -37,10 +37,10 @@ import torch
 
 from refit import protocol
 from refit.bench import _percentile, _window
-from refit.drivers.buckets import BucketManifest, tensor_digest
-from refit.drivers.flattened import SGLangTensorTransport
+from refit.buckets import BucketManifest, tensor_digest
 from refit.drivers.ipc import IPCTransport
 from refit.drivers.reference import ReferenceEngine
+from refit.drivers.sglang_transport import SGLangTensorTransport
 from refit.drivers.torch_source import TorchSource
 from refit.reference.model import ModelConfig, init_weights
 
@@ -68,7 +68,7 @@ class SeedStyleTransport(SGLangTensorTransport):
 
     def connect(self, plan: Any, topology: Any, rank: int) -> dict[str, Any]:
         info = super().connect(plan, topology, rank)
-        self._buffers, self._busy = [], []  # no persistent buffers
+        self._pool = self._new_pool(0)  # no persistent buffers
         return info
 
     def _buffer_for(self, manifest: BucketManifest) -> torch.Tensor:

@@ -51,11 +51,11 @@ def make_transport(kind: str, engine: str = "reference") -> Any:
 def make_api_transport(kind: str, engine: str) -> Any:
     """The transport speaking an engine API's wire format: tensors by reference (shm) or a broadcast."""
     if engine == "sglang":
-        from refit.drivers.flattened import SGLangBroadcastTransport, SGLangTensorTransport
+        from refit.drivers.sglang_transport import SGLangBroadcastTransport, SGLangTensorTransport
 
         return SGLangTensorTransport() if kind == "shm" else SGLangBroadcastTransport()
     if engine == "vllm":
-        from refit.drivers.flattened import VLLMBroadcastTransport, VLLMIPCTransport
+        from refit.drivers.vllm_transport import VLLMBroadcastTransport, VLLMIPCTransport
 
         return VLLMIPCTransport() if kind == "shm" else VLLMBroadcastTransport()
     raise ValueError(f"engine {engine!r}: use reference, sglang or vllm")

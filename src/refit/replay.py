@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from refit.buckets import BucketManifest, TensorEntry, TensorMeta
 from refit.drivers.base import (
     ConnectInfo,
     EngineDriver,
@@ -38,7 +39,6 @@ from refit.drivers.base import (
     Transport,
     outcome_of,
 )
-from refit.drivers.buckets import BucketManifest, TensorEntry, TensorMeta
 from refit.errors import EngineDied, EngineError, LateAnswer, NoTimeLeft, RankError, RefitBusyError, RefitError
 from refit.protocol.faults import InjectedFault
 from refit.protocol.ranks import RECORDED_RESULTS, Ranks, RankStep

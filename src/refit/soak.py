@@ -107,7 +107,7 @@ def soak(
     import torch
 
     from refit import protocol
-    from refit.drivers.buckets import plan_buckets
+    from refit.buckets import plan_buckets
     from refit.drivers.reference import ReferenceEngine
     from refit.drivers.shm import SharedMemoryTransport, leaked_segments
     from refit.drivers.torch_source import TorchSource

@@ -7,6 +7,7 @@ Backends live one per module and are imported on demand, so importing this packa
   refit.drivers.reference.ReferenceEngine        the reference CPU engine (process or thread)
 """
 
+from refit.buckets import BucketManifest, TensorEntry, TensorMeta, plan_buckets
 from refit.drivers.base import (
     PAUSE_MODES,
     ConnectInfo,
@@ -17,7 +18,6 @@ from refit.drivers.base import (
     Source,
     Transport,
 )
-from refit.drivers.buckets import BucketManifest, TensorEntry, TensorMeta, plan_buckets
 
 __all__ = [
     "PAUSE_MODES",

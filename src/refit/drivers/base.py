@@ -26,7 +26,7 @@ from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from refit.drivers.buckets import BucketManifest, TensorMeta, plan_buckets
+from refit.buckets import BucketManifest, TensorMeta, plan_buckets
 
 if TYPE_CHECKING:
     import torch
@@ -370,12 +370,12 @@ class Receiver(ABC):
         return self.read(payload)
 
     def expected(self, payload: Payload) -> int | None:
-        """The bucket's checksum (refit.drivers.buckets.checksum) as the sender computed it, if sent."""
+        """The bucket's checksum (refit.buckets.checksum) as the sender computed it, if sent."""
         return None
 
     def verify(self, payload: Payload, tensors: list[tuple[str, torch.Tensor]]) -> None:
         """Raise ValueError when the bytes read are not the bytes sent (before any is applied)."""
-        from refit.drivers.buckets import checksum
+        from refit.buckets import checksum
 
         want = self.expected(payload)
         if want is not None and checksum(tensors) != want:

@@ -53,8 +53,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from refit.drivers.base import ConnectInfo, EngineSpec, LazyTensors, Payload, Receiver, Topology, Transport
-from refit.drivers.buckets import (
+from refit.buckets import (
     BucketManifest,
     TensorEntry,
     TensorMeta,
@@ -64,6 +63,8 @@ from refit.drivers.buckets import (
     torch_dtype,
     unpack,
 )
+from refit.drivers.base import ConnectInfo, EngineSpec, LazyTensors, Payload, Receiver, Topology, Transport
+from refit.drivers.slots import SlotPool
 from refit.errors import EngineError
 
 if TYPE_CHECKING:
@@ -72,7 +73,8 @@ if TYPE_CHECKING:
 SOURCE_RANK = 0
 
 
-def _td(seconds: float) -> datetime.timedelta:
+def timeout_delta(seconds: float) -> datetime.timedelta:
+    """A collective's or store's timeout: `seconds`, at least 50 ms."""
     return datetime.timedelta(seconds=max(float(seconds), 0.05))
 
 
@@ -82,10 +84,10 @@ def _group(store: Any, name: str, rank: int, size: int, timeout_s: float, backen
 
     prefixed = dist.PrefixStore(name, store)
     if backend == "gloo":
-        return dist.ProcessGroupGloo(prefixed, rank, size, _td(timeout_s))
+        return dist.ProcessGroupGloo(prefixed, rank, size, timeout_delta(timeout_s))
     if backend == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = _td(timeout_s)
+        opts._timeout = timeout_delta(timeout_s)
         return dist.ProcessGroupNCCL(prefixed, rank, size, opts)
     raise ValueError(f"backend {backend!r}: use gloo or nccl")
 
@@ -125,7 +127,7 @@ def _options() -> Any:
     return opts
 
 
-def _broadcast(group: Any, tensor: torch.Tensor, *, wait: bool = True) -> Any:
+def broadcast_from_source(group: Any, tensor: torch.Tensor, *, wait: bool = True) -> Any:
     """Broadcast from the source rank. `wait`: the caller's stream (gloo: the host) waits for it;
     otherwise the Work is returned and nothing waits (NCCL: the collective runs on its own stream,
     and the caller orders any reuse of `tensor` on `work.wait()`)."""
@@ -143,12 +145,12 @@ def _broadcast_each(group: Any, tensors: Sequence[torch.Tensor], nccl: bool) -> 
     tensors = [t for t in tensors if t.numel()]
     if not nccl:
         for t in tensors:
-            _broadcast(group, t)
+            broadcast_from_source(group, t)
         return None
     group._start_coalescing()
     try:
         for t in tensors:
-            _broadcast(group, t, wait=False)
+            broadcast_from_source(group, t, wait=False)
     finally:
         work = group._end_coalescing()
     return work
@@ -170,6 +172,14 @@ def wire_ops(manifest: BucketManifest, direct_bytes: int) -> list[int | tuple[in
         else:
             out.append((e.offset, e.offset + e.meta.nbytes))
     return out
+
+
+def _send_buffer(nbytes: int, backend: str) -> torch.Tensor:
+    """A send buffer: host memory for gloo, the trainer's current GPU for NCCL."""
+    import torch
+
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
+    return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
 
 def _typed(buffer: torch.Tensor, entry: TensorEntry) -> torch.Tensor:
@@ -236,10 +246,9 @@ class BroadcastTransport(Transport):
         self._broken: str | None = None  # the send that failed: the group is not used again
         self._pack_views: dict[tuple[Any, ...], torch.Tensor] = {}  # typed views into the send buffers
         self._info: dict[str, Any] = {}
-        self._buffers: list[torch.Tensor] = []
-        self._busy: list[int | None] = []
         self._own: dict[int, torch.Tensor] = {}
         self._slot_bytes = 0
+        self._pool = self._new_pool(0)
         self._plan: dict[int, BucketManifest] = {}
 
     @property
@@ -248,7 +257,7 @@ class BroadcastTransport(Transport):
 
     @property
     def buffer_bytes(self) -> int:
-        return len(self._buffers) * self._slot_bytes + sum(int(t.numel()) for t in self._own.values())
+        return len(self._pool.buffers) * self._slot_bytes + sum(int(t.numel()) for t in self._own.values())
 
     def route(self, topology: Topology, engine: EngineSpec, tp_rank: int) -> int:
         return SOURCE_RANK  # one source rank broadcasts to every engine TP rank
@@ -265,11 +274,10 @@ class BroadcastTransport(Transport):
         host = self.host or os.environ.get("MASTER_ADDR") or socket.gethostbyname(socket.gethostname())
         world = 1 + topology.engine_ranks
         self._store = dist.TCPStore(
-            host, 0, world, is_master=True, wait_for_workers=False, timeout=_td(topology.timeout_s)
+            host, 0, world, is_master=True, wait_for_workers=False, timeout=timeout_delta(topology.timeout_s)
         )
         self._slot_bytes = slot_bytes(plan)
-        self._buffers = [self._empty(self._slot_bytes) for _ in range(self.slots)]
-        self._busy = [None] * self.slots
+        self._pool = self._new_pool(self.slots)
         self._info = {
             "addr": host, "port": self._store.port, "group": f"refit-{uuid.uuid4().hex[:12]}", "world": world,
             "timeout_s": topology.timeout_s, "backend": self.backend, "slot_bytes": self._slot_bytes, "ops": self.ops,
@@ -318,7 +326,7 @@ class BroadcastTransport(Transport):
             else:
                 packed = pack_into(self._buffer_for(manifest), manifest, tensors, hash_bytes=self.checksums)
         except BaseException:
-            if index in self._busy or index in self._own or index in self._refs:  # give back what it took
+            if index in self._pool or index in self._own or index in self._refs:  # give back what it took
                 self.release(index)
             raise
         self.temp_bytes = packed.temp_bytes
@@ -339,24 +347,18 @@ class BroadcastTransport(Transport):
         return tensor.detach() if tensor.requires_grad else tensor
 
     def _empty(self, nbytes: int) -> torch.Tensor:
-        """A send buffer: host memory for gloo, the trainer's current GPU for NCCL."""
-        import torch
+        return _send_buffer(nbytes, self.backend)
 
-        device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else None
-        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+    def _new_pool(self, count: int) -> SlotPool[torch.Tensor]:
+        return SlotPool(
+            count, functools.partial(_send_buffer, self._slot_bytes, self.backend), owner="broadcast transport"
+        )
 
     def _buffer_for(self, manifest: BucketManifest) -> torch.Tensor:
         if manifest.oversized:
             buffer = self._own[manifest.index] = self._empty(manifest.nbytes)
             return buffer
-        try:
-            slot = self._busy.index(None)
-        except ValueError:
-            raise RuntimeError(
-                f"broadcast transport: no free buffer for bucket {manifest.index}; buckets {self._busy} wait for acks"
-            ) from None
-        self._busy[slot] = manifest.index
-        return self._buffers[slot]
+        return self._pool.take(manifest.index)
 
     def payloads(
         self, manifest: BucketManifest, parts: Sequence[dict[str, Any] | None], topology: Topology
@@ -402,7 +404,7 @@ class BroadcastTransport(Transport):
             work = _broadcast_each(self._group, wire, nccl)
         else:
             manifest, buffer = self._sending(index)
-            work = _broadcast(self._group, buffer[: manifest.nbytes], wait=not nccl)
+            work = broadcast_from_source(self._group, buffer[: manifest.nbytes], wait=not nccl)
         if nccl:
             self._works[index] = work
 
@@ -415,16 +417,8 @@ class BroadcastTransport(Transport):
             raise RuntimeError(f"{type(self).__name__}: send() before the group formed (join)")
         buffer = self._own.get(index)
         if buffer is None:
-            buffer = self._buffers[self._slot_of(index)]
+            buffer = self._pool.buffer_of(index)
         return buffer
-
-    def _slot_of(self, index: int) -> int:
-        try:
-            return self._busy.index(index)
-        except ValueError:
-            raise RuntimeError(
-                f"broadcast transport: no buffer holds bucket {index} (slots hold {self._busy})"
-            ) from None
 
     def release(self, index: int) -> None:
         if not self._sender:
@@ -433,26 +427,24 @@ class BroadcastTransport(Transport):
         if work is not None:  # what is written into its buffer or tensors next is ordered after its broadcast
             work.wait()
         self._refs.pop(index, None)
-        if self._own.pop(index, None) is None and index in self._busy:  # (ops="tensor": maybe no buffer)
-            self._busy[self._slot_of(index)] = None
+        if self._own.pop(index, None) is None and index in self._pool:  # (ops="tensor": maybe no buffer)
+            self._pool.release(index)
 
     def abandon(self, index: int) -> None:
         """A send still in flight keeps its tensor alive; this rank never writes into it again."""
         self._works.pop(index, None)  # the Work keeps its tensors alive until the broadcast ends
         self._refs.pop(index, None)
-        if not self._sender or self._own.pop(index, None) is not None or index not in self._busy:
+        if not self._sender or self._own.pop(index, None) is not None or index not in self._pool:
             return
-        slot = self._slot_of(index)
-        self._buffers[slot] = self._empty(self._slot_bytes)
+        self._pool.abandon(index)
         self._pack_views = {}  # they hold the buffer given up
-        self._busy[slot] = None
 
     def disconnect(self) -> None:
         self._broken = None
         close_group(self._group, self.backend)
         self._group = None  # dropping the group closes its connections: peers blocked on it fail
         self._store = None
-        self._buffers, self._busy, self._own, self._info, self._plan = [], [], {}, {}, {}
+        self._pool, self._own, self._info, self._plan = self._new_pool(0), {}, {}, {}
         self._works, self._refs, self._pack_views = {}, {}, {}
 
 
@@ -473,7 +465,7 @@ class BroadcastReceiver(Receiver):
             align_cumem(f.get("nccl_cumem"))
         try:
             store = dist.TCPStore(
-                f["addr"], int(f["port"]), int(f["world"]), is_master=False, timeout=_td(f["timeout_s"])
+                f["addr"], int(f["port"]), int(f["world"]), is_master=False, timeout=timeout_delta(f["timeout_s"])
             )
             self._group = self.make_group(
                 store, f["group"], int(self.part["rank"]), int(f["world"]), f["timeout_s"], f["backend"]
@@ -545,7 +537,7 @@ class BroadcastReceiver(Receiver):
                     work.wait()  # the current stream waits for the bytes
             else:
                 assert buffer is not None
-                _broadcast(self._group, buffer[: manifest.nbytes])
+                broadcast_from_source(self._group, buffer[: manifest.nbytes])
         except BaseException as exc:
             self._broken = f"bucket {manifest.index} ({type(exc).__name__}: {exc})"
             raise

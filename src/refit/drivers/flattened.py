@@ -1,4 +1,4 @@
-"""SGLang's flattened-bucket wire format, and the transports that speak it.
+"""SGLang's flattened-bucket wire format (vLLM's packed buckets are the same bytes).
 
 A flattened bucket is one uint8 tensor holding a bucket's tensors back to back, plus one metadata
 record per tensor (name, shape, dtype, byte start/end, byte count), as
@@ -8,61 +8,36 @@ the offsets itself (refusing one that is not a multiple of the dtype's size), so
 keeps each bucket contiguous and orders its tensors by element size, largest first: every offset
 is then aligned for its dtype with no padding at all.
 
-Colocated (`SGLangTensorTransport`, kind ``sglang_tensor``): each trainer rank packs a bucket
-into a shared buffer and serializes `{"flattened_tensor": buffer, "metadata": [...]}` once per
-engine TP rank it feeds (one export per consumer, as SGLang requires; sglang#4446), with the
+Serialized (`serialize`, one call per consumer: SGLang requires one export per consumer,
+sglang#4446), a bucket is `{"flattened_tensor": buffer, "metadata": [...]}` pickled with only the
 allow-listed types SGLang's `SafeUnpickler` accepts (torch rebuild functions, `SimpleNamespace`).
 CPU buffers travel by shared-memory name (`rebuild_storage_filename`), which any process on the
 host can open, whatever its multiprocessing family; CUDA buffers as CUDA IPC handles in SGLang's
 form: rebuilt by SGLang's patched `_rebuild_cuda_tensor_modified`, the device given as the GPU's
 UUID (refit writes that form itself: SGLang's torch-reduction patch, applied process-wide, would
-break CPU tensor pickling in the trainer).
+break CPU tensor pickling in the trainer). `deserialize` reads it back through a safe unpickler
+that refuses any other global; `reconstruct` returns each tensor's view, checked against the
+manifest. `ipc_refs` reads torch's reference counter of one CUDA export.
 
-Disaggregated (`SGLangBroadcastTransport`, kind ``sglang_broadcast``): trainer rank 0 broadcasts
-each bucket on a group laid out as SGLang's `init_custom_process_group` builds it (a TCPStore
-rendezvous, `PrefixStore(group_name)`, then the keys `_new_process_group_helper` adds), without
-touching the trainer's default group. With `flattened=True` one uint8 broadcast per bucket (SGLang
-`load_format="flattened_bucket"`), else one broadcast per tensor in list order.
-
-Lifecycle (both), per state:
-  run start     `plan`: `plan_flattened` (contiguous buckets, aligned by ordering).
-  CONNECTING    `connect`: buffers (and, for broadcast, the store) for this engine set;
-                `attach_infos`: what the engine side opens (SGLang: nothing for tensors,
-                `/init_weights_update_group` for broadcast).
-  TRANSFERRING  `pack(k)`: copy bucket k into a free buffer; tensors: serialize it for each engine
-                TP rank this rank feeds; broadcast: `send(k)` while the engines receive.
-                `release(k)` after every engine acked; `abandon(k)`: the buffer is replaced.
-  disconnect    buffers and group dropped; idempotent.
+The transports that speak it live in `refit.drivers.sglang_transport` (SGLang's tensor and
+broadcast transports) and `refit.drivers.vllm_transport` (vLLM's IPC and NCCL transports).
 """
 
 from __future__ import annotations
 
 import io
-import logging
 import pickle
 from collections.abc import Iterable, Sequence
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
-from refit.drivers.base import ConnectInfo, EngineSpec, LazyTensors, Payload, Receiver, Topology, Transport
-from refit.drivers.broadcast import SOURCE_RANK, BroadcastReceiver, BroadcastTransport, _broadcast, _td
-from refit.drivers.buckets import (
-    BucketManifest,
-    TensorEntry,
-    TensorMeta,
-    dtype_name,
-    itemsize,
-    pack_into,
-    slot_bytes,
-    torch_dtype,
-)
+from refit.buckets import BucketManifest, TensorEntry, TensorMeta, dtype_name, itemsize, pack_into, torch_dtype
 from refit.drivers.pickling import ByNamePickler
 
 if TYPE_CHECKING:
     import torch
 
 FLATTENED_BUCKET = "flattened_bucket"  # SGLang's load_format for this layout
-log = logging.getLogger(__name__)
 
 # ---- layout --------------------------------------------------------------------------------------
 
@@ -160,6 +135,16 @@ def flatten(named_tensors: Sequence[tuple[str, torch.Tensor]], *, share: bool = 
     by_name = dict(named_tensors)
     pack_into(buffer, manifest, [(e.meta.name, by_name[e.meta.name]) for e in manifest.entries])
     return {"flattened_tensor": buffer, "metadata": metadata_of(manifest)}
+
+
+def shared_buffer(nbytes: int, device: Any) -> torch.Tensor:
+    """A uint8 buffer of `nbytes` (at least 1) on `device`; on CPU, in named shared memory."""
+    import torch
+
+    buffer = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
+    if buffer.device.type == "cpu":
+        share_by_name(buffer)
+    return buffer
 
 
 def share_by_name(buffer: torch.Tensor) -> None:
@@ -360,7 +345,7 @@ def _nothing(*args: Any, **kwargs: Any) -> None:
 
 
 def _dtype_names() -> frozenset[str]:
-    from refit.drivers.buckets import ITEMSIZE
+    from refit.buckets import ITEMSIZE
 
     return frozenset(ITEMSIZE)
 
@@ -437,438 +422,3 @@ def reconstruct(bucket: dict[str, Any], manifest: BucketManifest) -> list[tuple[
         raw = flat[entry.offset : entry.offset + m.nbytes]
         out.append((m.name, raw.view(torch_dtype(m.dtype)).reshape(m.shape)))
     return out
-
-
-# ---- colocated: tensors by reference -------------------------------------------------------------
-
-
-class SGLangTensorTransport(Transport):
-    """Colocated transport in SGLang's `update_weights_from_tensor` + `flattened_bucket` format."""
-
-    kind = "sglang_tensor"
-
-    def __init__(self, slots: int = 2, *, device: str = "cpu", decoder: str = "refit") -> None:
-        """`device`: where buffers live (cpu: shared memory by name; cuda: CUDA IPC). `decoder`
-        (engine side of the reference emulator): ``refit`` or ``sglang`` (SGLang's own code)."""
-        if not isinstance(slots, int) or slots < 1:
-            raise ValueError(f"slots must be an integer >= 1, got {slots!r}")
-        if decoder not in ("refit", "sglang"):
-            raise ValueError(f"decoder {decoder!r}: use refit or sglang")
-        self.slots = slots
-        self.device = device
-        self.decoder = decoder
-        self.temp_bytes = 0
-        self._buffers: list[torch.Tensor] = []
-        self._busy: list[int | None] = []
-        self._own: dict[int, torch.Tensor] = {}
-        self._slot_bytes = 0
-        self._consumers: list[tuple[str, int]] = []
-        self._connected = False
-        self._counters: dict[int, list[tuple[str, bytes, int]]] = {}  # bucket -> (consumer, CUDA ref counter)
-        self.held: list[dict[str, Any]] = []  # buffers a consumer still held at its ack (never rewritten)
-
-    def plan(self, metas: Sequence[TensorMeta], bucket_bytes: int) -> list[BucketManifest]:
-        return plan_flattened(metas, bucket_bytes)
-
-    @property
-    def connected(self) -> bool:
-        return self._connected
-
-    @property
-    def buffer_bytes(self) -> int:
-        return len(self._buffers) * self._slot_bytes + sum(int(t.numel()) for t in self._own.values())
-
-    def _new_buffer(self, nbytes: int) -> torch.Tensor:
-        import torch
-
-        buffer = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self.device)
-        if buffer.device.type == "cpu":
-            share_by_name(buffer)
-        return buffer
-
-    def connect(self, plan: Sequence[BucketManifest], topology: Topology, rank: int) -> dict[str, Any]:
-        self.disconnect()
-        for manifest in plan:
-            check_flattened(manifest)
-        self._consumers = [
-            (e.name, j) for e in topology.engines for j in range(e.tp) if self.route(topology, e, j) == rank
-        ]
-        if self._consumers:
-            self._slot_bytes = slot_bytes(plan)
-            self._buffers = [self._new_buffer(self._slot_bytes) for _ in range(self.slots)]
-            self._busy = [None] * self.slots
-        self._connected = True
-        return {}
-
-    def attach_infos(self, rank_infos: Sequence[dict[str, Any]], topology: Topology) -> dict[str, ConnectInfo]:
-        return {
-            e.name: ConnectInfo(
-                self.kind, f"{__name__}:FlattenedTensorReceiver", fields={"decoder": self.decoder}, parts=({},) * e.tp
-            )
-            for e in topology.engines
-        }
-
-    payload_fields: ClassVar[dict[str, Any]] = {"load_format": FLATTENED_BUCKET}
-
-    def _export(self, view: torch.Tensor, manifest: BucketManifest, tp_rank: int) -> Any:
-        """What one consumer (an engine TP rank) receives of a packed bucket: its own serialization
-        (its CUDA export's reference counter kept, for the check at release)."""
-        counters: list[tuple[bytes, int]] = []
-        out = serialize({"flattened_tensor": view, "metadata": metadata_of(manifest)}, counters)
-        self._counted(manifest.index, tp_rank, counters)
-        return out
-
-    def _counted(self, index: int, tp_rank: int, counters: Sequence[tuple[bytes, int]]) -> None:
-        self._counters.setdefault(index, []).extend((f"TP rank {tp_rank}", h, o) for h, o in counters)
-
-    def _part(self, export: Any) -> dict[str, Any]:
-        """One engine TP rank's `Payload.parts` entry from its export."""
-        return {"serialized": export}
-
-    def pack(self, manifest: BucketManifest, tensors: LazyTensors) -> dict[str, Any] | None:
-        if not self._connected:
-            raise RuntimeError(f"{type(self).__name__}: pack() before connect()")
-        if not self._consumers:  # same gathers as the ranks that feed an engine, nothing kept
-            self.temp_bytes = pack_into(None, manifest, tensors).temp_bytes
-            return None
-        buffer = self._buffer_for(manifest)
-        try:
-            packed = pack_into(buffer, manifest, tensors)
-            view = buffer[: manifest.nbytes]
-            exports = {f"{name}/{j}": self._export(view, manifest, j) for name, j in self._consumers}
-        except BaseException:
-            self.release(manifest.index)
-            raise
-        self.temp_bytes = packed.temp_bytes
-        return {"exports": exports}
-
-    def _buffer_for(self, manifest: BucketManifest) -> torch.Tensor:
-        if manifest.oversized:
-            self._own[manifest.index] = self._new_buffer(manifest.nbytes)
-            return self._own[manifest.index]
-        try:
-            slot = self._busy.index(None)
-        except ValueError:
-            raise RuntimeError(
-                f"{type(self).__name__}: no free buffer for bucket {manifest.index}; buckets {self._busy} wait for acks"
-            ) from None
-        self._busy[slot] = manifest.index
-        return self._buffers[slot]
-
-    def payloads(
-        self, manifest: BucketManifest, parts: Sequence[dict[str, Any] | None], topology: Topology
-    ) -> dict[str, Payload]:
-        out = {}
-        for e in topology.engines:
-            per_rank = []
-            for j in range(e.tp):
-                part = parts[self.route(topology, e, j)] or {}
-                per_rank.append(self._part(part["exports"][f"{e.name}/{j}"]))
-            out[e.name] = Payload(self.kind, manifest, dict(self.payload_fields), tuple(per_rank))
-        return out
-
-    def release(self, index: int) -> None:
-        """Every engine acked bucket `index`: its buffer may be written again, unless a consumer
-        still holds a reference to it (CUDA: torch's counter of that export is not back to 0). An
-        engine that acks before its copies from our buffer ran, keeping the tensors it was given,
-        would read the next bucket's bytes: that buffer is replaced instead, never rewritten
-        (torch keeps the old memory alive until the consumer lets go)."""
-        held = [c for c in self._counters.pop(index, []) if _still_held(c[1], c[2])]
-        if held:
-            self.held.append({"bucket": index, "consumers": sorted({c[0] for c in held})})
-            log.warning(
-                "bucket %d: %s still held its CUDA buffer at the ack; the buffer is replaced, never rewritten",
-                index, ", ".join(sorted({c[0] for c in held})),
-            )  # fmt: skip
-            self.abandon(index)
-            return
-        if self._own.pop(index, None) is not None:
-            return
-        if index in self._busy:
-            self._busy[self._busy.index(index)] = None
-
-    def abandon(self, index: int) -> None:
-        """An engine may still read the buffer: it is never written again (a fresh one replaces it)."""
-        if self._own.pop(index, None) is not None or index not in self._busy:
-            return
-        slot = self._busy.index(index)
-        self._buffers[slot] = self._new_buffer(self._slot_bytes)
-        self._busy[slot] = None
-
-    def disconnect(self) -> None:
-        self._buffers, self._busy, self._own, self._consumers, self._counters = [], [], {}, [], {}
-        self._connected = False
-
-
-def _still_held(handle: bytes, offset: int) -> bool:
-    """Whether a consumer still holds a CUDA export (an unreadable or impossible counter counts as
-    held: the buffer is replaced, never rewritten under a reader)."""
-    try:
-        return ipc_refs(handle, offset) != 0
-    except (OSError, ValueError):
-        return True
-
-
-class FlattenedTensorReceiver(Receiver):
-    """Engine side (one TP rank): decodes its own serialized entry and returns views of the bucket.
-    With ``decoder: sglang`` it decodes with SGLang's own `MultiprocessingSerializer` and
-    `FlattenedTensorBucket` (SGLang must be importable in the engine's process). A CUDA bucket's
-    handle is opened per bucket (torch's CUDA IPC: the open waits on the sender's event). As
-    SGLang's updater does, it keeps nothing: the engine copies out of the views and drops them
-    before its ack, and torch's IPC deleter synchronizes the engine's stream when the last
-    reference goes, so the copies have run when the sender hears the ack. No sync of its own: an
-    extra one would hide an engine (or a receiver) that keeps a reference past its ack."""
-
-    def read(self, payload: Payload) -> list[tuple[str, torch.Tensor]]:
-        return self._read(payload)
-
-    def _read(self, payload: Payload) -> list[tuple[str, torch.Tensor]]:
-        data = payload.parts[self.tp_rank].get("serialized")
-        if data is None:
-            raise ValueError(f"bucket {payload.manifest.index}: no serialized entry for TP rank {self.tp_rank}")
-        if self.info.fields.get("decoder") == "sglang":
-            from sglang.srt.utils import MultiprocessingSerializer
-            from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
-
-            obj = MultiprocessingSerializer.deserialize(data)
-            views = FlattenedTensorBucket(
-                flattened_tensor=obj["flattened_tensor"], metadata=obj["metadata"]
-            ).reconstruct_tensors()
-            got = manifest_from_metadata(payload.manifest.index, obj["metadata"])
-            if got.entries != payload.manifest.entries:
-                raise ValueError(f"bucket {payload.manifest.index}: metadata does not match the manifest")
-            return views
-        return reconstruct(deserialize(data), payload.manifest)
-
-
-# ---- disaggregated: broadcast on SGLang's group layout --------------------------------------------
-
-DEFAULT_GROUP = "weight_update_group"  # SGLang's default group_name
-
-
-def sglang_group(store: Any, group_name: str, rank: int, size: int, timeout_s: float, backend: str) -> Any:
-    """A process group keyed as SGLang's `init_custom_process_group` keys it (PrefixStore(group_name),
-    then `_new_process_group_helper`'s "<group_name>/" and "<device>/"), built from `store` alone:
-    never split from the default group, whatever device it is bound to."""
-    import torch.distributed as dist
-
-    prefixed = dist.PrefixStore(f"{group_name}/", dist.PrefixStore(group_name, store))
-    if backend == "gloo":
-        group = dist.ProcessGroupGloo(dist.PrefixStore("cpu/", prefixed), rank, size, _td(timeout_s))
-    elif backend == "nccl":
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = _td(timeout_s)
-        opts.is_high_priority_stream = False
-        group = dist.ProcessGroupNCCL(dist.PrefixStore("cuda/", prefixed), rank, size, opts)
-    else:
-        raise ValueError(f"backend {backend!r}: use gloo or nccl")
-    group._set_sequence_number_for_group()
-    return group
-
-
-class SGLangBroadcastTransport(BroadcastTransport):
-    """Disaggregated transport for SGLang's `init_weights_update_group` +
-    `update_weights_from_distributed`: trainer rank 0 is group rank 0, engine i's TP rank j is
-    rank 1 + rank_offset_i + j (SGLang's `rank_offset + tp_rank`)."""
-
-    kind = "sglang_broadcast"
-    make_group = staticmethod(sglang_group)
-
-    def __init__(
-        self,
-        slots: int = 2,
-        *,
-        backend: str = "gloo",
-        host: str | None = None,
-        flattened: bool = True,
-        group_name: str = DEFAULT_GROUP,
-    ) -> None:
-        super().__init__(slots, backend=backend, host=host, checksums=False, ops="bucket")
-        self.flattened = flattened
-        self.group_name = group_name
-
-    def plan(self, metas: Sequence[TensorMeta], bucket_bytes: int) -> list[BucketManifest]:
-        return plan_flattened(metas, bucket_bytes)
-
-    def connect(self, plan: Sequence[BucketManifest], topology: Topology, rank: int) -> dict[str, Any]:
-        for manifest in plan:
-            check_flattened(manifest)
-        info = super().connect(plan, topology, rank)
-        if self._sender:
-            info["group"] = self._info["group"] = self.group_name
-        return info
-
-    def route(self, topology: Topology, engine: EngineSpec, tp_rank: int) -> int:
-        return SOURCE_RANK
-
-    def attach_infos(self, rank_infos: Sequence[dict[str, Any]], topology: Topology) -> dict[str, ConnectInfo]:
-        shared = dict(rank_infos[SOURCE_RANK])
-        return {
-            e.name: ConnectInfo(
-                self.kind,
-                f"{__name__}:SGLangBroadcastReceiver",
-                fields={**shared, "rank_offset": 1 + e.rank_offset, "flattened": self.flattened},
-                parts=tuple({"rank": 1 + e.rank_offset + j} for j in range(e.tp)),
-            )
-            for e in topology.engines
-        }
-
-    def payloads(
-        self, manifest: BucketManifest, parts: Sequence[dict[str, Any] | None], topology: Topology
-    ) -> dict[str, Payload]:
-        fields = {"load_format": FLATTENED_BUCKET if self.flattened else None, "group_name": self.group_name}
-        return {e.name: Payload(self.kind, manifest, fields, parts=({},) * e.tp) for e in topology.engines}
-
-    def _send(self, index: int) -> None:
-        manifest, buffer = self._sending(index)
-        if self.flattened:
-            _broadcast(self._group, buffer[: manifest.nbytes])
-            return
-        for entry in manifest.entries:  # one broadcast per tensor, in list order
-            m = entry.meta
-            _broadcast(self._group, buffer[entry.offset : entry.offset + m.nbytes].view(torch_dtype(m.dtype)))
-
-
-class SGLangBroadcastReceiver(BroadcastReceiver):
-    """Engine side of `SGLangBroadcastTransport` (one TP rank), as SGLang's weight updater does it:
-    joins the group at attach (`init_custom_process_group`'s layout) and receives each bucket as
-    one uint8 buffer (flattened) or one tensor at a time."""
-
-    make_group = staticmethod(sglang_group)
-
-    def read(self, payload: Payload) -> list[tuple[str, torch.Tensor]]:
-        import torch
-
-        manifest = payload.manifest
-        if payload.fields.get("load_format") == FLATTENED_BUCKET:
-            check_flattened(manifest)
-            buffer = torch.empty(manifest.nbytes, dtype=torch.uint8)
-            _broadcast(self._group, buffer)
-            return [
-                (
-                    e.meta.name,
-                    buffer[e.offset : e.offset + e.meta.nbytes].view(torch_dtype(e.meta.dtype)).view(e.meta.shape),
-                )
-                for e in manifest.entries
-            ]
-        out = []
-        for entry in manifest.entries:
-            m = entry.meta
-            tensor = torch.empty(m.shape, dtype=torch_dtype(m.dtype))
-            _broadcast(self._group, tensor)
-            out.append((m.name, tensor))
-        return out
-
-
-# ---- vLLM's packed layout: the same bytes ------------------------------------------------------
-#
-# vLLM 0.33's packed weight transfer concatenates tensors as raw uint8 with no padding, exactly as
-# above; its consumer rebuilds the boundaries from names/dtype_names/shapes (NCCL: a chunk closes
-# once its size exceeds packed_buffer_size_bytes, which refit sets to its largest bucket, so one
-# bucket is one chunk) or from tensor_sizes (IPC). Offsets must be aligned for each dtype (vLLM's
-# consumer fails otherwise, and its producer does not notice): plan_flattened's ordering does it.
-
-
-class VLLMBroadcastTransport(SGLangBroadcastTransport):
-    """Disaggregated transport for vLLM's NCCL weight transfer (`init_weight_transfer_engine` with
-    master_address/master_port, then `update_weights` while trainer rank 0 broadcasts): packed, one
-    uint8 broadcast per bucket; unpacked, one per tensor in `names` order. Engine i's workers are
-    ranks 1 + rank_offset_i + j (vLLM's rank_offset + TP rank, one DP replica per engine).
-
-    Backend ``nccl``: what a real vLLM server joins. The trainer speaks vLLM's rendezvous itself
-    (`refit.drivers.vllm_nccl`: vLLM's StatelessProcessGroup store key and pickled ncclUniqueId,
-    the NCCL library through ctypes as vLLM's own wrapper calls it, vLLM's one-element all-reduce
-    warm-up). It needs a CUDA build of torch and a GPU on the trainer.
-    Backend ``gloo``: the CPU stand-in that refit's emulated vLLM server joins (vLLM's own
-    receiver is NCCL-only)."""
-
-    kind = "vllm_nccl"
-
-    def __init__(self, slots: int = 2, *, backend: str = "gloo", host: str | None = None, packed: bool = True) -> None:
-        super().__init__(slots, backend=backend, host=host, flattened=packed, group_name="vllm_weight_transfer")
-        if backend == "nccl":
-            from refit.drivers.vllm_nccl import vllm_group
-
-            self.make_group = vllm_group
-
-    def connect(self, plan: Sequence[BucketManifest], topology: Topology, rank: int) -> dict[str, Any]:
-        if self.backend == "nccl" and rank == SOURCE_RANK:
-            import torch
-
-            if not torch.cuda.is_available():
-                raise RuntimeError(
-                    "VLLMBroadcastTransport(backend='nccl') sends from a GPU: this trainer's torch sees no CUDA "
-                    "device. A real vLLM server needs it; backend='gloo' only reaches refit's emulated vLLM server"
-                )
-        return super().connect(plan, topology, rank)
-
-    def attach_infos(self, rank_infos: Sequence[dict[str, Any]], topology: Topology) -> dict[str, ConnectInfo]:
-        infos = super().attach_infos(rank_infos, topology)
-        extra = {
-            "packed": self.flattened,
-            "packed_buffer_size_bytes": max(int(rank_infos[SOURCE_RANK].get("slot_bytes", 1)), 1),
-            "packed_num_buffers": self.slots,
-        }
-        return {name: ConnectInfo(i.kind, i.receiver, {**i.fields, **extra}, i.parts) for name, i in infos.items()}
-
-
-def device_key(tensor: torch.Tensor, tp_rank: int) -> str:
-    """The key vLLM's IPC receiver looks its handle up by: the physical GPU's UUID (CUDA), or, for
-    a CPU buffer (refit's emulated server only), ``cpu:<TP rank>``."""
-    import torch
-
-    if tensor.device.type == "cuda":
-        return str(torch.cuda.get_device_properties(tensor.device).uuid)
-    return f"cpu:{tp_rank}"
-
-
-def ipc_args(buffer: torch.Tensor) -> Any:
-    """What vLLM rebuilds a shared buffer from: CUDA, `reduce_tensor`'s rebuild_cuda_tensor args
-    (vLLM overwrites the device index); CPU, the buffer serialized by shared-memory name (vLLM
-    itself cannot open those: they serve refit's emulated server)."""
-    if buffer.device.type == "cuda":
-        from torch.multiprocessing.reductions import reduce_tensor
-
-        return reduce_tensor(buffer)[1]
-    return serialize(buffer)
-
-
-class VLLMIPCTransport(SGLangTensorTransport):
-    """Colocated transport for vLLM's IPC weight transfer, packed: each bucket is one shared uint8
-    buffer; `update_weights` carries names/dtype_names/shapes, `tensor_sizes` and one handle per
-    engine TP rank's device (`ipc_handles_pickled`)."""
-
-    kind = "vllm_ipc"
-
-    def attach_infos(self, rank_infos: Sequence[dict[str, Any]], topology: Topology) -> dict[str, ConnectInfo]:
-        return {
-            e.name: ConnectInfo(self.kind, f"{__name__}:VLLMIPCReceiver", fields={"packed": True}, parts=({},) * e.tp)
-            for e in topology.engines
-        }
-
-    payload_fields: ClassVar[dict[str, Any]] = {"packed": True}
-
-    def _export(self, view: torch.Tensor, manifest: BucketManifest, tp_rank: int) -> Any:
-        args = ipc_args(view)
-        if view.is_cuda:
-            self._counted(manifest.index, tp_rank, [(args[REF_COUNTER_ARGS[0]], int(args[REF_COUNTER_ARGS[1]]))])
-        return device_key(view, tp_rank), args
-
-    def _part(self, export: Any) -> dict[str, Any]:
-        key, args = export
-        return {"device": key, "args": args}
-
-
-class VLLMIPCReceiver(Receiver):
-    """Engine side of `VLLMIPCTransport` in refit's emulated vLLM server (one TP rank): looks its
-    handle up by its device key and returns views of the bucket, as vLLM's packed IPC consumer
-    splits it by `tensor_sizes`."""
-
-    def read(self, payload: Payload) -> list[tuple[str, torch.Tensor]]:
-        handles = payload.fields.get("handles") or {}
-        key = f"cpu:{self.tp_rank}"
-        if key not in handles:
-            raise ValueError(f"IPC handle not found for device {key}. Available: {sorted(handles)}")
-        buffer = deserialize(handles[key])
-        check_flattened(payload.manifest)
-        return reconstruct({"flattened_tensor": buffer, "metadata": metadata_of(payload.manifest)}, payload.manifest)

@@ -21,8 +21,8 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from refit.buckets import BucketManifest
 from refit.drivers.base import EngineDriver, Payload
-from refit.drivers.buckets import BucketManifest
 from refit.errors import EngineDied, EngineError
 from refit.states import FactMachine, Update, UpdateEvent
 

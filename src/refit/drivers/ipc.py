@@ -46,11 +46,13 @@ message per bucket. The trainer is assumed to write its parameters on the device
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from refit.buckets import BucketManifest, TensorMeta, itemsize, pack_into, plan_buckets, slot_bytes, torch_dtype
 from refit.drivers.base import (
     ConnectInfo,
     LazyTensors,
@@ -61,10 +63,18 @@ from refit.drivers.base import (
     Transport,
     routed_payloads,
 )
-from refit.drivers.buckets import BucketManifest, TensorMeta, itemsize, pack_into, plan_buckets, slot_bytes, torch_dtype
+from refit.drivers.slots import SlotPool
 
 if TYPE_CHECKING:
     import torch
+
+
+def _staging_buffer(nbytes: int, device: Any) -> tuple[Any, dict[str, Any]]:
+    """A staging buffer of `nbytes` (at least 1) on `device`, and its exported storage."""
+    import torch
+
+    buffer = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
+    return buffer, export_storage(buffer.untyped_storage())
 
 
 def export_storage(storage: Any) -> dict[str, Any]:
@@ -174,8 +184,7 @@ class IPCTransport(Transport):
         self._events: tuple[Any, Any] | None = None  # (ready, done) on a GPU
         self._cuda: dict[str, Any] | None = None  # their handles and the GPU's UUID, as engines get them
         self._slot_bytes = 0
-        self._staging: list[Any] = []  # made on first need; (tensor, exported handle)
-        self._busy: list[int | None] = []
+        self._staging = self._new_pool(0)  # each slot: (tensor, exported handle), made on first need
         self._own: dict[int, tuple[Any, dict[str, Any]]] = {}  # oversized buckets' own buffers in flight
         self._feeds = False
         self._connected = False
@@ -189,7 +198,9 @@ class IPCTransport(Transport):
 
     @property
     def buffer_bytes(self) -> int:
-        return sum(int(t.numel()) for t, _ in self._staging) + sum(int(t.numel()) for t, _ in self._own.values())
+        return sum(int(t.numel()) for t, _ in self._staging.buffers) + sum(
+            int(t.numel()) for t, _ in self._own.values()
+        )
 
     def share(self, storages: Storages | None) -> None:
         self._offered = storages
@@ -288,21 +299,12 @@ class IPCTransport(Transport):
                 self._own[manifest.index] = (buffer, handle)
                 part["staging"] = handle
                 return buffer
-            try:
-                slot = self._busy.index(None)
-            except ValueError:
-                raise RuntimeError(
-                    f"ipc transport: no free staging buffer for bucket {manifest.index}; buckets {self._busy} "
-                    "wait for their acknowledgements"
-                ) from None
-            if slot >= len(self._staging):
-                self._staging.append(self._new_buffer(self._slot_bytes))
-            self._busy[slot] = manifest.index
-            part["staging"] = self._staging[slot][1]
-            return self._staging[slot][0]
+            if not len(self._staging):  # the staging device is known from the bucket's first tensor on
+                self._staging = self._new_pool(self.slots)
+            buffer, handle = self._staging.take(manifest.index)
+            part["staging"] = handle
+            return buffer
 
-        if not self._busy:
-            self._busy = [None] * self.slots
         try:
             packed = pack_into(take_buffer, manifest, tensors, refer=self._refer)
         except BaseException:
@@ -330,10 +332,15 @@ class IPCTransport(Transport):
             yield name, tensor
 
     def _new_buffer(self, nbytes: int) -> tuple[Any, dict[str, Any]]:
-        import torch
+        return _staging_buffer(nbytes, self._device)
 
-        buffer = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self._device)
-        return buffer, export_storage(buffer.untyped_storage())
+    def _new_pool(self, count: int) -> SlotPool[tuple[Any, dict[str, Any]]]:
+        """`count` staging slots on this connection's device, each made on its first need."""
+        return SlotPool(
+            count, functools.partial(_staging_buffer, self._slot_bytes, self._device), owner="ipc transport",
+            lazy=True,
+            full="{owner}: no free staging buffer for bucket {bucket}; buckets {held} wait for their acknowledgements",
+        )  # fmt: skip
 
     def payloads(
         self, manifest: BucketManifest, parts: Sequence[dict[str, Any] | None], topology: Topology
@@ -356,21 +363,19 @@ class IPCTransport(Transport):
         if self._own.pop(index, None) is not None:
             self._after_engines()
             return
-        if index in self._busy:
+        if index in self._staging:
             self._after_engines()
-            self._busy[self._busy.index(index)] = None
+            self._staging.release(index)
 
     def abandon(self, index: int) -> None:
         """An engine may still read bucket `index`: its staging buffer is never written again."""
-        if not self._feeds or self._own.pop(index, None) is not None or index not in self._busy:
+        if not self._feeds or self._own.pop(index, None) is not None or index not in self._staging:
             return
-        slot = self._busy.index(index)
-        self._staging[slot] = self._new_buffer(self._slot_bytes)
-        self._busy[slot] = None
+        self._staging.abandon(index)
 
     def disconnect(self) -> None:
-        self._storages, self._where, self._staging, self._busy, self._own = [], {}, [], [], {}
         self._events, self._cuda, self._device = None, None, None
+        self._storages, self._where, self._staging, self._own = [], {}, self._new_pool(0), {}
         self._offered = None  # the source's tensors are not kept past the connection
         self._connected = False
 

@@ -28,8 +28,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
+from refit.buckets import BucketManifest, TensorMeta
 from refit.drivers.base import LazyTensors, Source
-from refit.drivers.buckets import BucketManifest, TensorMeta
 
 if TYPE_CHECKING:
     import torch

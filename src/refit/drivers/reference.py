@@ -35,8 +35,8 @@ from collections.abc import Sequence
 from concurrent.futures import Executor, Future
 from typing import TYPE_CHECKING, Any
 
+from refit.buckets import BucketManifest
 from refit.drivers.base import ConnectInfo, EngineDriver, PauseMode, Payload, Step, StepResult, outcome_of
-from refit.drivers.buckets import BucketManifest
 from refit.errors import EngineError
 
 if TYPE_CHECKING:
@@ -230,7 +230,7 @@ class ReferenceEngine(EngineDriver):
         return self.client.call("state_dict", timeout=timeout)
 
     def digests(self, *, timeout: float = DEFAULT_TIMEOUT) -> dict[str, int]:
-        """Each HF tensor's xxHash3 digest as the engine holds it (`refit.drivers.buckets.tensor_digest`)."""
+        """Each HF tensor's xxHash3 digest as the engine holds it (`refit.buckets.tensor_digest`)."""
         return self.client.call("digests", timeout=timeout)
 
     def info(self, *, timeout: float = DEFAULT_TIMEOUT) -> dict[str, Any]:

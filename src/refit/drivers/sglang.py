@@ -74,8 +74,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from refit.buckets import BucketManifest
 from refit.drivers.base import ConnectInfo, PauseMode, Payload
-from refit.drivers.buckets import BucketManifest
 from refit.drivers.http import HttpEngineDriver, label_version, message_of, version_tuple, versions_per_token
 from refit.errors import EngineDied, EngineError
 

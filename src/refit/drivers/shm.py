@@ -30,6 +30,7 @@ exit; `leaked_segments()` lists what is left (the soak benchmark counts it).
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import secrets
 import tempfile
@@ -38,8 +39,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from refit.buckets import BucketManifest, chunk_digests, itemsize, pack_into, slot_bytes, torch_dtype, unpack
 from refit.drivers.base import ConnectInfo, LazyTensors, Payload, Receiver, Topology, Transport, routed_payloads
-from refit.drivers.buckets import BucketManifest, chunk_digests, itemsize, pack_into, slot_bytes, torch_dtype, unpack
+from refit.drivers.slots import SlotPool
 
 if TYPE_CHECKING:
     import torch
@@ -74,6 +76,24 @@ def _map(path: str, size: int) -> torch.Tensor:
     import torch
 
     return torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+
+
+def _new_file(directory: Path, token: str, made: list[str], size: int) -> str:
+    """A new buffer file of `size` bytes, numbered and recorded in `made` (a connection's files)."""
+    path = str(directory / f"{PREFIX}{os.getpid()}-{token}-{len(made)}")
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, max(size, 1))
+    finally:
+        os.close(fd)
+    made.append(path)
+    return path
+
+
+def _new_slot(directory: Path, token: str, made: list[str], size: int) -> tuple[str, torch.Tensor]:
+    """A slot: a new buffer file and its mapping."""
+    path = _new_file(directory, token, made, size)
+    return path, _map(path, size)
 
 
 class _Arena:
@@ -168,13 +188,11 @@ class SharedMemoryTransport(Transport):
         self.directory = Path(directory) if directory else _default_dir()
         self.temp_bytes = 0
         self._feeds = False
-        self._buffers: list[torch.Tensor] = []
-        self._paths: list[str] = []
-        self._busy: list[int | None] = []  # bucket index occupying each slot
         self._own: dict[int, tuple[str, torch.Tensor]] = {}  # oversized buckets in flight
         self._all_paths: list[str] = []  # every file made for this connection (abandoned ones too)
         self._slot_bytes = 0
         self._token = ""
+        self._pool = self._new_pool(0)  # each slot: its file and the file's mapping
         self._finalizer: weakref.finalize | None = None
 
     @property
@@ -183,7 +201,7 @@ class SharedMemoryTransport(Transport):
 
     @property
     def buffer_bytes(self) -> int:
-        return len(self._buffers) * self._slot_bytes + sum(int(t.numel()) for _, t in self._own.values())
+        return len(self._pool.buffers) * self._slot_bytes + sum(int(t.numel()) for _, t in self._own.values())
 
     def connect(self, plan: Sequence[BucketManifest], topology: Topology, rank: int) -> dict[str, Any]:
         kept = self._digests  # prepare ran before this connect: its digests still hold
@@ -193,14 +211,10 @@ class SharedMemoryTransport(Transport):
         self._finalizer = weakref.finalize(self, _unlink_all, self._all_paths)
         self._feeds = self.feeds(topology, rank)
         self._slot_bytes = slot_bytes(plan) if self._feeds else 0
-        if self._feeds:
-            for _ in range(self.slots):
-                self._paths.append(self._new_file(self._slot_bytes))
-                self._busy.append(None)
-            self._buffers = [_map(p, self._slot_bytes) for p in self._paths]
+        self._pool = self._new_pool(self.slots if self._feeds else 0)
         self._arenas = _live_arenas() if (self.zero_copy and self._feeds) else []
         return {
-            "rank": rank, "paths": list(self._paths), "slot_bytes": self._slot_bytes,
+            "rank": rank, "paths": [p for p, _ in self._pool.buffers], "slot_bytes": self._slot_bytes,
             "arenas": [[a.path, a.size] for a in self._arenas],
         }  # fmt: skip
 
@@ -213,15 +227,18 @@ class SharedMemoryTransport(Transport):
             for e in topology.engines
         }
 
+    def _new_pool(self, count: int) -> SlotPool[tuple[str, torch.Tensor]]:
+        """This connection's slots: each a file and its mapping (the factory holds no reference to
+        the transport, whose garbage collection unlinks the files)."""
+        return SlotPool(
+            count, functools.partial(_new_slot, self.directory, self._token, self._all_paths, self._slot_bytes),
+            owner="shm transport",
+            full="{owner}: no free buffer for bucket {bucket}; buckets {held} are still waiting for their "
+            "acknowledgements",
+        )  # fmt: skip
+
     def _new_file(self, size: int) -> str:
-        path = str(self.directory / f"{PREFIX}{os.getpid()}-{self._token}-{len(self._all_paths)}")
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        try:
-            os.ftruncate(fd, max(size, 1))
-        finally:
-            os.close(fd)
-        self._all_paths.append(path)
-        return path
+        return _new_file(self.directory, self._token, self._all_paths, size)
 
     def pack(self, manifest: BucketManifest, tensors: LazyTensors) -> dict[str, Any] | None:
         if not self.connected:
@@ -240,16 +257,9 @@ class SharedMemoryTransport(Transport):
                 self._own[manifest.index] = (path, _map(path, manifest.nbytes))
                 part.update(path=path, size=manifest.nbytes, once=True)
                 return self._own[manifest.index][1]
-            try:
-                slot = self._busy.index(None)
-            except ValueError:
-                raise RuntimeError(
-                    f"shm transport: no free buffer for bucket {manifest.index}; buckets "
-                    f"{self._busy} are still waiting for their acknowledgements"
-                ) from None
-            self._busy[slot] = manifest.index
-            part.update(path=self._paths[slot], size=self._slot_bytes)
-            return self._buffers[slot]
+            path, buffer = self._pool.take(manifest.index)
+            part.update(path=path, size=self._slot_bytes)
+            return buffer
 
         try:
             packed = pack_into(
@@ -257,7 +267,7 @@ class SharedMemoryTransport(Transport):
                 refer=self._refer if self._arenas else None, known=self._known,
             )  # fmt: skip
         except BaseException:
-            if manifest.index in self._busy or manifest.index in self._own:  # give back what it took
+            if manifest.index in self._pool or manifest.index in self._own:  # give back what it took
                 self.release(manifest.index)
             raise
         self.temp_bytes = packed.temp_bytes
@@ -308,12 +318,6 @@ class SharedMemoryTransport(Transport):
     ) -> dict[str, Payload]:
         return routed_payloads(self, manifest, parts, topology)
 
-    def _slot_of(self, index: int) -> int:
-        try:
-            return self._busy.index(index)
-        except ValueError:
-            raise RuntimeError(f"shm transport: no buffer holds bucket {index} (slots hold {self._busy})") from None
-
     def release(self, index: int) -> None:
         if not self._feeds:
             return
@@ -321,26 +325,21 @@ class SharedMemoryTransport(Transport):
         if own is not None:
             _unlink_all([own[0]])
             return
-        if index in self._busy:
-            self._busy[self._slot_of(index)] = None
-        elif not self._arenas:  # without arenas every bucket has a buffer: a double release is a bug
-            self._slot_of(index)
+        if index in self._pool or not self._arenas:  # without arenas every bucket has a buffer: a double
+            self._pool.release(index)  # release is a bug (raises)
 
     def abandon(self, index: int) -> None:
         if not self._feeds:
             return
-        if self._own.pop(index, None) is not None or index not in self._busy:
+        if self._own.pop(index, None) is not None or index not in self._pool:
             return  # its file stays linked until disconnect (or it was sent by reference)
-        slot = self._slot_of(index)
-        self._paths[slot] = self._new_file(self._slot_bytes)  # the old file stays until disconnect
-        self._buffers[slot] = _map(self._paths[slot], self._slot_bytes)
-        self._busy[slot] = None
+        self._pool.abandon(index)  # a new file; the old one stays until disconnect
 
     def disconnect(self) -> None:
         if self._finalizer is not None:
             self._finalizer()  # unlinks the files exactly once
             self._finalizer = None
-        self._buffers, self._paths, self._busy, self._own, self._all_paths = [], [], [], {}, []
+        self._pool, self._own, self._all_paths = self._new_pool(0), {}, []
         self._arenas = []
         self._digests = {}
 

@@ -21,8 +21,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from refit.buckets import BucketManifest, TensorMeta, dtype_name
 from refit.drivers.base import LazyTensors, Source, Storages
-from refit.drivers.buckets import BucketManifest, TensorMeta, dtype_name
 
 if TYPE_CHECKING:
     import torch

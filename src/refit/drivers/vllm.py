@@ -72,8 +72,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from refit.buckets import BucketManifest
 from refit.drivers.base import ConnectInfo, PauseMode, Payload
-from refit.drivers.buckets import BucketManifest
 from refit.drivers.http import (
     DEFAULT_TIMEOUT,
     HttpEngineDriver,

@@ -204,7 +204,7 @@ class NcclLibrary:
 
 
 def _dtype(tensor: Any) -> int:
-    from refit.drivers.buckets import dtype_name
+    from refit.buckets import dtype_name
 
     name = dtype_name(tensor.dtype)
     if name not in NCCL_DTYPES:

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from refit.drivers.buckets import BucketManifest, chunk_digests, combine, copy_digests, dtype_name
+from refit.buckets import BucketManifest, chunk_digests, combine, copy_digests, dtype_name
 from refit.errors import EngineError
 from refit.reference.model import ModelConfig, attention, init_weights, rms_norm, rope
 
@@ -851,7 +851,7 @@ class EngineCore:
     def digests(self) -> dict[str, int]:
         """Each HF tensor's xxHash3 digest of its bytes as this engine holds them, unfused (a
         bit-exact check of a large state without shipping it: the trainer hashes its own)."""
-        from refit.drivers.buckets import tensor_digest
+        from refit.buckets import tensor_digest
 
         if self.comm.size > 1:
             return {name: tensor_digest(t) for name, t in self.hf_state_dict().items()}

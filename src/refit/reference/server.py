@@ -60,9 +60,9 @@ SHUTDOWN = "__shutdown__"
 RECEIVER_PREFIX = "refit."  # receivers are imported by path; only refit's own may be named
 ALLOWED_CLASSES = frozenset(
     {
-        ("refit.drivers.buckets", "BucketManifest"),
-        ("refit.drivers.buckets", "TensorEntry"),
-        ("refit.drivers.buckets", "TensorMeta"),
+        ("refit.buckets", "BucketManifest"),
+        ("refit.buckets", "TensorEntry"),
+        ("refit.buckets", "TensorMeta"),
         ("refit.drivers.base", "ConnectInfo"),
         ("refit.drivers.base", "Payload"),
     }

@@ -74,8 +74,8 @@ from hypothesis.stateful import (
 )
 
 from refit import invariants, protocol
+from refit.buckets import plan_buckets
 from refit.drivers.base import EngineDriver, Transport
-from refit.drivers.buckets import plan_buckets
 from refit.errors import RefitBusyError
 from refit.protocol.faults import FAULT_KINDS, Fault
 from refit.states import ACTIVE_STATES, RETRY_STATES

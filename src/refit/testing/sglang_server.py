@@ -43,8 +43,8 @@ from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 from typing import Any
 
+from refit.buckets import BucketManifest, TensorEntry, TensorMeta, itemsize
 from refit.drivers.base import ConnectInfo, Payload
-from refit.drivers.buckets import BucketManifest, TensorEntry, TensorMeta, itemsize
 from refit.drivers.flattened import FLATTENED_BUCKET, manifest_from_metadata, peek_metadata
 from refit.drivers.http import version_tuple
 from refit.drivers.reference import ReferenceEngine
@@ -222,7 +222,7 @@ class EmulatedSGLang(EmulatedServer):
             "attach",
             ConnectInfo(
                 "sglang_tensor",
-                "refit.drivers.flattened:FlattenedTensorReceiver",
+                "refit.drivers.sglang_transport:FlattenedTensorReceiver",
                 fields={"decoder": self.decoder},
                 parts=({},) * self.tp,
             ),
@@ -480,7 +480,7 @@ class EmulatedSGLang(EmulatedServer):
                 )
             info = ConnectInfo(
                 "sglang_broadcast",
-                "refit.drivers.flattened:SGLangBroadcastReceiver",
+                "refit.drivers.sglang_transport:SGLangBroadcastReceiver",
                 fields={
                     "addr": obj.master_address, "port": int(obj.master_port), "world": int(obj.world_size),
                     "group": name, "backend": obj.backend, "timeout_s": GROUP_TIMEOUT_S,

@@ -32,8 +32,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from refit.buckets import ITEMSIZE, BucketManifest, TensorEntry, TensorMeta
 from refit.drivers.base import ConnectInfo, Payload
-from refit.drivers.buckets import ITEMSIZE, BucketManifest, TensorEntry, TensorMeta
 from refit.drivers.flattened import FLATTENED_BUCKET
 from refit.drivers.reference import ReferenceEngine
 from refit.drivers.vllm import VLLMEngine
@@ -321,7 +321,7 @@ class EmulatedVLLM(EmulatedServer):
                 if not init.get("packed"):
                     raise self._rpc("unpacked IPC transfers are not emulated (send packed buckets)")
                 info = ConnectInfo(
-                    "vllm_ipc", "refit.drivers.flattened:VLLMIPCReceiver", {"packed": True}, ({},) * self.tp
+                    "vllm_ipc", "refit.drivers.vllm_transport:VLLMIPCReceiver", {"packed": True}, ({},) * self.tp
                 )
             else:
                 missing = [k for k in ("rank_offset", "world_size") if k not in init]
@@ -335,7 +335,7 @@ class EmulatedVLLM(EmulatedServer):
                     )
                 info = ConnectInfo(
                     "vllm_nccl",
-                    "refit.drivers.flattened:SGLangBroadcastReceiver",
+                    "refit.drivers.sglang_transport:SGLangBroadcastReceiver",
                     {"addr": init["master_address"], "port": int(init["master_port"]), "world": int(init["world_size"]),
                      "group": "vllm_weight_transfer", "backend": "gloo", "timeout_s": GROUP_TIMEOUT_S},
                     tuple({"rank": int(init["rank_offset"]) + j} for j in range(self.tp)),
