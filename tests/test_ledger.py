@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from refit.buckets import BucketManifest
 from refit.drivers.base import Step, StepResult
-from refit.drivers.buckets import BucketManifest
 from refit.errors import NO_EFFECT_KINDS, EngineDied, EngineError, IllegalTransition, InvariantViolation, NoTimeLeft
 from refit.protocol.ledger import Engine, Ledger
 from refit.states import FACT_TABLES, EngineEvent, EngineState, FactMachine, Failure, Memory, Weights

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from refit import protocol
 from refit.buckets import TensorMeta
-from refit.drivers.broadcast import BroadcastTransport, _group
+from refit.drivers.broadcast import BroadcastTransport, new_group
 from refit.drivers.ipc import IPCTransport
 from refit.drivers.reference import ReferenceEngine
 from refit.drivers.sglang_transport import SGLangTensorTransport
@@ -149,7 +149,7 @@ def test_nccl_side_group_beside_a_bound_default_group() -> None:
     )  # fmt: skip
     try:
         store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
-        group = _group(store, "side", 0, 1, 30.0, "nccl")
+        group = new_group(store, "side", 0, 1, 30.0, "nccl")
         t = torch.arange(16, device="cuda", dtype=torch.float32)
         opts = dist.BroadcastOptions()
         opts.rootRank = 0

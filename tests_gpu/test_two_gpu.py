@@ -66,7 +66,7 @@ def test_nccl_broadcast_refit_gpu0_to_gpu1(ops: str, direct_bytes: int) -> None:
 ROLE = """
 import datetime, json, os, sys, time, torch, torch.distributed as dist
 sys.path.insert(0, {src!r})
-from refit.drivers.broadcast import broadcast_from_source, _group, close_group
+from refit.drivers.broadcast import broadcast_from_source, new_group, close_group
 cfg = json.loads(sys.argv[1])
 torch.cuda.set_device(cfg["gpu"])
 if cfg["role"] in ("rank0", "rank1"):  # the trainer's default group, bound to a device (eager NCCL init)
@@ -81,7 +81,7 @@ elif cfg["mode"] == "naive":  # the source rank makes its weight-update group fr
 else:  # refit's way: a group of its own store (trainer rank 0 + an engine), never from the default group
     store = dist.TCPStore("127.0.0.1", cfg["side_port"], 2, is_master=cfg["role"] == "rank0",
                           wait_for_workers=False, timeout=datetime.timedelta(seconds=60))
-    group = _group(store, "side", 0 if cfg["role"] == "rank0" else 1, 2, 60.0, "nccl")
+    group = new_group(store, "side", 0 if cfg["role"] == "rank0" else 1, 2, 60.0, "nccl")
     t = torch.full((1024,), 7.0 if cfg["role"] == "rank0" else 0.0, device="cuda")
     broadcast_from_source(group, t)
     torch.cuda.synchronize()

@@ -36,7 +36,7 @@ import torch
 from refit import protocol
 from refit.bench_gpu import SHAPES, _step, refit_times
 from refit.buckets import BucketManifest, TensorMeta, plan_buckets, tensor_digest
-from refit.drivers.broadcast import BroadcastTransport, _group, broadcast_from_source, close_group
+from refit.drivers.broadcast import BroadcastTransport, broadcast_from_source, close_group, new_group
 from refit.drivers.reference import ReferenceEngine
 from refit.drivers.torch_source import TorchSource
 from refit.reference.model import init_weights
@@ -60,7 +60,7 @@ def _pair(port: int, rank: int, timeout_s: float = 120.0) -> Any:
         "127.0.0.1", port, 2, is_master=rank == 0, wait_for_workers=False,
         timeout=datetime.timedelta(seconds=timeout_s),
     )  # fmt: skip
-    return store, _group(store, "bench", rank, 2, timeout_s, "nccl")
+    return store, new_group(store, "bench", rank, 2, timeout_s, "nccl")
 
 
 def _sides(

@@ -78,7 +78,7 @@ def timeout_delta(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=max(float(seconds), 0.05))
 
 
-def _group(store: Any, name: str, rank: int, size: int, timeout_s: float, backend: str) -> Any:
+def new_group(store: Any, name: str, rank: int, size: int, timeout_s: float, backend: str) -> Any:
     """A process group of `size` members made from `store` alone (no default group involved)."""
     import torch.distributed as dist
 
@@ -191,7 +191,7 @@ def _typed(buffer: torch.Tensor, entry: TensorEntry) -> torch.Tensor:
 class BroadcastTransport(Transport):
     kind = "broadcast"
     collective = True
-    make_group = staticmethod(_group)  # how the side group is built from the store (a wire layout may differ)
+    make_group = staticmethod(new_group)  # how the side group is built from the store (a wire layout may differ)
 
     def __init__(
         self,
@@ -452,7 +452,7 @@ class BroadcastReceiver(Receiver):
     """One engine TP rank's side: joins the group at attach (blocking until it forms), receives
     each bucket into a reusable buffer and returns views into it."""
 
-    make_group = staticmethod(_group)
+    make_group = staticmethod(new_group)
 
     def __init__(self, info: ConnectInfo, tp_rank: int = 0) -> None:
         super().__init__(info, tp_rank)

@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from refit.buckets import BucketManifest
 from refit.drivers.base import Step, StepResult
-from refit.drivers.buckets import BucketManifest
 from refit.errors import EngineDied, EngineError, InvariantViolation, NoTimeLeft, RefitError
 from refit.protocol.answers import wrap_error
 from refit.protocol.context import EngineOutcome

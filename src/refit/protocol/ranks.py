@@ -37,8 +37,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from refit.buckets import BucketManifest, TensorMeta
 from refit.drivers.base import LazyTensors, Source, Topology, Transport
-from refit.drivers.buckets import BucketManifest, TensorMeta
 from refit.errors import RankError, RefitError
 
 SEND_CALLS = frozenset({"send"})

@@ -40,8 +40,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from refit import invariants
+from refit.buckets import BucketManifest
 from refit.drivers.base import Step, StepResult, Topology
-from refit.drivers.buckets import BucketManifest
 from refit.errors import DeadlineExceeded, DriverCallError, EngineError, InvariantViolation, RefitError
 from refit.protocol import faults
 from refit.protocol.answers import wrap_error
