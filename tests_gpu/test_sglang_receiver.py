@@ -35,6 +35,7 @@ from tests_gpu.sglang_engine import engine  # importable by name in the spawned 
 
 from refit.buckets import TensorMeta
 from refit.drivers import flattened as fl
+from refit.drivers import sglang_transport
 from refit.drivers.base import Topology
 from refit.drivers.sglang_transport import SGLangTensorTransport
 
@@ -52,7 +53,7 @@ def _weights(refit: int) -> dict[str, torch.Tensor]:
 
 def _run(mode: str, protect: bool, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     if not protect:
-        monkeypatch.setattr(fl, "_still_held", lambda handle, offset: False)
+        monkeypatch.setattr(sglang_transport, "_still_held", lambda handle, offset: False)
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=engine, args=(child, mode, SLEEP_CYCLES), daemon=True)
