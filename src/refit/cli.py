@@ -310,7 +310,10 @@ def _diagram(args: argparse.Namespace) -> int:
         if diagram.is_current(args.out, args.readme):
             print(f"{target} is current")
             return 0
-        print(f"{target} (or the README's copy) is stale: run `refit diagram`", file=sys.stderr)
+        if not target.is_file():
+            print(f"{target.resolve()} does not exist: run `refit diagram` (in the repository root)", file=sys.stderr)
+        else:
+            print(f"{target} (or the README's copy) is stale: run `refit diagram`", file=sys.stderr)
         return 1
     for path in diagram.write(args.out, args.readme):
         print(f"wrote {path}")
