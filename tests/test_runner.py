@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable
 
 import pytest
@@ -112,6 +114,54 @@ def test_a_connection_with_an_abandoned_buffer_is_rebuilt_by_the_next_run(
     ]  # fmt: skip
     assert second.ok and all(matches(e, trainer) for e in engines)
     assert ctx.session.connection.state == "CLEAN"
+
+
+def test_close_from_another_thread_waits_for_the_run_to_settle_every_engine(
+    trainer: TinyLlama, thread_engines, make_ctx
+) -> None:
+    """`ctx.close()` while a run waits on a hung engine: the run finishes its own cleanup first
+    (the healthy engine is updated and serving), then the context closes. (Found by review of
+    issue 20: the run's cleanup hit the closed connection's table and left the healthy engine
+    paused; before issue 20 the close raced the run.)"""
+    engines = thread_engines(2)
+    plan = protocol.FaultPlan().fail_at("transferring", engine=1, bucket=2, call="load", kind="hang")
+    ctx = make_ctx(trainer, engines, faults=plan, call_timeout_s=1.0, retries=0)
+    out: dict[str, object] = {}
+    runner = threading.Thread(target=lambda: out.update(result=protocol.run(ctx)))
+    runner.start()
+    time.sleep(0.4)
+    ctx.close()
+    runner.join(30)
+    result = out["result"]
+    assert isinstance(result, protocol.RefitResult) and result.state == "DONE"
+    assert result.engines[engines[0].name].status == "updated"
+    assert not engines[0].info()["paused"] and matches(engines[0], trainer)
+    assert ctx.lock.holder is None and ctx.session.closed
+    with pytest.raises(RuntimeError, match="closed"):
+        protocol.run(ctx)
+
+
+def test_a_driver_that_raises_on_detach_does_not_stop_close(trainer: TinyLlama, thread_engines, make_ctx) -> None:
+    """A driver that raises from `run_steps_async` instead of answering: close records that
+    engine's detach as failed, still disconnects the ranks and ends the trace."""
+    engines = thread_engines(2)
+    ctx = make_ctx(trainer, engines)
+    assert protocol.run(ctx).ok
+    broken = engines[1]
+    original = broken.run_steps_async
+
+    def raising(steps, *, timeout, executor):  # type: ignore[no-untyped-def]
+        if any(s.call == "detach" for s in steps):
+            raise RuntimeError("driver bug: detach raises")
+        return original(steps, timeout=timeout, executor=executor)
+
+    broken.run_steps_async = raising  # type: ignore[method-assign]
+    ctx.close()
+    ends = [(c["event"], c.get("engine"), c["outcome"]) for c in calls(ctx) if c["event"] in ("detach", "disconnect")]
+    assert ends == [
+        ("detach", engines[0].name, "ok"), ("detach", broken.name, "error"), ("disconnect", None, "ok"),
+    ]  # fmt: skip
+    assert ctx.session.closed
 
 
 def test_unsafe_configurations_are_refused_before_anything_runs(trainer: TinyLlama, thread_engines) -> None:

@@ -251,6 +251,19 @@ class RefitContext:
         if self.session.closed:
             return
         assert self.ranks is not None
+        # a run in progress (another thread) ends first: its cleanup settles every engine; it is
+        # bounded by its deadline plus cleanup grace, so this wait is too
+        took = self.session.in_use.acquire(timeout=self.deadline_s + self.cleanup_grace_s + 5.0)
+        try:
+            self._close()
+        finally:
+            if took:
+                self.session.in_use.release()
+
+    def _close(self) -> None:
+        assert self.ranks is not None
+        if self.session.closed:
+            return
         if not self.leader:
             self.session.close()
             try:

@@ -528,11 +528,19 @@ def run(ctx: RefitContext) -> RefitResult:
         if isinstance(outcome, BaseException):
             raise outcome
         return outcome
+    # `close()` from another thread waits for the run's cleanup; a second run of this context at
+    # the same time does not queue here: the engines' lock refuses it at once, as it always has
+    took = ctx.session.in_use.acquire(blocking=False)
     try:
+        if ctx.session.closed:
+            raise RuntimeError("this RefitContext is closed")
         result = _lead(ctx)
     except BaseException as exc:
         ctx.ranks.finish(exc)
         raise
+    finally:
+        if took:
+            ctx.session.in_use.release()
     ctx.ranks.finish(result)
     log = logging.getLogger(__name__)
     unfired = ctx.faults.unfired() if ctx.faults is not None else []

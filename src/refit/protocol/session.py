@@ -13,7 +13,9 @@ calls); outside a run `disconnect` does it for the context.
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +42,7 @@ class Session:
     incarnations: dict[str, str] = field(default_factory=dict)  # last incarnation seen per engine name
     lock_taken: int | None = None  # the lock's acquisition count at the last run (None: unknown)
     lanes: dict[str, concurrent.futures.ThreadPoolExecutor] = field(default_factory=dict)  # per engine name
+    in_use: threading.Lock = field(default_factory=threading.Lock)  # held by a run (leader) while it runs
 
     @property
     def closed(self) -> bool:
@@ -88,10 +91,7 @@ def disconnect(ctx: RefitContext, *, timeout: float) -> None:
     emit = ctx.recorder.emit
     clock = ctx.clock
     budget = max(timeout, 0.05)
-    futures = [
-        (d, d.run_steps_async([Step("detach", "IDLE")], timeout=budget, executor=session.lane(d.name)), clock())
-        for d in attached
-    ]
+    futures = [(d, _detach(d, budget, session.lane(d.name)), clock()) for d in attached]
     concurrent.futures.wait([f for _, f, _ in futures], timeout=budget + SLACK_S)
     for d, fut, t0 in futures:
         res = first_result(fut, budget)
@@ -107,3 +107,13 @@ def disconnect(ctx: RefitContext, *, timeout: float) -> None:
     except Exception as exc:
         outcome, error = outcome_of(exc), f"{type(exc).__name__}: {exc}"
     emit("call", "disconnect", side="transport", outcome=outcome, duration_s=round(clock() - t0, 6), error=error)
+
+
+def _detach(driver: Any, budget: float, lane: concurrent.futures.Executor) -> Future[Any]:
+    """A detach call; a driver that raises instead of answering is recorded as that failure."""
+    try:
+        return driver.run_steps_async([Step("detach", "IDLE")], timeout=budget, executor=lane)
+    except Exception as exc:
+        fut: Future[Any] = Future()
+        fut.set_exception(exc)
+        return fut

@@ -27,7 +27,8 @@ Per HTTP engine driver (`refit.drivers.http.UpdateLedger`), across runs:
 Per context (`refit.protocol.session.Session`), across runs:
 - **Connection**: whether the transport's connection may be reused. CLEAN (nothing spoiled it),
   DIRTY (being built, or an engine may still read a buffer that was abandoned), BROKEN (a member
-  broke the collective group: rebuild before streaming again), CLOSED (the context is closed).
+  broke the collective group: rebuild before streaming again), CLOSED (the context is closed;
+  final: a run that outlived the close changes nothing).
 
 Per run:
 - **Trainer**: RESIDENT or OFFLOADED (colocated runs: owed a restore).
@@ -172,6 +173,13 @@ CONNECTION_TRANSITIONS: tuple[tuple[ConnectionEvent, tuple[Connection, ...], Con
     (CE.BREAK, OPEN_CONNECTION, C.BROKEN),
     (CE.TEAR_DOWN, OPEN_CONNECTION, C.CLEAN),
     (CE.CLOSE, (*OPEN_CONNECTION, C.CLOSED), C.CLOSED),
+    # a run that outlived `close()` (which waits for it, up to the run's own bound) still ends its
+    # cleanup: what it does to a closed connection changes nothing
+    (CE.BUILD, (C.CLOSED,), C.CLOSED),
+    (CE.FORM, (C.CLOSED,), C.CLOSED),
+    (CE.ABANDON, (C.CLOSED,), C.CLOSED),
+    (CE.BREAK, (C.CLOSED,), C.CLOSED),
+    (CE.TEAR_DOWN, (C.CLOSED,), C.CLOSED),
 )
 
 
