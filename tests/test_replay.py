@@ -67,6 +67,36 @@ def test_a_fresh_multi_run_trace_replays(tmp_path: Path) -> None:
     assert [s.state for s in report.replayed] == [s.state for s in report.recorded]
 
 
+@pytest.mark.parametrize("call", ["probe", "pause", "load"])
+def test_a_driver_that_raises_a_plain_error_is_checked_and_replayed(call: str, tmp_path: Path) -> None:
+    """A driver bug that raises a plain RuntimeError (no refit error type): the trace it leaves
+    passes `refit check` and `refit replay` (replay rebuilt it under another type name, so the
+    decisions check and the replay reported a divergence; found by review of issue 20)."""
+    path = tmp_path / "t.jsonl"
+    engines = [ReferenceEngine.in_thread(f"raise{i}", CONFIG, seed=0) for i in range(2)]
+    original = engines[1].run_steps_async
+
+    def raising(steps, *, timeout, executor):  # type: ignore[no-untyped-def]
+        if any(s.call == call for s in steps):
+            raise RuntimeError(f"driver bug raising on {call}")
+        return original(steps, timeout=timeout, executor=executor)
+
+    engines[1].run_steps_async = raising  # type: ignore[method-assign]
+    model = TinyLlama(CONFIG, seed=1)
+    try:
+        with protocol.RefitContext(
+            TorchSource(model), SharedMemoryTransport(), engines, bucket_bytes=64 << 10, trace=path, retries=0
+        ) as ctx:
+            result = protocol.run(ctx)
+            assert result.engines["raise0"].status == "updated" and result.engines["raise1"].status != "updated"
+    finally:
+        for e in engines:
+            e.close()
+    assert "RuntimeError: driver bug" in path.read_text()
+    assert main(["check", str(path)]) == 0
+    assert main(["replay", str(path)]) == 0
+
+
 def tamper(src: Path, dst: Path, match: dict, change: dict) -> None:
     lines = []
     done = False

@@ -55,6 +55,19 @@ class ReplayedError(RuntimeError):
     """A recorded driver error of a type replay does not rebuild; its text is kept."""
 
 
+_REPLAYED: dict[str, type[ReplayedError]] = {}
+
+
+def _replayed(typ: str) -> type[ReplayedError]:
+    """A ReplayedError named as the recorded type (`RuntimeError`, `ValueError`, ...), so the
+    replayed call records the same type as the original: the runner acts on none of them."""
+    if not typ.isidentifier():
+        return ReplayedError
+    if typ not in _REPLAYED:
+        _REPLAYED[typ] = type(typ, (ReplayedError,), {"__module__": __name__})
+    return _REPLAYED[typ]
+
+
 def normalize(event: dict[str, Any]) -> dict[str, Any]:
     """The part of an event a replay must reproduce (no timings, ids, tokens or error wording)."""
     out = {k: event[k] for k in COMPARED if k in event}
@@ -214,7 +227,7 @@ def error_of(event: dict[str, Any]) -> BaseException:
     if typ == "RankError":
         rank, _, text = msg.partition(": ")
         return RankError(int(rank.removeprefix("rank ") or 0), text)
-    return ReplayedError(f"{typ}: {msg}")
+    return _replayed(typ)(msg) if typ.isidentifier() else ReplayedError(f"{typ}: {msg}")
 
 
 def outcome_of_event(event: dict[str, Any] | None) -> Any:
