@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -12,8 +13,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from refit import invariants, protocol
+from refit.buckets import plan_buckets
+from refit.drivers.base import Step
 from refit.drivers.reference import ReferenceEngine
-from refit.errors import EngineError
+from refit.drivers.torch_source import TorchSource
+from refit.errors import EngineError, NoTimeLeft
 from refit.reference.model import TinyLlama, greedy
 
 from .conftest import CONFIG, matches, perturbed
@@ -436,3 +440,43 @@ def test_a_planned_fault_that_never_fires_is_reported(
         result = protocol.run(ctx)
     assert result.ok and faults.unfired()
     assert any("never fired" in r.getMessage() and "'bucket': 99" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("batched", [True, False])
+def test_steps_after_one_that_overran_its_budget_are_never_started(batched: bool) -> None:
+    """[pause, flush, begin] in one call whose pause hangs past the call's budget: the engine
+    pauses late (it was asked to), but flush and begin never start, so no update session opens
+    behind the runner's back; a call queued on the lane behind it starts nothing either. Batched:
+    the reference engine runs the list itself; not batched: the driver's default, one call per
+    step. (Found by review of issue 20: steps kept running after the runner gave up on the call.)"""
+
+    class PerStep(ReferenceEngine):
+        def pause(self, mode: str, *, timeout: float) -> None:  # overridden: the default path runs
+            super().pause(mode, timeout=timeout)
+
+        def continue_generation(self, *, timeout: float) -> None:
+            super().continue_generation(timeout=timeout)
+
+    engine = (ReferenceEngine if batched else PerStep).in_thread("overrun", CONFIG, seed=0)
+    lane = ThreadPoolExecutor(1)
+    try:
+        engine.arm_fault("hang", "pause", bucket=None, seconds=1.2, timeout=5.0)
+        plan = plan_buckets(TorchSource(TinyLlama(CONFIG, seed=1)).metas(), 64 << 10)
+        steps = [
+            Step("pause", "PAUSING", ("retract",)),
+            Step("flush", "INVALIDATING"),
+            Step("begin", "INVALIDATING", (plan,)),
+        ]
+        first = engine.run_steps_async(steps, timeout=0.3, executor=lane)
+        if not batched:  # the default path queues calls on the engine's lane
+            queued = engine.run_steps_async([Step("continue_generation", "CONTINUING")], timeout=0.3, executor=lane)
+            later = queued.result(timeout=10)
+            assert later[0].outcome == "timeout" and isinstance(later[0].error, NoTimeLeft)
+        results = first.result(timeout=10)
+        assert results[-1].outcome == "timeout"
+        time.sleep(1.5)  # past the hang: whatever the engine would still do, it has done
+        info = engine.info()
+        assert info["paused"] and not info["session_open"]
+    finally:
+        lane.shutdown(wait=True)
+        engine.close()

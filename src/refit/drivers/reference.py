@@ -141,7 +141,7 @@ class ReferenceEngine(EngineDriver):
             return super().run_steps_async(steps, timeout=timeout, executor=executor)
         out: Future[list[StepResult]] = Future()
         end = time.monotonic() + timeout
-        reply = self.client.call_async("steps", [(s.call, tuple(s.args)) for s in steps])
+        reply = self.client.call_async("steps", [(s.call, tuple(s.args)) for s in steps], timeout)
 
         def done(f: Future[Any]) -> None:
             now = round(time.monotonic(), 6)

@@ -309,11 +309,19 @@ class EngineServer:
             self._corrupt_next_load = True
         return kind
 
-    def _steps(self, steps: list[tuple[str, tuple[Any, ...]]]) -> list[tuple[bool, Any, float]]:
-        """Run consecutive protocol calls, stopping at the first that fails."""
+    def _steps(
+        self, steps: list[tuple[str, tuple[Any, ...]]], budget: float | None = None
+    ) -> list[tuple[bool, Any, float]]:
+        """Run consecutive protocol calls, stopping at the first that fails. `budget`: seconds the
+        caller gave the whole call, from when the engine takes it up; a step that would start after
+        it is not run (an earlier one overran: the caller has given up on the call)."""
         out: list[tuple[bool, Any, float]] = []
+        end = None if budget is None else time.monotonic() + budget
         for call, args in steps:
             t0 = time.monotonic()
+            if out and end is not None and t0 >= end:
+                out.append((False, ("deadline", f"{call} not started: the call's {budget:.3g}s budget was spent"), 0.0))
+                break
             try:
                 if call not in PROTOCOL_CALLS:
                     raise EngineError("bad_request", f"{call!r} is not a protocol step")
