@@ -17,7 +17,7 @@ from refit.buckets import plan_buckets
 from refit.drivers.base import Step
 from refit.drivers.reference import ReferenceEngine
 from refit.drivers.torch_source import TorchSource
-from refit.errors import EngineError, NoTimeLeft
+from refit.errors import EngineError
 from refit.reference.model import TinyLlama, greedy
 
 from .conftest import CONFIG, matches, perturbed
@@ -442,22 +442,12 @@ def test_a_planned_fault_that_never_fires_is_reported(
     assert any("never fired" in r.getMessage() and "'bucket': 99" in r.getMessage() for r in caplog.records)
 
 
-@pytest.mark.parametrize("batched", [True, False])
-def test_steps_after_one_that_overran_its_budget_are_never_started(batched: bool) -> None:
-    """[pause, flush, begin] in one call whose pause hangs past the call's budget: the engine
-    pauses late (it was asked to), but flush and begin never start, so no update session opens
-    behind the runner's back; a call queued on the lane behind it starts nothing either. Batched:
-    the reference engine runs the list itself; not batched: the driver's default, one call per
-    step. (Found by review of issue 20: steps kept running after the runner gave up on the call.)"""
-
-    class PerStep(ReferenceEngine):
-        def pause(self, mode: str, *, timeout: float) -> None:  # overridden: the default path runs
-            super().pause(mode, timeout=timeout)
-
-        def continue_generation(self, *, timeout: float) -> None:
-            super().continue_generation(timeout=timeout)
-
-    engine = (ReferenceEngine if batched else PerStep).in_thread("overrun", CONFIG, seed=0)
+def test_steps_after_one_that_overran_its_budget_are_never_started() -> None:
+    """[pause, flush, begin] in one call to the reference engine whose pause hangs past the
+    call's budget: the engine pauses late (it was asked to), but flush and begin never start, so
+    no update session opens behind the runner's back. (Found by review of issue 20: the engine
+    ran the rest of a call after the runner gave up on it.)"""
+    engine = ReferenceEngine.in_thread("overrun", CONFIG, seed=0)
     lane = ThreadPoolExecutor(1)
     try:
         engine.arm_fault("hang", "pause", bucket=None, seconds=1.2, timeout=5.0)
@@ -467,12 +457,7 @@ def test_steps_after_one_that_overran_its_budget_are_never_started(batched: bool
             Step("flush", "INVALIDATING"),
             Step("begin", "INVALIDATING", (plan,)),
         ]
-        first = engine.run_steps_async(steps, timeout=0.3, executor=lane)
-        if not batched:  # the default path queues calls on the engine's lane
-            queued = engine.run_steps_async([Step("continue_generation", "CONTINUING")], timeout=0.3, executor=lane)
-            later = queued.result(timeout=10)
-            assert later[0].outcome == "timeout" and isinstance(later[0].error, NoTimeLeft)
-        results = first.result(timeout=10)
+        results = engine.run_steps_async(steps, timeout=0.3, executor=lane).result(timeout=10)
         assert results[-1].outcome == "timeout"
         time.sleep(1.5)  # past the hang: whatever the engine would still do, it has done
         info = engine.info()

@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from refit.buckets import BucketManifest, TensorMeta, plan_buckets
-from refit.errors import NoTimeLeft
 
 if TYPE_CHECKING:
     import torch
@@ -499,10 +498,6 @@ class EngineDriver(ABC):
         results: list[StepResult] = []
         for step in steps:
             t0 = time.monotonic()
-            if results and t0 >= end:  # an earlier step overran the call's budget: the rest never start
-                err = NoTimeLeft(f"{step.call} not started: the call's {timeout:.3g}s budget was spent")
-                results.append(StepResult("timeout", error=err, seconds=0.0, done_at=t0))
-                break
             try:
                 value = getattr(self, step.call)(*step.args, timeout=max(end - t0, 0.0))
             except Exception as exc:
@@ -516,18 +511,7 @@ class EngineDriver(ABC):
     def run_steps_async(self, steps: Sequence[Step], *, timeout: float, executor: Executor) -> Future[list[StepResult]]:
         """Start `run_steps` and return its future. Override to hand back the engine's own future
         (a reply matched by id, a Ray ObjectRef) instead of holding one of `executor`'s threads."""
-        end = time.monotonic() + timeout
-        return executor.submit(self._run_steps_by, steps, end)
-
-    def _run_steps_by(self, steps: Sequence[Step], end: float) -> list[StepResult]:
-        """`run_steps` with what is left of a budget that started when the call was made: a call
-        that waited on the engine's lane behind one that overran (a hung engine) starts nothing
-        once its own budget is gone (the runner has given up on it and may have moved on)."""
-        now = time.monotonic()
-        if now >= end:
-            err = NoTimeLeft(f"{steps[0].call} not started: it waited past its budget behind an earlier call")
-            return [StepResult("timeout", error=err, seconds=0.0, done_at=now)]
-        return self.run_steps(steps, timeout=end - now)
+        return executor.submit(self.run_steps, steps, timeout=timeout)
 
     # ---- optional hooks ------------------------------------------------------------------------
 
