@@ -10,11 +10,9 @@ How a run proceeds (on the leader; other trainer ranks follow, see `refit.protoc
   1. Take the engines' lock with a fresh owner token (bounded; busy -> RefitBusyError, nothing
      done). Read each engine's incarnation (bounded). Every rank reports its tensor metadata; the
      ranks must agree; the transport plans the buckets.
-  2. Engine calls go out in waves. Steady state takes two control waves:
-       [probe, (resume weights), pause, flush, begin]   then the bucket loop   then
-       [publish, continue, (resume KV)]
-     with each engine's finalize riding on its last bucket's call (and, when nothing can refuse,
-     bucket 0 riding the pause wave). Each step is recorded as its own event in its own state.
+  2. Engine calls go out in waves. Steady state takes two control waves, [probe, (resume weights),
+     pause, flush, begin] and [publish, continue, (resume KV)], around the bucket loop; finalize
+     rides on the last bucket's call (and, when nothing can refuse, bucket 0 on the pause wave).
   3. An engine whose call fails leaves the attempt; the others carry on. Engines that failed with
      an error inside the update are retried (a collective group a member broke is rebuilt first).
   4. TRANSFERRING streams buckets through `transport.slots` buffers: every rank packs bucket k
@@ -528,8 +526,7 @@ def run(ctx: RefitContext) -> RefitResult:
         if isinstance(outcome, BaseException):
             raise outcome
         return outcome
-    # `close()` from another thread waits for the run's cleanup; a second run of this context at
-    # the same time does not queue here: the engines' lock refuses it at once, as it always has
+    # close() from another thread waits for this run; a second run does not queue: the lock refuses it
     took = ctx.session.in_use.acquire(blocking=False)
     try:
         if ctx.session.closed:
