@@ -15,13 +15,11 @@ How a run proceeds (on the leader; other trainer ranks follow, see `refit.protoc
      rides on the last bucket's call (and, when nothing can refuse, bucket 0 on the pause wave).
   3. An engine whose call fails leaves the attempt; the others carry on. Engines that failed with
      an error inside the update are retried (a collective group a member broke is rebuilt first).
-  4. TRANSFERRING streams buckets through `transport.slots` buffers: every rank packs bucket k
-     while engines copy bucket k-1; a buffer is released only after every engine answered for it
-     (and the send finished), else abandoned (the connection is then not reused).
-  5. CONTINUING: a per-engine commit gate re-checks from the run's own events that the engine's
-     last attempt acked every bucket and finalized; those engines publish and continue. Engines
-     that got no byte continue on their old weights; engines holding weights no version names are
-     quarantined.
+  4. TRANSFERRING streams buckets through `transport.slots` buffers: ranks pack bucket k while
+     engines copy bucket k-1; a buffer is released once every engine answered, else abandoned.
+  5. CONTINUING: a commit gate re-checks from the run's own events that an engine's last attempt
+     acked every bucket and finalized; those publish and continue. Engines that got no byte
+     continue on their old weights; engines holding weights no version names are quarantined.
   6. A failure of the run itself moves to ABORTING: owed finalizes run, the trainer is restored,
      a dirty connection is torn down, clean engines continue, a colocated engine never paused
      gets its memory released again, poisoned ones are quarantined. Cleanup is bounded by the
