@@ -111,6 +111,7 @@ def test_a_connection_with_an_abandoned_buffer_is_rebuilt_by_the_next_run(
     assert "abandon" in [c["event"] for c in calls(ctx, first.run_id)]
     assert ctx.session.connection.state == "DIRTY"
     ctx.faults = None
+    engines[1].info(timeout=10)  # the injected hang is over: the engine answers again
     perturbed(trainer, seed=7)
     second = protocol.run(ctx)
     assert [c["event"] for c in calls(ctx, second.run_id) if c["event"] in ("disconnect", "connect")] == [

@@ -30,8 +30,13 @@ Besides the protocol calls, the driver exposes what tests and the demo use to ch
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
+import heapq
+import itertools
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future
 from typing import TYPE_CHECKING, Any
 
@@ -142,16 +147,22 @@ class ReferenceEngine(EngineDriver):
         out: Future[list[StepResult]] = Future()
         end = time.monotonic() + timeout
         reply = self.client.call_async("steps", [(s.call, tuple(s.args)) for s in steps], timeout)
+        calls = [s.call for s in steps]
+
+        def expire() -> None:  # its budget is spent: the call returns now, whatever the engine does later
+            now = round(time.monotonic(), 6)
+            err = TimeoutError(f"engine {self.name} did not answer {calls} within its {timeout:.3g}s")
+            _settle(out, [StepResult("timeout", error=err, seconds=timeout, done_at=now)])
 
         def done(f: Future[Any]) -> None:
             now = round(time.monotonic(), 6)
             exc = f.exception()
             if exc is not None:
-                out.set_exception(exc)
+                _settle(out, exc)
                 return
             if now > end:  # answered past its budget: the runner cannot know what it did in time
-                late = TimeoutError(f"engine {self.name} answered {[s.call for s in steps]} after its {timeout:.3g}s")
-                out.set_result([StepResult("timeout", error=late, seconds=now - end + timeout, done_at=now)])
+                late = TimeoutError(f"engine {self.name} answered {calls} after its {timeout:.3g}s")
+                _settle(out, [StepResult("timeout", error=late, seconds=now - end + timeout, done_at=now)])
                 return
             results = []
             for ok, value, seconds in f.result():
@@ -160,9 +171,10 @@ class ReferenceEngine(EngineDriver):
                 else:
                     err = EngineError(*value)
                     results.append(StepResult(outcome_of(err), error=err, seconds=seconds, done_at=now))
-            out.set_result(results)
+            _settle(out, results)
 
         reply.add_done_callback(done)
+        _WATCHDOG.at(end, expire)
         return out
 
     def probe(self, target_version: int, *, timeout: float) -> dict[str, Any]:
@@ -240,3 +252,43 @@ class ReferenceEngine(EngineDriver):
         self, tags: Sequence[str], *, timeout: float = DEFAULT_TIMEOUT, cpu_backup: bool = False
     ) -> None:
         self.client.call("release_memory", list(tags), cpu_backup=cpu_backup, timeout=timeout)
+
+
+def _settle(out: Future[Any], value: Any) -> None:
+    """Complete `out` once (a call's answer and its budget's expiry race; the first wins)."""
+    with contextlib.suppress(concurrent.futures.InvalidStateError):
+        if isinstance(value, BaseException):
+            out.set_exception(value)
+        else:
+            out.set_result(value)
+
+
+class _Watchdog:
+    """One thread that runs each callback at its time (monotonic): a call's budget expiring costs
+    a heap push, not a thread per call."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, Callable[[], None]]] = []
+        self._cond = threading.Condition()
+        self._count = itertools.count()
+        self._thread: threading.Thread | None = None
+
+    def at(self, when: float, fn: Callable[[], None]) -> None:
+        with self._cond:
+            heapq.heappush(self._heap, (when, next(self._count), fn))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="refit-call-budgets", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._heap or self._heap[0][0] > time.monotonic():
+                    self._cond.wait(None if not self._heap else max(self._heap[0][0] - time.monotonic(), 0.0))
+                _, _, fn = heapq.heappop(self._heap)
+            with contextlib.suppress(Exception):
+                fn()
+
+
+_WATCHDOG = _Watchdog()

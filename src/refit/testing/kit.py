@@ -50,6 +50,7 @@ transport are the reference engine's (TinyLlama, torch source, shared memory); p
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import copy
 import threading
@@ -90,6 +91,7 @@ INFLIGHT_PROMPT = (1, 2, 3, 4)
 INFLIGHT_TOKENS = 40
 LOGIT_TOLERANCE = 1e-3  # a served token may trail the trainer's best by this much (summation order)
 SERVE_TIMEOUT_S = 5.0  # an engine reported serving answers a short request within this
+CALL_GRACE_S = 0.5  # a driver's call returns within its timeout plus this, whatever its engine does
 SWEEP_KINDS = ("raise", "corrupt", "kill", "hang")  # hangs last: they cost the most time
 
 
@@ -165,7 +167,7 @@ class DriverStateMachine(RuleBasedStateMachine):
     def setup(self, n: int, mode: str, pause_mode: str) -> None:
         from refit.drivers.torch_source import TorchSource
 
-        self.engines = [type(self).factory(f"kit{i}") for i in range(n)]
+        self.engines = [self.timed(type(self).factory(f"kit{i}")) for i in range(n)]
         self.model = type(self).model_factory()
         self.snapshots[0] = _clone(self.model.state_dict())  # every engine starts from this checkpoint
         self.ctx = protocol.RefitContext(
@@ -266,6 +268,7 @@ class DriverStateMachine(RuleBasedStateMachine):
         assert self.ctx.lock is not None and self.ctx.lock.holder is None, "lock: still held after the run"
         self.every_invariant_holds()
         self.check_answers_in_time(events)
+        self.check_calls_return_in_time()
         self.check_progress(result, events, plan)
         self.check_outcomes(result)
         self.last = result
@@ -319,7 +322,7 @@ class DriverStateMachine(RuleBasedStateMachine):
     def restart(self, i: int) -> None:
         self._audit(self.engines[i])  # keep what it did before it was replaced
         self.retired.append(self.engines[i])
-        self.engines[i] = type(self).factory(self.engines[i].name)
+        self.engines[i] = self.timed(type(self).factory(self.engines[i].name))
         self.restarted[self.engines[i].name] = False
         assert self.ctx is not None
         self.ctx.engines[i] = self.engines[i]
@@ -369,6 +372,41 @@ class DriverStateMachine(RuleBasedStateMachine):
             found += invariants.check_acks(records, mine, engine=engine.name, until=taken_at)
         if found:
             raise AssertionError("refit invariant violated:\n" + "\n".join(f"  {v}" for v in found))
+
+    def timed(self, driver: EngineDriver) -> EngineDriver:
+        """Record when each of the driver's calls returns: the runner stops waiting for a call at its
+        budget, so a driver that keeps its caller waiting far past its timeout (for a late reply it
+        then reports as a success, say) passes every run; under another caller it would hang."""
+        calls: list[tuple[str, list[str], float, float, Future[Any], list[float]]] = self.__dict__.setdefault(
+            "_timed_calls", []
+        )
+        original = driver.run_steps_async
+
+        def run_steps_async(steps: Sequence[Any], *, timeout: float, executor: Any) -> Future[Any]:
+            start = time.monotonic()
+            fut = original(steps, timeout=timeout, executor=executor)
+            returned: list[float] = []
+            fut.add_done_callback(lambda _: returned.append(time.monotonic()))
+            calls.append((driver.name, [s.call for s in steps], start, timeout, fut, returned))
+            return fut
+
+        driver.run_steps_async = run_steps_async  # type: ignore[method-assign]
+        return driver
+
+    def check_calls_return_in_time(self) -> None:
+        """Every call of the run returned within its timeout plus CALL_GRACE_S (waited for until then)."""
+        calls = self.__dict__.get("_timed_calls", [])
+        self.__dict__["_timed_calls"] = []
+        for name, steps, start, timeout, fut, returned in calls:
+            limit = start + timeout + CALL_GRACE_S
+            concurrent.futures.wait([fut], timeout=max(limit - time.monotonic(), 0.0))
+            if not fut.done() or (returned and returned[0] > limit):
+                took = f"{returned[0] - start:.2f}s" if returned else f"more than {timeout + CALL_GRACE_S:.2f}s"
+                raise AssertionError(
+                    f"deadline: engine {name}'s driver returned {steps} after {took}, past its {timeout:.3g}s timeout: "
+                    "it ignores its timeout (the runner stops waiting at the budget, so a run hides it; under "
+                    "another caller the call would hang)"
+                )
 
     def check_answers_in_time(self, events: list[dict[str, Any]]) -> None:
         """Engine drivers answer within their budget (the trainer side is the transport's and the
