@@ -510,8 +510,11 @@ class EngineDriver(ABC):
 
     def run_steps_async(self, steps: Sequence[Step], *, timeout: float, executor: Executor) -> Future[list[StepResult]]:
         """Start `run_steps` and return its future. Override to hand back the engine's own future
-        (a reply matched by id, a Ray ObjectRef) instead of holding one of `executor`'s threads."""
-        return executor.submit(self.run_steps, steps, timeout=timeout)
+        (a reply matched by id, a Ray ObjectRef) instead of holding one of `executor`'s threads.
+        A call queued behind another on `executor` (an engine's lane) gets what is left of its
+        budget when it starts, so it returns within `timeout` of being made."""
+        end = time.monotonic() + timeout  # the budget counts from the call, not from when a lane frees up
+        return executor.submit(lambda: self.run_steps(steps, timeout=max(end - time.monotonic(), 0.0)))
 
     # ---- optional hooks ------------------------------------------------------------------------
 
