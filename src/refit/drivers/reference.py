@@ -275,11 +275,13 @@ class _Watchdog:
 
     def at(self, when: float, fn: Callable[[], None]) -> None:
         with self._cond:
-            heapq.heappush(self._heap, (when, next(self._count), fn))
+            entry = (when, next(self._count), fn)
+            heapq.heappush(self._heap, entry)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="refit-call-budgets", daemon=True)
                 self._thread.start()
-            self._cond.notify()
+            if self._heap[0] is entry:  # it waits for the earliest only: wake it when that changed
+                self._cond.notify()
 
     def _run(self) -> None:
         while True:
