@@ -29,11 +29,21 @@ def _payload(t: SharedMemoryTransport, plan, i: int, value: float, topology: Top
     return t.payloads(plan[i], [t.pack(plan[i], _bucket(i, value))], topology)["e0"]
 
 
-def test_round_trip_through_a_receiver(tmp_path: Path) -> None:
+@pytest.mark.parametrize("arena_alive", [False, True])
+def test_round_trip_through_a_receiver(tmp_path: Path, arena_alive: bool) -> None:
+    """Slots reused only after release; a double release raises whether or not some model's
+    `share_memory` arena lives in this process (it once passed silently when one did)."""
+    from torch import nn
+
+    from refit.drivers.shm import share_memory
+
+    keep = nn.Linear(4, 4) if arena_alive else None
+    if keep is not None:
+        share_memory(keep, directory=tmp_path)
     t = SharedMemoryTransport(slots=2, directory=tmp_path)
     plan = plan_buckets([TensorMeta(f"w{i}", "float32", (8, 8)) for i in range(3)], 256)
     info = _connect(t, plan)
-    assert len(leaked_segments(tmp_path)) == 2  # one file per slot, created once
+    assert len(leaked_segments(tmp_path)) == 2 + arena_alive  # one file per slot, created once
     rx = SharedMemoryReceiver(info)
     p0 = _payload(t, plan, 0, 1.0)
     p1 = _payload(t, plan, 1, 2.0)
@@ -50,7 +60,7 @@ def test_round_trip_through_a_receiver(tmp_path: Path) -> None:
     assert torch.equal(rx.read(p2)[0][1], torch.full((8, 8), 3.0))
     assert torch.equal(rx.read(p1)[0][1], torch.full((8, 8), 2.0))
     t.disconnect()
-    assert leaked_segments(tmp_path) == []
+    assert len(leaked_segments(tmp_path)) == arena_alive  # the slots are gone; an arena stays with its model
     assert torch.equal(rx.read(p1)[0][1], torch.full((8, 8), 2.0))  # unlinked, still mapped: no dangling read
     t.disconnect()  # idempotent
 
@@ -177,6 +187,8 @@ def test_tensors_in_a_shared_arena_travel_by_reference(tmp_path: Path) -> None:
         model[0].weight.add_(1.0)  # training in place: the engine's view sees the arena, not a stale copy
     assert torch.equal(rx.read(payload)[0][1], model[0].weight)
     t.release(0)
+    with pytest.raises(RuntimeError, match="no buffer holds bucket 0"):
+        t.release(0)  # sent by reference, released once: a second release is a bug here too
     model[1].weight = nn.Parameter(torch.zeros(8, 16))  # reallocated outside the arena
     ((manifest, tensors),) = zip(plan, source.iter_buckets(plan), strict=True)
     part = t.pack(manifest, tensors)

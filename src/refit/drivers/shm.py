@@ -189,6 +189,7 @@ class SharedMemoryTransport(Transport):
         self.temp_bytes = 0
         self._feeds = False
         self._own: dict[int, tuple[str, torch.Tensor]] = {}  # oversized buckets in flight
+        self._by_ref: set[int] = set()  # buckets in flight that took no buffer (all sent by reference)
         self._all_paths: list[str] = []  # every file made for this connection (abandoned ones too)
         self._slot_bytes = 0
         self._token = ""
@@ -249,6 +250,7 @@ class SharedMemoryTransport(Transport):
         if manifest.index in self._packed:  # a retry: the source may have been written since, hash anew
             self._digests = {}
         self._packed.add(manifest.index)
+        self._by_ref.discard(manifest.index)
         part: dict[str, Any] = {}
 
         def take_buffer() -> torch.Tensor:  # only once a tensor of the bucket has to be copied
@@ -271,6 +273,8 @@ class SharedMemoryTransport(Transport):
                 self.release(manifest.index)
             raise
         self.temp_bytes = packed.temp_bytes
+        if "path" not in part:
+            self._by_ref.add(manifest.index)
         if packed.refs is not None:
             part["refs"] = packed.refs
         if packed.checksum is not None:
@@ -325,21 +329,26 @@ class SharedMemoryTransport(Transport):
         if own is not None:
             _unlink_all([own[0]])
             return
-        if index in self._pool or not self._arenas:  # without arenas every bucket has a buffer: a double
-            self._pool.release(index)  # release is a bug (raises)
+        if index in self._by_ref:
+            self._by_ref.discard(index)
+            return
+        self._pool.release(index)  # a bucket neither held nor sent by reference: a double release (raises)
 
     def abandon(self, index: int) -> None:
         if not self._feeds:
             return
+        if index in self._by_ref:
+            self._by_ref.discard(index)
+            return
         if self._own.pop(index, None) is not None or index not in self._pool:
-            return  # its file stays linked until disconnect (or it was sent by reference)
+            return  # its file stays linked until disconnect
         self._pool.abandon(index)  # a new file; the old one stays until disconnect
 
     def disconnect(self) -> None:
         if self._finalizer is not None:
             self._finalizer()  # unlinks the files exactly once
             self._finalizer = None
-        self._pool, self._own, self._all_paths = self._new_pool(0), {}, []
+        self._pool, self._own, self._all_paths, self._by_ref = self._new_pool(0), {}, [], set()
         self._arenas = []
         self._digests = {}
 
