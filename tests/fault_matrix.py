@@ -145,8 +145,8 @@ def check_matrix(transport: str) -> None:
     n = len(kinds(transport))
     extra = n if transport.startswith("broadcast") else 0
     assert (
-        len(matrix) == 8 * n * 2 + n * 2 * 2 + extra
-    )  # 8 states x kinds x 2 engines, + 2 more buckets in TRANSFERRING
+        len(matrix) == 9 * n * 2 + n * 2 * 2 + extra
+    )  # 9 states x kinds x 2 engines, + 2 more buckets in TRANSFERRING
     violations = {case: problems for case in matrix if (problems := run_case(*case))}
     redone = [case for case, problems in violations.items() if problems == [p for p in problems if "did not fire" in p]]
     for case in redone:  # the fault missed its step because something else failed first (a slow rendezvous): once more
@@ -155,7 +155,7 @@ def check_matrix(transport: str) -> None:
         else:
             violations[case] = problems
     SUMMARY.append(
-        f"fault matrix ({transport}): {len(matrix)} cases (8 states x {n} kinds x 2 engines, x 3 buckets in "
+        f"fault matrix ({transport}): {len(matrix)} cases (9 states x {n} kinds x 2 engines, x 3 buckets in "
         f"TRANSFERRING"
         + (f", + RECONNECTING x {n} kinds" if extra else "")
         + f"), {sum(len(v) for v in violations.values())} invariant violations"

@@ -185,7 +185,10 @@ def test_an_unknown_option_through_the_real_command() -> None:
         (["--fail-at", "transferring:engine=2"], "engine=2 but there are 2 engines"),
         (["--engines", "4", "--fail-at", "pausing:engine=4"], "engine=4 but there are 4 engines"),
         (["--fail-at", "transferring:call=nope"], "call=nope is not a driver call (engine calls: probe"),
-        (["--fail-at", "transferring:kind=boom"], "fault kind 'boom'; known ('raise', 'hang', 'kill', 'corrupt')"),
+        (
+            ["--fail-at", "transferring:kind=boom"],
+            "fault kind 'boom'; known ('raise', 'hang', 'kill', 'corrupt', 'flip'",
+        ),
         (["--fail-at", "transferring:call=pause"], "pause never runs in transferring (calls there: abandon, load"),
         (["--fail-at", "pausing:bucket=1"], "bucket= only applies in transferring"),
         (["--fail-at", "transferring:bucket=x"], "bucket must be a non-negative integer, got 'x'"),

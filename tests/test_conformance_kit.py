@@ -113,7 +113,11 @@ class HidesStaleKV(_NoAudit):
 
 class AcksWithoutLoading(_NoAudit):
     """Acks every bucket and the finalize without the engine taking them, then relabels the engine's
-    version (SGLang's /update_weight_version checks nothing): old weights under the new version."""
+    version (SGLang's /update_weight_version checks nothing): old weights under the new version.
+    It reports no digests, so the kit runs it unverified: what its engines serve must catch it
+    (verified, it never publishes: `test_verification_keeps_these_drivers_from_publishing`)."""
+
+    digest_kinds = frozenset()
 
     def load(self, payload: Payload, *, timeout: float) -> None:
         return None
@@ -128,7 +132,9 @@ class AcksWithoutLoading(_NoAudit):
 class SkipsFinalize(_NoAudit):
     """Never runs the engine's post-load processing and labels the version anyway: the weights
     read back are new, but the engine serves from the head it processed before (end_weight_update /
-    process_weights_after_loading skipped)."""
+    process_weights_after_loading skipped). Unverified, as AcksWithoutLoading."""
+
+    digest_kinds = frozenset()
 
     def finalize(self, *, timeout: float) -> None:
         return None
@@ -286,6 +292,17 @@ def test_the_kit_checks_outcomes_not_claims(invariant: str, driver: type[Referen
         check_engine_driver(driver.in_thread, max_examples=10, shrink=False)
     message = str(info.value)
     assert f"{invariant.strip()}:" in message, message
+
+
+@pytest.mark.parametrize("driver", [AcksWithoutLoading, SkipsFinalize], ids=lambda d: d.__name__)
+def test_verification_keeps_these_drivers_from_publishing(driver: type[ReferenceEngine]) -> None:
+    """The same drivers, able to report digests (the engine's own): verification rejects every
+    refit before it publishes, so the kit finds a clean refit that left its engine quarantined."""
+    verified = type(driver.__name__, (driver,), {"digest_kinds": ReferenceEngine.digest_kinds})
+    with pytest.raises(AssertionError) as info:
+        check_engine_driver(verified.in_thread, max_examples=2, shrink=False)
+    message = str(info.value)
+    assert "progress:" in message and "quarantined" in message and "verify" in message, message
 
 
 BROKEN = {

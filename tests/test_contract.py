@@ -319,7 +319,7 @@ def test_batched_steps_take_two_control_round_trips(trainer, thread_engines, mak
     t0 = [(e["state"], e["event"], e["batch"]) for e in run if e["kind"] == "call" and e.get("engine") == "t0"]
     assert [(s, c) for s, c, _ in t0 if c != "load"] == [
         ("OFFLOADING", "probe"), ("OFFLOADING", "resume_memory"), ("PAUSING", "pause"), ("INVALIDATING", "flush"),
-        ("INVALIDATING", "begin"), ("POST_PROCESSING", "finalize"), ("CONTINUING", "publish"),
+        ("INVALIDATING", "begin"), ("POST_PROCESSING", "finalize"), ("VERIFYING", "verify"), ("CONTINUING", "publish"),
         ("CONTINUING", "continue_generation"), ("RESTORING", "resume_memory"),
     ]  # fmt: skip
     assert len({b for s, c, b in t0 if s in ("OFFLOADING", "PAUSING", "INVALIDATING")}) == 1  # one call

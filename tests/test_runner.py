@@ -24,10 +24,10 @@ from .conftest import CONFIG, matches, perturbed
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
 HAPPY_COLOCATED = ["offload", "connect", "pause", "invalidate", "transfer"] + ["next_bucket"] * 7 + [
-    "post_process", "publish", "restore", "finish",
+    "post_process", "verify", "publish", "restore", "finish",
 ]  # fmt: skip
 HAPPY_DISAGGREGATED = ["connect", "pause", "invalidate", "transfer"] + ["next_bucket"] * 7 + [
-    "post_process", "publish", "finish",
+    "post_process", "verify", "publish", "finish",
 ]  # fmt: skip
 
 
@@ -262,7 +262,7 @@ def check_no_mixed_weights(
         assert outcome.status == ("updated" if info["version"] == 1 else "unchanged")
 
 
-TRAINER_SIDE = {"offload", "metas", "connect", "materialize", "pack", "release", "restore"}
+TRAINER_SIDE = {"offload", "metas", "connect", "materialize", "pack", "release", "restore", "digests"}
 
 
 @pytest.mark.parametrize(("mode", "point"), CASES, ids=[f"{m}-{s}-{c}-e{e}-b{b}" for m, (s, c, e, b) in CASES])
@@ -296,7 +296,7 @@ def test_a_fault_anywhere_leaves_no_lock_no_mixed_engine(
         assert result.state == "DONE" and result.version == 1
         assert statuses[healthy] == "updated"
         lost = state == "OFFLOADING" and call == "resume_memory"  # its weight memory is in an unknown state
-        touched = state in ("TRANSFERRING", "POST_PROCESSING") or call == "publish" or lost
+        touched = state in ("TRANSFERRING", "POST_PROCESSING", "VERIFYING") or call == "publish" or lost
         recovered = call in ("continue_generation", "resume_memory") and state in ("CONTINUING", "RESTORING")
         expected = "updated" if recovered else "quarantined" if touched else "unchanged"
         if state == "RESTORING":  # its KV memory came back on the second try

@@ -58,6 +58,7 @@ def sglang_ctx() -> Iterator[Callable[..., protocol.RefitContext]]:
             kw["transport"] = SGLangTensorTransport() if mode == "colocated" else SGLangBroadcastTransport()
         kw.setdefault("bucket_bytes", SMALL_BUCKET)
         kw.setdefault("deadline_s", 60.0)
+        kw.setdefault("verify", "off")  # the driver reports no digests yet (refit.verify)
         ctx = protocol.RefitContext(source=TorchSource(model), engines=engines, **kw)  # type: ignore[arg-type]
         made.append(ctx)
         return ctx
@@ -240,7 +241,7 @@ def test_a_load_that_raises_in_sglangs_scheduler_kills_the_server_and_loses_the_
     listens), never continued or published; the lock is released; the restarted server refits."""
     (engine,) = sglang_engines(1, front=front)
     bad = {**trainer.state_dict(), "model.norm.weight": torch.ones(CONFIG.hidden_size + 1)}
-    ctx = protocol.RefitContext(source=TorchSource(bad), engines=[engine], transport=SGLangTensorTransport(),
+    ctx = protocol.RefitContext(source=TorchSource(bad), engines=[engine], transport=SGLangTensorTransport(), verify="off",
                                 mode="colocated", bucket_bytes=SMALL_BUCKET, retries=1, deadline_s=30)  # fmt: skip
     t0 = time.monotonic()
     result = protocol.run(ctx)
@@ -371,7 +372,7 @@ def test_a_distributed_load_that_fails_is_answered_partially_updated_and_quarant
     broadcast of that bucket completes: no send waits out its timeout."""
     (engine,) = sglang_engines(1)
     bad = {**trainer.state_dict(), "model.norm.weight": torch.ones(CONFIG.hidden_size + 1)}
-    ctx = protocol.RefitContext(source=TorchSource(bad), engines=[engine], transport=SGLangBroadcastTransport(),
+    ctx = protocol.RefitContext(source=TorchSource(bad), engines=[engine], transport=SGLangBroadcastTransport(), verify="off",
                                 mode="disaggregated", bucket_bytes=SMALL_BUCKET, retries=0, deadline_s=30)  # fmt: skip
     try:
         result = protocol.run(ctx)
@@ -669,7 +670,7 @@ def test_an_update_a_run_opened_and_never_finished_is_never_continued_by_the_nex
             else protocol.FaultPlan().fail_at("invalidating", engine=0, call="begin", kind="hang"))  # fmt: skip
 
     def ctx(faults: protocol.FaultPlan) -> protocol.RefitContext:
-        return protocol.RefitContext(source=TorchSource(trainer), engines=[engine], transport=SGLangTensorTransport(),
+        return protocol.RefitContext(source=TorchSource(trainer), engines=[engine], transport=SGLangTensorTransport(), verify="off",
                                      mode="colocated", bucket_bytes=SMALL_BUCKET, deadline_s=20, retries=0,
                                      call_timeout_s=1.0, faults=faults)  # fmt: skip
 

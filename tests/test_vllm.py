@@ -215,6 +215,7 @@ def vllm_ctx() -> Iterator[Callable[..., protocol.RefitContext]]:
             kw["transport"] = VLLMIPCTransport() if mode == "colocated" else VLLMBroadcastTransport()
         kw.setdefault("bucket_bytes", SMALL_BUCKET)
         kw.setdefault("deadline_s", 60.0)
+        kw.setdefault("verify", "off")  # the driver reports no digests yet (refit.verify)
         ctx = protocol.RefitContext(source=TorchSource(model), engines=engines, **kw)  # type: ignore[arg-type]
         made.append(ctx)
         return ctx
@@ -434,7 +435,7 @@ def test_a_vllm_left_paused_mid_update_by_a_crashed_trainer_is_never_continued(t
     (engine,) = vllm_engines(1, backend="ipc", in_thread=True)
     for route, params in (("/pause", {"mode": "abort"}), ("/start_weight_update", None)):  # the crashed trainer
         assert httpx.post(engine.url + route, params=params).status_code == 200
-    ctx = protocol.RefitContext(source=TorchSource(trainer), engines=[engine], transport=VLLMIPCTransport(),
+    ctx = protocol.RefitContext(source=TorchSource(trainer), engines=[engine], transport=VLLMIPCTransport(), verify="off",
                                 mode="colocated", bucket_bytes=SMALL_BUCKET, deadline_s=20, retries=0,
                                 faults=protocol.FaultPlan().fail_at("invalidating", engine=0, call="flush",
                                                                     kind="raise"))  # fmt: skip

@@ -67,10 +67,13 @@ def control(
     warmup: int = 3,
     progress: Progress | None = None,
     ray: bool = False,
+    verify: str = "digest",
 ) -> dict[str, Any]:
     """Stall minus transfer per refit, from the engines' own clocks (CLOCK_MONOTONIC, one host).
     `progress(done, warmup + refits)` counts warm-up refits too. `ray`: the engines are Ray actors
-    (`refit.drivers.ray_actors.RayEngine`) on the connected Ray cluster."""
+    (`refit.drivers.ray_actors.RayEngine`) on the connected Ray cluster. `verify`: the runs'
+    `RefitContext(verify=...)`, or "both": refits alternate off and digest on one context, and the
+    figures are given for each, with their ratio."""
     config = ModelConfig()
     model = TinyLlama(config, seed=0)
     names = [f"bench-{i}" for i in range(engines)]
@@ -89,11 +92,14 @@ def control(
         deadline_s=60.0,  # type: ignore[arg-type]
     )
     controls, stalls, transfers, trips = [], [], [], []
+    modes = ("off", "digest") if verify == "both" else (verify,)
+    by_mode: dict[str, list[tuple[float, float]]] = {m: [] for m in modes}  # (stall, control) per refit
     if progress is not None:
         progress(0, warmup + refits)
     try:
         for i in range(warmup + refits):
             _step(model, i)
+            ctx.verify = modes[i % len(modes)]
             if mode == "colocated":
                 for e in pool:
                     e.release_memory(["weights", "kv_cache"])
@@ -112,6 +118,7 @@ def control(
             transfers.append(transfer)
             controls.append(stall - transfer)
             trips.append(result.round_trips)
+            by_mode[ctx.verify].append((stall, stall - transfer))
     finally:
         ctx.close()
         for e in pool:
@@ -129,7 +136,22 @@ def control(
         "control_ms_p99": round(_percentile(ms, 0.99), 3),
         "stall_ms_median": round(statistics.median(stalls) * 1e3, 3),
         "transfer_ms_median": round(statistics.median(transfers) * 1e3, 3),
+        "verify": verify,
+        **_verify_figures(by_mode),
     }
+
+
+def _verify_figures(by_mode: dict[str, list[tuple[float, float]]]) -> dict[str, Any]:
+    """Per verify mode (when a run alternated them): median stall and control ms, and the ratio of
+    the verified stall to the unverified one."""
+    if len(by_mode) < 2:
+        return {}
+    out: dict[str, Any] = {}
+    for mode, pairs in by_mode.items():
+        out[f"stall_ms_median_verify_{mode}"] = round(statistics.median(p[0] for p in pairs) * 1e3, 3)
+        out[f"control_ms_median_verify_{mode}"] = round(statistics.median(p[1] for p in pairs) * 1e3, 3)
+    out["verified_stall_ratio"] = round(out["stall_ms_median_verify_digest"] / out["stall_ms_median_verify_off"], 3)
+    return out
 
 
 SMALL_CONFIG = ModelConfig(vocab_size=1024, hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=4)

@@ -251,13 +251,24 @@ def _workers() -> int:
 
 
 def _raw(tensor: torch.Tensor) -> Any:
-    """The tensor's bytes as a flat numpy uint8 array (no copy for a contiguous CPU tensor)."""
-    import torch
+    """The tensor's bytes as a flat numpy uint8 array (no copy for a contiguous CPU tensor), read
+    through its address: `Tensor.numpy()` would mark the storage unresizable, and a source may free
+    what it handed out (`storage.resize_(0)`) once the next tensor is taken."""
+    import ctypes
+
+    import numpy as np
 
     t = tensor.detach()
     if not t.is_contiguous():
         t = t.contiguous()
-    return t.reshape(-1).view(torch.uint8).numpy()
+    n = t.numel() * t.element_size()
+    if n == 0:
+        return np.empty(0, dtype=np.uint8)
+    if t.device.type != "cpu":
+        raise ValueError(f"hashing reads host memory; this tensor is on {t.device}")
+    view = (ctypes.c_uint8 * n).from_address(t.data_ptr())
+    view.keep = t  # type: ignore[attr-defined]  # the array's buffer holds the tensor (a contiguous copy: its only owner)
+    return np.frombuffer(view, dtype=np.uint8)
 
 
 def _spread(pairs: Sequence[tuple[Any, Any]]) -> list[int]:
@@ -358,14 +369,17 @@ def pack_into(
     refer: Callable[[TensorMeta, Any], Any] | None = None,
     known: Callable[[str, Any], list[int] | None] | None = None,
     views: dict[tuple[Any, ...], torch.Tensor] | None = None,
+    per_tensor: dict[str, int] | None = None,
 ) -> Packed:
     """Copy (or gather) the bucket's tensors, taken one at a time, into the uint8 `buffer` at the
     manifest's offsets; `buffer=None` drains (same collectives, nothing kept). `buffer` may be a
     function that hands the buffer out on first need. `refer(meta, tensor)` may name where a tensor
     already lies in memory the engine can read (zero-copy): it is then not copied (and `known(name,
     tensor)` may already have its digests). `views`: a cache of the typed views into a buffer that
-    is reused (building a view costs microseconds on a GPU). Refuses a tensor whose name or shape
-    does not match its manifest entry, naming it."""
+    is reused (building a view costs microseconds on a GPU). `per_tensor`: when the bytes are hashed
+    (`hash_bytes`), each tensor's digest (`tensor_digest`, from the same pieces) is put there by
+    name, so verification need not read it again. Refuses a tensor whose name or shape does not
+    match its manifest entry, naming it."""
     digests: list[int] | None = [] if hash_bytes and buffer is not None else None
     entries = iter(manifest.entries)
     peak = 0
@@ -387,7 +401,12 @@ def pack_into(
         refs.append(ref)
         if ref is not None:
             if digests is not None:
-                digests.extend((known(name, tensor) if known is not None else None) or chunk_digests(tensor))
+                _add(
+                    digests,
+                    (known(name, tensor) if known is not None else None) or chunk_digests(tensor),
+                    name,
+                    per_tensor,
+                )
             continue
         dtype = torch_dtype(meta.dtype)
         view = None
@@ -408,17 +427,25 @@ def pack_into(
             continue
         plain = plain and tensor.device.type == "cpu" and tensor.is_contiguous()
         if digests is not None and view is not None and plain:
-            digests.extend(copy_digests([(view, tensor)]))  # one pass: each piece hashed while in cache
+            _add(
+                digests, copy_digests([(view, tensor)]), name, per_tensor
+            )  # one pass: each piece hashed while in cache
             continue
         peak = max(peak, gather_into(view, tensor, dtype))
         if digests is not None and view is not None:
-            digests.extend(chunk_digests(view))
+            _add(digests, chunk_digests(view), name, per_tensor)
     if count != len(manifest.entries):
         raise ValueError(
             f"bucket {manifest.index}: source gave {count} tensors, manifest lists {len(manifest.entries)}"
         )
     zero_copy = any(r is not None for r in refs)
     return Packed(combine(digests) if digests is not None else None, peak, refs if zero_copy else None, buf is not None)
+
+
+def _add(digests: list[int], pieces: list[int], name: str, per_tensor: dict[str, int] | None) -> None:
+    digests.extend(pieces)
+    if per_tensor is not None:
+        per_tensor[name] = combine(pieces)
 
 
 def unpack(buffer: torch.Tensor, manifest: BucketManifest) -> list[tuple[str, torch.Tensor]]:

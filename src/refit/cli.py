@@ -263,7 +263,12 @@ def _bench(args: argparse.Namespace) -> int:
 
         with ray_cluster(args.ray):
             report = bench.control(
-                engines=args.engines, refits=args.refits, mode=args.mode, progress=progress, ray=args.ray
+                engines=args.engines,
+                refits=args.refits,
+                mode=args.mode,
+                progress=progress,
+                ray=args.ray,
+                verify=args.verify,
             )
         print(
             f"control plane: {report['engines']} engine {report['hosting']}, {report['refits']} refits "
@@ -275,6 +280,13 @@ def _bench(args: argparse.Namespace) -> int:
             f"p99 {report['control_ms_p99']:.2f} ms (goal: median <= 10 ms); "
             f"stall {report['stall_ms_median']:.2f} ms, transfer {report['transfer_ms_median']:.2f} ms"
         )
+        if "verified_stall_ratio" in report:
+            print(
+                f"  verify off / digest (alternate refits): stall {report['stall_ms_median_verify_off']:.2f} / "
+                f"{report['stall_ms_median_verify_digest']:.2f} ms, stall minus transfer "
+                f"{report['control_ms_median_verify_off']:.2f} / {report['control_ms_median_verify_digest']:.2f} ms; "
+                f"verified stall ratio {report['verified_stall_ratio']:.3f}"
+            )
     else:
         print(
             f"bench transport: 3 variants, each one engine process, a connecting refit and {args.refits} timed "
@@ -418,7 +430,15 @@ def _demo_arguments(p: argparse.ArgumentParser) -> None:
         "--fail-at",
         metavar="SPEC",
         help="inject one fault, e.g. transferring:engine=1:bucket=2:kind=kill "
-        "(keys: engine, bucket, call, kind = raise | hang | kill | corrupt)",
+        "(keys: engine, bucket, call, kind = raise | hang | kill | corrupt, or a silent one the engine does not "
+        "notice: flip | swap_qk | downcast | skip | swap_tp on a load, stale_head on a finalize)",
+    )
+    p.add_argument(
+        "--verify",
+        choices=("digest", "off"),
+        default=None,
+        help="check each engine serves what was sent before it publishes (default: digest; off for --engine "
+        "sglang/vllm, whose drivers report no digests yet)",
     )
     p.add_argument("--in-thread", action="store_true", help="run engines on threads instead of processes")
     p.add_argument(
@@ -520,6 +540,12 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     )  # fmt: skip
     bench_p.add_argument("--shapes", default="7b,1.5b", help="gpu, broadcast: model shapes (default 7b,1.5b)")
     bench_p.add_argument("--no-checksums", action="store_true", help="transport: turn corruption detection off")
+    bench_p.add_argument(
+        "--verify",
+        choices=("digest", "off", "both"),
+        default="digest",
+        help="control: verify before publish (default digest); both: alternate refits off and on, report each",
+    )
     bench_p.add_argument("--small", action="store_true", help="transport: a few-MB state (a quick smoke run)")
     bench_p.add_argument("--json", metavar="PATH", help="also write the figures as JSON here")
     bench_p.set_defaults(func=_bench)

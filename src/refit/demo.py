@@ -175,7 +175,7 @@ def _run_ray(args: argparse.Namespace) -> int:
         ctx = protocol.RefitContext(
             source=None, transport=make_transport(args.transport), engines=engines, ranks=trainer.ranks,
             mode=args.mode, pause_mode=args.pause_mode, bucket_bytes=args.bucket_bytes, deadline_s=args.deadline,
-            retries=args.retries, call_timeout_s=args.call_timeout, trace=trace,
+            retries=args.retries, call_timeout_s=args.call_timeout, trace=trace, verify=verify_mode(args),
         )  # fmt: skip
         try:
             faults = {1: args.fail_at} if args.fail_at else None
@@ -191,6 +191,13 @@ def _run_ray(args: argparse.Namespace) -> int:
         trainer.close()
     unfired = any(e.get("fault_unfired") for e in entries)
     return verdict(entries, args.refits, trace, unfired=unfired, temporary=temporary)
+
+
+def verify_mode(args: argparse.Namespace) -> str:
+    """--verify, or its default: digest, except for the SGLang and vLLM drivers (no digests yet)."""
+    if getattr(args, "verify", None):
+        return str(args.verify)
+    return "digest" if getattr(args, "engine", "reference") == "reference" else "off"
 
 
 def _run_one_trainer(args: argparse.Namespace) -> int:
@@ -224,6 +231,7 @@ def _run_one_trainer(args: argparse.Namespace) -> int:
             source=TorchSource(model, optimizer=opt), transport=make_transport(args.transport, args.engine),
             engines=engines, mode=args.mode, pause_mode=args.pause_mode, bucket_bytes=args.bucket_bytes,
             deadline_s=args.deadline, retries=args.retries, call_timeout_s=args.call_timeout, trace=trace,
+            verify=verify_mode(args),
         )  # fmt: skip
     except (protocol.ConfigError, ValueError) as exc:
         for e in engines:
@@ -264,6 +272,7 @@ def _run_ranks(args: argparse.Namespace) -> int:
         "engines": args.engines, "engine_tp": args.engine_tp, "transport": args.transport, "mode": args.mode,
         "pause_mode": args.pause_mode, "refits": args.refits, "steps": args.steps, "bucket_bytes": args.bucket_bytes,
         "deadline": args.deadline, "call_timeout": args.call_timeout, "retries": args.retries, "seed": args.seed,
+        "verify": verify_mode(args),
         "faults": {"1": args.fail_at} if args.fail_at else {}, "trace": trace, "echo": True,
         "stop_on_failure": True,
     }  # fmt: skip

@@ -368,6 +368,7 @@ class ReplayTransport(Transport):
 
 class ReplayEngine(EngineDriver):
     transports = frozenset({"replay"})
+    digest_kinds = frozenset({"xxh3"})
     pause_modes = frozenset({"abort", "retract", "in_place"})
     supports_in_place_pause = True
 
@@ -495,6 +496,7 @@ def replay(path: str | Path, loaded: tuple[dict[str, Any], list[dict[str, Any]],
         cleanup_grace_s=float(first.get("cleanup_grace_s", 10.0)),
         retries=int(first.get("retries", 1)),
         call_timeout_s=first.get("call_timeout_s"),
+        verify=first.get("verify", "off"),  # a run recorded before verification existed verified nothing
         version=int(first.get("previous_version", 0)),
         lock=ReplayLock(script),  # type: ignore[arg-type]
         trace=ReplayRecorder(script),
@@ -508,6 +510,7 @@ def replay(path: str | Path, loaded: tuple[dict[str, Any], list[dict[str, Any]],
         for key in ("mode", "retries", "pause_mode", "deadline_s", "cleanup_grace_s", "call_timeout_s"):  # per run
             if key in start:
                 setattr(ctx, key, start[key])
+        ctx.verify = start.get("verify", "off")
         if start.get("engines") and [e.name for e in ctx.engines] != list(start["engines"]):  # the set changed
             ctx.engines = [ReplayEngine(n, script) for n in start["engines"]]
         try:

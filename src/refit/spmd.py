@@ -137,7 +137,7 @@ def worker(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
             source=TorchSource(model, optimizer=opt), transport=make_transport(spec["transport"]), engines=engines,
             mode=spec["mode"], pause_mode=spec["pause_mode"], bucket_bytes=spec["bucket_bytes"],
             deadline_s=spec["deadline"], call_timeout_s=spec["call_timeout"], retries=spec["retries"],
-            trace=spec["trace"] if rank == 0 else None,
+            verify=spec.get("verify", "digest"), trace=spec["trace"] if rank == 0 else None,
             **({} if spec["cleanup_grace"] is None else {"cleanup_grace_s": float(spec["cleanup_grace"])}),
         )  # fmt: skip
         if spec["leader_only"]:  # a misuse: rank 1 never calls protocol.run

@@ -139,7 +139,7 @@ def storage_epoch(tensors: Iterable[Any]) -> int:
 
 ENGINE_CALLS = (
     "probe", "resume_memory", "release_memory", "attach", "detach", "pause", "flush", "begin", "load", "finalize",
-    "publish", "continue_generation", "quarantine",
+    "publish", "continue_generation", "quarantine", "verify",
 )  # fmt: skip
 
 
@@ -264,6 +264,9 @@ class Transport(ABC):
     # free a tensor's memory once the next one is taken, so a transport must copy it in `pack`
     resident_source: bool = False
     temp_bytes: int = 0  # the largest temporary (gather, cast) the last `pack` needed
+    # set by the rank while it records what it sends (verification): a transport that hashes the
+    # bytes it packs anyway puts each tensor's `tensor_digest` here by name, so it is not read twice
+    tensor_digests: dict[str, int] | None = None
 
     def plan(self, metas: Sequence[TensorMeta], bucket_bytes: int) -> list[BucketManifest]:
         return plan_buckets(metas, bucket_bytes)
@@ -410,6 +413,8 @@ class EngineDriver(ABC):
       TRANSFERRING           `load(payload)`: every TP rank copies its shard of the bucket;
                              returning is the acknowledgement (no rank reads the buffer after).
       POST_PROCESSING        `finalize()`: exactly once per session, after the last bucket.
+      VERIFYING (verify on)  `verify(kind)`: {"kind", "digests": {HF name: digest}} of the weights
+                             as the engine will serve them (`refit.verify`), computed engine-side.
       CONTINUING             `publish(version)` (refused unless the session acked every planned
                              bucket and finalized), `continue_generation()`.
       RESTORING (colocated)  `resume_memory(["kv_cache"])`.
@@ -426,7 +431,9 @@ class EngineDriver(ABC):
     (it can make in-place-paused requests KV-safe; otherwise the runner refuses `in_place`);
     `transports` (kinds it can receive); `memory_tags`; `begin_moves_weights` (a successful, or
     unknown, `begin` leaves the weights unusable until a complete update finishes: vLLM's layerwise
-    reload moves them to the meta device; the runner then never continues the engine without one).
+    reload moves them to the meta device; the runner then never continues the engine without one);
+    `digest_kinds` (the `refit.verify` digest kinds its `verify` reports; empty: it cannot report
+    what it serves, so a run that verifies by digest refuses it).
     """
 
     supports_in_place_pause: ClassVar[bool] = False
@@ -434,6 +441,7 @@ class EngineDriver(ABC):
     pause_modes: ClassVar[frozenset[str]] = frozenset({"abort", "retract"})
     transports: ClassVar[frozenset[str]] = frozenset()
     memory_tags: ClassVar[frozenset[str]] = frozenset({"weights", "kv_cache"})
+    digest_kinds: ClassVar[frozenset[str]] = frozenset()
 
     name: str
 
@@ -488,6 +496,12 @@ class EngineDriver(ABC):
 
     @abstractmethod
     def quarantine(self, reason: str, *, timeout: float) -> None: ...
+
+    def verify(self, kind: str, *, timeout: float) -> dict[str, Any]:
+        """Digests of the weights as the engine will serve them (see `digest_kinds`)."""
+        from refit.errors import EngineError
+
+        raise EngineError("unsupported", f"{type(self).__name__} cannot report digests of its weights")
 
     # ---- batching --------------------------------------------------------------------------------
 

@@ -320,11 +320,15 @@ class BroadcastTransport(Transport):
                 packed = pack_into(
                     lambda: self._buffer_for(manifest), manifest, tensors, hash_bytes=self.checksums, refer=self._refer,
                     views=None if manifest.oversized else self._pack_views,  # (an oversized bucket's buffer is its own)
+                    per_tensor=self.tensor_digests,
                 )  # fmt: skip
                 if packed.refs is not None:
                     self._refs[index] = packed.refs
             else:
-                packed = pack_into(self._buffer_for(manifest), manifest, tensors, hash_bytes=self.checksums)
+                packed = pack_into(
+                    self._buffer_for(manifest), manifest, tensors, hash_bytes=self.checksums,
+                    per_tensor=self.tensor_digests,
+                )  # fmt: skip
         except BaseException:
             if index in self._pool or index in self._own or index in self._refs:  # give back what it took
                 self.release(index)

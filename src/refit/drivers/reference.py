@@ -57,6 +57,7 @@ class ReferenceEngine(EngineDriver):
     supports_in_place_pause = False
     pause_modes = frozenset({"abort", "retract", "in_place"})
     transports = frozenset({"shm", "broadcast", "ipc", "sglang_tensor"})
+    digest_kinds = frozenset({"xxh3"})
 
     def __init__(self, client: EngineClient) -> None:
         self.client = client
@@ -212,6 +213,9 @@ class ReferenceEngine(EngineDriver):
 
     def quarantine(self, reason: str, *, timeout: float) -> None:
         self.client.call("quarantine", reason, timeout=timeout)
+
+    def verify(self, kind: str, *, timeout: float) -> dict[str, Any]:
+        return self.client.call("verify", kind, timeout=timeout)
 
     def arm_fault(self, kind: str, call: str, *, bucket: int | None, seconds: float, timeout: float) -> bool:
         """Make the engine itself hang, die or receive corrupted bytes on its next `call` (see

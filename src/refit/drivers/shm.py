@@ -266,7 +266,7 @@ class SharedMemoryTransport(Transport):
         try:
             packed = pack_into(
                 take_buffer, manifest, tensors, hash_bytes=self.checksums,
-                refer=self._refer if self._arenas else None, known=self._known,
+                refer=self._refer if self._arenas else None, known=self._known, per_tensor=self.tensor_digests,
             )  # fmt: skip
         except BaseException:
             if manifest.index in self._pool or manifest.index in self._own:  # give back what it took

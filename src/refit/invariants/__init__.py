@@ -30,6 +30,10 @@ loads and finalizes again.
                   of it, for collective transports, finished); connect/disconnect
                   alternate and the last connection is closed with the trace. (Audit: an engine
                   acknowledged a bucket only after it finished copying it out.)
+  verified        a run that verifies (`verify` at its start, other than "off") publishes an
+                  engine only after that engine's attempt reported what it will serve and the
+                  report matches the trainer's digests of what it sent; both are recomputed from
+                  the recorded digests, not taken from the run's own verdict.
   deadline        a run ends within its deadline plus its cleanup grace.
   complete        every run has an end event; a closed trace has its end line (a cut-off trace is
                   a violation, not a pass).
@@ -177,10 +181,16 @@ def check_lock(events: Sequence[Event]) -> list[Violation]:
 
 
 def commit_gate(
-    events: Sequence[Event], engines: Sequence[str], n_buckets: int, *, attempt: int | None = None
+    events: Sequence[Event],
+    engines: Sequence[str],
+    n_buckets: int,
+    *,
+    attempt: int | None = None,
+    verified: bool = False,
 ) -> list[str]:
     """Reasons these engines may not publish yet (empty: each one's last attempt, or `attempt`,
-    acked every bucket and finalized exactly once)."""
+    acked every bucket and finalized exactly once, and, when `verified`, passed verification after
+    its finalize)."""
     problems = []
     for name in engines:
         tried = _attempts(events, name)
@@ -191,9 +201,56 @@ def commit_gate(
         missing = sorted(set(range(n_buckets)) - acked)
         if missing:
             problems.append(f"engine {name} did not ack buckets {missing} in attempt {a}")
-        if [e.get("outcome") for e in _calls(events, "finalize", engine=name, attempt=a)] != ["ok"]:
+        fins = _calls(events, "finalize", engine=name, attempt=a)
+        if [e.get("outcome") for e in fins] != ["ok"]:
             problems.append(f"engine {name} has not finalized exactly once in attempt {a}")
+        elif verified:
+            problem = _verification(events, name, a, after=fins[0]["seq"])
+            if problem:
+                problems.append(problem)
     return problems
+
+
+def _verification(events: Sequence[Event], name: str, attempt: int, *, after: int) -> str | None:
+    """Why engine `name`'s attempt is not verified (None: it is): its last verify call after its
+    finalize must have answered, and its digests must match the trainer's digests recorded
+    before the verdict (recomputed here with `refit.verify.compare`)."""
+    from refit.verify import compare, merge
+
+    calls = [c for c in _calls(events, "verify", engine=name, attempt=attempt) if c["seq"] > after]
+    if not calls or calls[-1].get("outcome") != "ok":
+        return f"engine {name} has no successful verify after its finalize in attempt {attempt}"
+    call = calls[-1]
+    reports = [
+        e for e in events
+        if e.get("kind") == "call" and e.get("event") == "digests" and e.get("side") != "engine"
+        and e.get("outcome") == "ok" and e["seq"] < call["seq"] and e.get("attempt", 0) == attempt
+    ]  # fmt: skip
+    if not reports:
+        return f"engine {name}: no digests of what the trainer sent were recorded in attempt {attempt}"
+    kind, expected = merge(list(reports[-1].get("per_rank") or []))
+    digests = (call.get("result") or {}).get("digests")
+    if not isinstance(digests, dict) or (call.get("result") or {}).get("kind") != kind:
+        return f"engine {name}: its verify recorded no {kind} digests"
+    verdict = compare(expected, digests)
+    if not verdict.ok:
+        return f"engine {name} does not serve what the trainer sent: {verdict.describe()}"
+    return None
+
+
+def check_verified(events: Sequence[Event]) -> list[Violation]:
+    start = _start(events)
+    if start.get("verify") in (None, "off"):
+        return []
+    out = []
+    for p in _ok(_calls(events, "publish")):
+        before = [e for e in events if e["seq"] < p["seq"]]
+        a = p.get("attempt", 0)
+        fins = _ok(_calls(before, "finalize", engine=p["engine"], attempt=a))
+        problem = _verification(before, p["engine"], a, after=fins[-1]["seq"] if fins else -1)
+        if problem:
+            out.append(_v("verified", f"published unverified: {problem}", p, events))
+    return out
 
 
 def check_version(events: Sequence[Event]) -> list[Violation]:
@@ -351,8 +408,8 @@ def check_complete(events: Sequence[Event]) -> list[Violation]:
 
 
 RUN_CHECKS = (
-    check_complete, check_states, check_lock, check_version, check_finalize_once, check_pause_continue,
-    check_kv_fresh, check_paired, check_deadline, check_budgets, check_outcomes,
+    check_complete, check_states, check_lock, check_version, check_verified, check_finalize_once,
+    check_pause_continue, check_kv_fresh, check_paired, check_deadline, check_budgets, check_outcomes,
 )  # fmt: skip
 
 

@@ -43,7 +43,9 @@ class EngineOutcome:
     it current), failed (died, stopped answering, or could not be brought back to a safe condition:
     the caller must restart it; it is stale until a refit completes).
     `version` is the version the engine serves, None when it must not serve; `serving` whether it
-    generates now.
+    generates now; `verify` its last verification in this run (None: not verified): `ok`,
+    `compared` (tensors), `mismatched` / `missing` / `unexpected` (HF names) and `seconds` (the
+    engine's time to compute its digests).
     """
 
     name: str
@@ -53,6 +55,7 @@ class EngineOutcome:
     attempts: int = 0
     error: str | None = None
     serving: bool = False
+    verify: dict[str, Any] | None = None
 
 
 @dataclass
@@ -109,6 +112,10 @@ class RefitContext:
     clock: the monotonic clock every deadline and timing reads (`refit replay` swaps in the
         recorded one, so the replayed run makes the same time-based decisions).
     check_invariants: check every run's events against refit.invariants and raise on violation.
+    verify: before an engine publishes, check that what it will serve is what the trainer sent
+        (`refit.verify`): "digest" (default) compares each tensor's digest, the trainer's taken
+        while packing, the engine's computed from its own layout; an engine that differs is
+        retried or quarantined like one whose update failed. "off" trusts the engine's finalize.
     """
 
     source: Source | None
@@ -127,6 +134,7 @@ class RefitContext:
     faults: FaultPlan | None = None
     ranks: Ranks | None = None
     check_invariants: bool = True
+    verify: str = "digest"
     clock: Callable[[], float] = time.monotonic
     session: Session = field(init=False, repr=False)  # what lasts across this context's runs
     recorder: TraceRecorder = field(init=False, repr=False)
@@ -171,6 +179,10 @@ class RefitContext:
             raise ConfigError(f"retries must be an integer >= 0, got {self.retries!r}")
         if isinstance(self.version, bool) or not isinstance(self.version, int) or self.version < 0:
             raise ConfigError(f"version must be an integer >= 0, got {self.version!r}")
+        from refit.verify import VERIFY_MODES
+
+        if self.verify not in VERIFY_MODES:
+            raise ConfigError(f"verify must be one of {VERIFY_MODES}, got {self.verify!r}")
         if not isinstance(self.transport.slots, int) or self.transport.slots < 1:
             raise ConfigError(f"transport.slots must be an integer >= 1, got {self.transport.slots!r}")
 
@@ -197,6 +209,12 @@ class RefitContext:
                 raise ConfigError(
                     f"engine {e.name} ({type(e).__name__}) cannot receive the {self.transport.kind!r} transport "
                     f"({type(self.transport).__name__}); it receives {sorted(e.transports)}"
+                )
+            if self.verify == "digest" and "xxh3" not in e.digest_kinds:
+                raise ConfigError(
+                    f"engine {e.name} ({type(e).__name__}) cannot report digests of the weights it serves, so "
+                    "verify='digest' (the default) cannot check it before it publishes; pass verify='off' to trust "
+                    "its finalize"
                 )
             tp = e.tp_size
             if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
@@ -233,6 +251,7 @@ class RefitContext:
             "deadline_s": self.deadline_s,
             "cleanup_grace_s": self.cleanup_grace_s,
             "retries": self.retries,
+            "verify": self.verify,
             "call_timeout_s": self.call_timeout_s,
             "slots": self.transport.slots,
             "version": self.version,

@@ -9,6 +9,10 @@ once and is recorded in the trace. Kinds:
   kill     the engine's process dies (SIGKILL) when the step reaches it
   corrupt  the step's payload arrives damaged: a bucket's bytes fail their checksum, any other
            request cannot be decoded
+  silent   (flip, swap_qk, downcast, skip, swap_tp on a load; stale_head on a finalize) the engine
+           answers as if all went well and holds wrong weights (`refit.reference.engine.
+           SILENT_FAULTS`): only verification before publish catches them. Injected inside the
+           engine only: a driver without `arm_fault` fails the step saying it cannot host one.
 
 Faults are injected by wrappers put around the engine drivers and the trainer ranks (`wrap`)
 for a run that has a plan (`FaultyEngine`, `FaultyRanks`): the runner's own call path knows
@@ -29,7 +33,10 @@ from typing import Any
 from refit.drivers.base import EngineDriver, Step, StepResult
 from refit.errors import EngineDied, EngineError
 
-FAULT_KINDS = ("raise", "hang", "kill", "corrupt")
+SILENT_KINDS = ("flip", "swap_qk", "downcast", "skip", "swap_tp", "stale_head")
+LOUD_KINDS = ("raise", "hang", "kill", "corrupt")  # the call fails, hangs or the engine dies: it is noticed
+FAULT_KINDS = (*LOUD_KINDS, *SILENT_KINDS)
+SILENT_CALLS = {"stale_head": "finalize"}  # the call each silent kind corrupts (the others: load)
 # The calls the runner makes in each state a fault can fire in (engine and trainer side): a fault
 # keyed to any other (state, call) can never fire. tests/fault_matrix.py checks every call of
 # its real runs against this table, so it cannot drift from the runner.
@@ -40,6 +47,7 @@ FAULT_CALLS: dict[str, frozenset[str]] = {
     "INVALIDATING": frozenset({"flush", "begin"}),
     "TRANSFERRING": frozenset({"pack", "send", "load", "release", "abandon"}),
     "POST_PROCESSING": frozenset({"finalize"}),
+    "VERIFYING": frozenset({"verify", "digests"}),
     "RECONNECTING": frozenset({"attach", "detach", "connect", "join", "disconnect"}),
     "CONTINUING": frozenset({"publish", "continue_generation", "quarantine", "release_memory", "detach", "disconnect"}),
     "RESTORING": frozenset({"restore", "resume_memory", "quarantine", "detach", "disconnect"}),
@@ -100,6 +108,12 @@ class FaultPlan:
         if kind not in FAULT_KINDS:
             raise ValueError(f"fault kind {kind!r}; known {FAULT_KINDS}")
         state = state.upper()
+        if kind in SILENT_KINDS:
+            want = SILENT_CALLS.get(kind, "load")
+            if call not in (None, want) or state != ("POST_PROCESSING" if want == "finalize" else "TRANSFERRING"):
+                where = "post_processing, call finalize" if want == "finalize" else "transferring, call load"
+                raise ValueError(f"fault kind {kind!r} corrupts a {want}: plan it at {where}")
+            call = want
         key = (state, engine, bucket, call)
         if any((f.state, f.engine, f.bucket, f.call) == key for f in self.faults):
             raise ValueError(f"a fault is already planned at {key}")
@@ -205,11 +219,13 @@ class FaultyEngine:
         if fault.kind == "kill":
             self.killed_by = fault
             return _done([StepResult("error", error=EngineDied(f"engine {self.driver.name} is gone (simulated kill)"))])
-        err: BaseException = (
-            InjectedFault(f"injected raise fault at {step.state}/{step.call}")
-            if fault.kind == "raise"
-            else EngineError("bad_payload", f"{step.call}: payload corrupted in transit (simulated)")
-        )
+        err: BaseException
+        if fault.kind == "raise":
+            err = InjectedFault(f"injected raise fault at {step.state}/{step.call}")
+        elif fault.kind in SILENT_KINDS:  # wrong weights cannot be faked from outside the engine
+            err = InjectedFault(f"engine {self.driver.name} cannot host a silent {fault.kind} fault (no arm_fault)")
+        else:
+            err = EngineError("bad_payload", f"{step.call}: payload corrupted in transit (simulated)")
         prefix = list(steps[:i])
         if not prefix:
             return _done([StepResult("error", error=err)])

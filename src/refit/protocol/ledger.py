@@ -59,6 +59,7 @@ class Engine:
     attempts: int = 0
     acked: set[int] = field(default_factory=set)  # buckets acked in its current attempt
     bytes_ok: int = 0
+    verdict: dict[str, Any] | None = None  # its last verification (`refit.verify.Verdict`, and seconds)
 
     @property
     def state(self) -> EngineState:
@@ -98,6 +99,8 @@ class Ledger:
         self.plan: list[BucketManifest] = []
         self.ahead: list[str] = []  # engines found at or past the target version
         self.first_error: RefitError | None = None
+        self.expected: dict[str, str] = {}  # the trainer's digests of what it sent (verify on)
+        self.digest_kind: str | None = None
 
     # ---- outcomes of calls --------------------------------------------------------------------
 
@@ -120,6 +123,8 @@ class Ledger:
             e.position.fire(EV.PAUSE)  # it may have paused: it is owed a continue or a quarantine
         elif call == "finalize" and e.position.can(EV.CLOSE):
             e.position.fire(EV.CLOSE)  # a failed finalize closes the session too: never repeated
+        elif call == "verify" and e.position.can(EV.REJECT):
+            e.position.fire(EV.REJECT)  # unverified: its weights are no version's
         elif call == "publish":
             e.weights.fire(WE.TOUCH)  # its label is unknown now
         elif call == "resume_memory" and "weights" in step.args[0]:
@@ -154,6 +159,8 @@ class Ledger:
         elif call == "finalize":
             complete = len(e.acked) == len(self.plan) and e.failure.state == F.NONE
             e.position.fire(EV.FINALIZE if complete else EV.CLOSE)
+        elif call == "verify":
+            return self._verified(e, step, value)
         elif call == "publish":
             e.position.fire(EV.PUBLISH)
             e.weights.fire(WE.LABEL)
@@ -174,6 +181,37 @@ class Ledger:
             self.ahead.append(e.name)
             return self.drop(e, step, EngineError("version_ahead", f"engine holds version {version}"))
         return []
+
+    def _verified(self, e: Engine, step: Step, value: Any) -> list[Event]:
+        """Compare an engine's report of what it will serve with what the trainer sent."""
+        from refit.verify import compare
+
+        if e.state != E.FINALIZED or e.failure.state != F.NONE:
+            return []  # its attempt did not complete: there is nothing to verify, and it will not publish
+        kind = step.args[0] if step.args else None
+        digests = value.get("digests") if isinstance(value, dict) else None
+        if not isinstance(digests, dict) or value.get("kind") != kind:
+            e.position.fire(EV.REJECT)
+            got = value.get("kind") if isinstance(value, dict) else type(value).__name__
+            err = EngineError("bad_answer", f"verify({kind!r}) answered without {kind} digests (got {got!r})")
+            return self.drop(e, step, err)
+        verdict = compare(self.expected, digests)
+        seconds = value.get("seconds")
+        e.verdict = {**verdict.to_dict(), "seconds": seconds if isinstance(seconds, int | float) else None}
+        fields = {
+            "engine": e.name,
+            "ok": verdict.ok,
+            "compared": verdict.compared,
+            "digest": kind,
+            "attempt": max(e.attempt, 0),
+        }
+        if verdict.ok:
+            e.position.fire(EV.VERIFY)
+            return [("engine", "verified", fields)]
+        e.position.fire(EV.REJECT)
+        fields.update(mismatched=verdict.mismatched, missing=verdict.missing, unexpected=verdict.unexpected)
+        err = EngineError("unverified", f"what it will serve is not what the trainer sent: {verdict.describe()}")
+        return [("engine", "verified", fields), *self.drop(e, step, err)]
 
     def drop(self, e: Engine, step: Step, err: BaseException | None) -> list[Event]:
         """`e` leaves the current attempt (the others carry on)."""
@@ -218,7 +256,12 @@ class Ledger:
         ]  # fmt: skip
 
     def finalized(self) -> list[Engine]:
+        """Engines whose attempt finalized and that verification has not yet seen."""
         return [e for e in self.engines if e.active and e.state == E.FINALIZED]
+
+    def ready(self, *, verify: bool) -> list[Engine]:
+        """Engines that may publish: verified (or, when the run does not verify, finalized)."""
+        return [e for e in self.engines if e.active and e.state == (E.VERIFIED if verify else E.FINALIZED)]
 
     def owes_finalize(self) -> list[Engine]:
         return [e for e in self.engines if e.state == E.OPEN and e.reachable]
@@ -267,7 +310,7 @@ class Ledger:
         else:  # untouched by the run: as it was before (serving, or released in a colocated job)
             status, version = "unchanged", e.previous_version
             serving = not colocated
-        return EngineOutcome(e.name, status, version, len(e.acked), e.attempts, e.error, serving)  # type: ignore[arg-type]
+        return EngineOutcome(e.name, status, version, len(e.acked), e.attempts, e.error, serving, e.verdict)  # type: ignore[arg-type]
 
     def outcomes(self, *, colocated: bool) -> dict[str, EngineOutcome]:
         return {e.name: self.outcome(e, colocated=colocated) for e in self.engines}

@@ -44,7 +44,7 @@ from refit.errors import RankError, RefitError
 SEND_CALLS = frozenset({"send"})
 SOURCE_CALLS = frozenset({"metas", "epoch", "offload", "restore"})  # the rest are the transport's
 # steps whose per-rank values the trace keeps (field `per_rank`); replay answers with them
-RECORDED_RESULTS = frozenset({"epoch"})
+RECORDED_RESULTS = frozenset({"epoch", "digests"})
 
 
 @dataclass(frozen=True)
@@ -83,9 +83,12 @@ class Participant:
       offload() / restore()   the source's colocated memory hooks
       connect(plan, topology) open this rank's side of the transport; returns its info
       join()                  collective transports: enter the group while engines attach
-      pack(index, attempt)    take bucket `index` from this rank's stream (a new attempt opens a
+      pack(index, attempt, digest)
+                              take bucket `index` from this rank's stream (a new attempt opens a
                               fresh stream on every rank) and pack it, or drain it when this rank
-                              feeds no engine; returns this rank's part
+                              feeds no engine; returns this rank's part. `digest` (a kind of
+                              `refit.verify`): rank 0 also takes each tensor's digest as it packs
+      digests()               what rank 0 hashed since its stream opened: {"kind", "digests"}
       send(index)             collective transports: this rank's half of the transfer
       release(index) / abandon(index) / disconnect()
       end_run()               close the stream; report this run's stats
@@ -103,6 +106,8 @@ class Participant:
         self._next = 0
         self.stats = RankStats(rank)
         self._lock = threading.Lock()
+        self._digests: dict[str, str] = {}  # name -> digest of what this rank sent (rank 0, verify on)
+        self._digest_kind: str | None = None
 
     def run(self, step: RankStep) -> Any:
         attempt = step.args[1] if step.call == "pack" else -1
@@ -150,7 +155,7 @@ class Participant:
     def join(self) -> None:
         self.transport.join()
 
-    def pack(self, index: int, attempt: int) -> dict[str, Any] | None:
+    def pack(self, index: int, attempt: int, digest: str | None = None) -> dict[str, Any] | None:
         if self._stream is None or self._stream_key != (attempt,) or index == 0:
             self._open_stream(attempt)
         if index != self._next:
@@ -160,9 +165,36 @@ class Participant:
         except StopIteration:
             raise RuntimeError(f"the source ended before bucket {index} of {len(self.plan)}") from None
         self._next += 1
-        part = self.transport.pack(self.plan[index], tensors)
+        hashed = digest is not None and self.rank == 0
+        if digest is not None:
+            self._digest_kind = digest
+            tensors = self._hashed(tensors, digest)
+        self.transport.tensor_digests = {} if hashed and digest == "xxh3" else None
+        try:
+            part = self.transport.pack(self.plan[index], tensors)
+        finally:
+            self.transport.tensor_digests = None
         self._account(self.transport.temp_bytes)
         return part
+
+    def digests(self) -> dict[str, Any] | None:
+        if self.rank != 0 or self._digest_kind is None:
+            return None
+        return {"kind": self._digest_kind, "digests": dict(self._digests)}
+
+    def _hashed(self, tensors: LazyTensors, kind: str) -> LazyTensors:
+        """The bucket's tensors as the source gives them; once the transport has taken each one,
+        rank 0 records its digest (of the full value: every rank gathers a sharded tensor once
+        more, in the same order, so the collectives match)."""
+        from refit.verify import digest
+
+        for name, tensor in tensors:
+            yield name, tensor
+            full = tensor.full_tensor() if hasattr(tensor, "placements") else tensor  # on every rank
+            if self.rank != 0:
+                continue
+            packed = self.transport.tensor_digests  # the transport hashed it while packing: not read again
+            self._digests[name] = f"{packed[name]:016x}" if packed and name in packed else digest(full, kind)
 
     def send(self, index: int) -> None:
         self.transport.send(index)
@@ -195,6 +227,7 @@ class Participant:
         self._stream = iter(self.source.iter_buckets(self.plan))
         self._stream_key = (attempt,)
         self._next = 0
+        self._digests, self._digest_kind = {}, None
 
     def _close_stream(self) -> None:
         stream, self._stream, self._stream_key = self._stream, None, None

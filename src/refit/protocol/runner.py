@@ -61,6 +61,7 @@ from refit.states import (
     TrainerEvent,
     Trigger,
 )
+from refit.verify import merge
 
 S, T, E, CE, M = RefitState, Trigger, EngineState, ConnectionEvent, Memory
 
@@ -110,6 +111,9 @@ class _Run(Recording):
         self.inflight: deque[_Bucket] = deque()
         self.held: list[tuple[Engine, Step, StepResult, int]] = []  # finalizes that rode on last buckets
         self.rode = 0  # 1: bucket 0 rode the pause wave (`ride_first_bucket`)
+        self.verifying = ctx.verify != "off"
+        self.sent_digests: RankCall | None = None  # the trainer's digests, asked for after the last pack
+        self.digest_kind = "xxh3" if self.verifying else None
         self.lock_taken: int | None = None  # the lock's acquisition count once this run took it
         self.error: RefitError | None = None
 
@@ -298,22 +302,25 @@ class _Run(Recording):
         that fails sends the wave without the load (the run then fails in TRANSFERRING, with no
         byte moved, as it would have)."""
         manifest = self.plan[0]
-        step = RankStep("pack", "TRANSFERRING", (0, self.attempt), 0)
+        step = RankStep("pack", "TRANSFERRING", (0, self.attempt, self.digest_kind), 0)
         pack = self.waves.rank_start(step, manifest=manifest.summary())
         plan = {e: list(steps) for e in members}
         if self.waves.rank_settle(pack):
             assert self.topology is not None
             payloads = self.transport.payloads(manifest, pack.future.result(), self.topology)
             self.bytes_moved += manifest.payload_bytes
+            if len(self.plan) == 1:
+                self.ask_digests()
             for e in members:
                 plan[e].append(Step("load", "TRANSFERRING", (payloads[e.name],), 0))
                 if len(self.plan) == 1:
-                    plan[e].append(Step("finalize", "POST_PROCESSING"))
+                    plan[e].extend(self.closing())
         w = self.waves.start(plan)
         results = self.waves.wait(w)
-        held = {e: [(s, r) for s, r in pairs if s.call == "finalize"] for e, pairs in results.items()}
+        later = ("finalize", "verify")
+        held = {e: [(s, r) for s, r in pairs if s.call in later] for e, pairs in results.items()}
         failed = self.absorb(
-            {e: [(s, r) for s, r in pairs if s.call != "finalize"] for e, pairs in results.items()},
+            {e: [(s, r) for s, r in pairs if s.call not in later] for e, pairs in results.items()},
             w.batch,
             alongside=pack,
         )
@@ -352,14 +359,17 @@ class _Run(Recording):
             live = [e for e in engines if e.active]
             if not live or self.session.connection.state == Connection.BROKEN:
                 break
-            parts = self.rank_call(RankStep("pack", "TRANSFERRING", (k, self.attempt), k), manifest=manifest.summary())
+            pack = RankStep("pack", "TRANSFERRING", (k, self.attempt, self.digest_kind), k)
+            parts = self.rank_call(pack, manifest=manifest.summary())
+            if k == n - 1:
+                self.ask_digests()
             assert self.topology is not None
             payloads = self.transport.payloads(manifest, parts, self.topology)
             self.bytes_moved += manifest.payload_bytes
             steps = {e: [Step("load", "TRANSFERRING", (payloads[e.name],), k)] for e in live}
             if k == n - 1:
                 for e in live:
-                    steps[e].append(Step("finalize", "POST_PROCESSING"))
+                    steps[e].extend(self.closing())
             w = self.waves.start(steps, count=False)
             collective = self.transport.collective
             send = self.waves.rank_start(RankStep("send", "TRANSFERRING", (k,), k)) if collective else None
@@ -400,15 +410,74 @@ class _Run(Recording):
                 reason = RuntimeError(f"the transport group broke at bucket {k} ({who} failed)")
                 self.drop(e, Step("load", "TRANSFERRING", bucket=k), reason)
 
+    def closing(self) -> list[Step]:
+        """What follows an engine's last bucket in the same call: its finalize and, when the run
+        verifies, its report of what it will serve (no extra round trip)."""
+        finalize = Step("finalize", "POST_PROCESSING")
+        return [finalize, Step("verify", "VERIFYING", (self.digest_kind,))] if self.verifying else [finalize]
+
+    def ask_digests(self) -> None:
+        """Once the last bucket is packed, ask the ranks for their digests of what they sent: they
+        answer while the engines load, so VERIFYING waits for nothing on the trainer side."""
+        if self.verifying:
+            self.collect_digests(str(self.machine.state))  # one left over from an attempt that verified nothing
+            self.sent_digests = self.waves.rank_start(RankStep("digests", "VERIFYING"))
+
+    def collect_digests(self, state: str | None = None) -> tuple[list[Any] | None, BaseException | None]:
+        """Wait for the digests asked for (recorded in `state`, or VERIFYING); (None, None) if none."""
+        rc, self.sent_digests = self.sent_digests, None
+        return (None, None) if rc is None else self.rank_wait(rc, state=state)
+
     def post_process(self, state: str | None = None, *, cleanup: bool = False) -> None:
         """Finalizes that rode on last buckets, then every other finalize owed (POST_PROCESSING,
-        or ABORTING on the failure path)."""
+        or ABORTING on the failure path, where nothing is verified or published: reports are only
+        recorded), then VERIFYING for the engines that reported what they will serve."""
         held, self.held = self.held, []
+        checks = [h for h in held if h[1].call == "verify"]
         for e, step, res, batch in held:
-            self.apply(e, step, res, batch, state)
+            if step.call != "verify":
+                self.apply(e, step, res, batch, state)
         owed = self.ledger.owes_finalize()
         if owed:
-            self.wave({e: [Step("finalize", state or "POST_PROCESSING")] for e in owed}, cleanup=cleanup)
+            complete = len(self.plan)  # only an engine that acked every bucket may have something to verify
+            tails = {
+                e: [Step("finalize", state)] if cleanup or len(e.acked) < complete else self.closing() for e in owed
+            }
+            w = self.waves.start(tails, cleanup=cleanup)
+            results = self.waves.wait(w)
+            for e in self.engines:
+                for step, res in results.get(e, ()):
+                    if step.call == "verify":
+                        checks.append((e, step, res, w.batch))
+                    else:
+                        self.apply(e, step, res, w.batch, state)
+        if cleanup:
+            self.collect_digests(state)
+            for e, step, res, batch in checks:
+                self.record(e, step, res, batch, state)
+        elif checks:
+            self.verify(checks)
+        else:
+            self.collect_digests(str(self.machine.state))
+
+    def verify(self, checks: list[tuple[Engine, Step, StepResult, int]]) -> None:
+        """VERIFYING: the trainer's digests of what it sent (taken while packing) against each
+        engine's report of what it will serve; the ledger passes the engines that match and
+        rejects the others (retried while attempts remain, else quarantined)."""
+        self.enter(T.VERIFY)
+        if self.sent_digests is None:
+            self.ask_digests()
+        report, exc = self.collect_digests()
+        if exc is not None:
+            raise wrap_error(exc, "digests", "VERIFYING", None, None) from exc
+        kind, expected = merge(report or [])
+        if kind != self.digest_kind or not expected:
+            raise RefitError(
+                f"the trainer ranks report no {self.digest_kind} digests of what they sent", state="VERIFYING"
+            )
+        self.ledger.expected, self.ledger.digest_kind = expected, kind
+        for e, step, res, batch in sorted(checks, key=lambda c: c[0].index):
+            self.apply(e, step, res, batch)
 
     # ---- committing ------------------------------------------------------------------------------
 
@@ -416,14 +485,16 @@ class _Run(Recording):
         """CONTINUING (and RESTORING): complete engines publish and continue, clean ones continue,
         poisoned ones are quarantined; one wave, with the trainer's restore alongside."""
         ctx = self.ctx
-        ready = self.ledger.finalized()
+        ready = self.ledger.ready(verify=self.verifying)
         if not ready:
             raise self.ledger.first_error or DriverCallError(
                 "no engine completed the update", state=str(self.machine.state)
             )
         self.enter(T.PUBLISH)
         for e in ready:
-            problems = invariants.commit_gate(self.events, [e.name], len(self.plan), attempt=e.attempt)
+            problems = invariants.commit_gate(
+                self.events, [e.name], len(self.plan), attempt=e.attempt, verified=self.verifying
+            )
             if problems:
                 raise InvariantViolation("commit gate refused to publish: " + "; ".join(problems), state="CONTINUING")
         kv = [Step("resume_memory", "RESTORING", (["kv_cache"],))] if ctx.colocated else []
@@ -471,7 +542,7 @@ class _Run(Recording):
         reason = f"refit to version {self.version} (run {self.run_id}): it refused to continue"
         refused = [
             e for e, steps in plan.items()
-            if steps and e.reachable and e.state in (E.PAUSED, E.FINALIZED, E.PUBLISHED)
+            if steps and e.reachable and e.state in (E.PAUSED, E.FINALIZED, E.VERIFIED, E.PUBLISHED)
             and any(s.call == "continue_generation" for s in steps)
         ]  # fmt: skip
         if refused:
@@ -566,7 +637,7 @@ def _lead(ctx: RefitContext) -> RefitResult:
         "run", "start", previous_version=r.previous_version, owner=r.owner, engines=[e.name for e in r.engines],
         incarnations=[e.incarnation for e in r.engines], engine_tp=[e.tp for e in r.engines], mode=ctx.mode,
         pause_mode=ctx.pause_mode, bucket_bytes=ctx.bucket_bytes, deadline_s=ctx.deadline_s,
-        cleanup_grace_s=ctx.cleanup_grace_s, retries=ctx.retries, call_timeout_s=ctx.call_timeout_s,
+        cleanup_grace_s=ctx.cleanup_grace_s, retries=ctx.retries, call_timeout_s=ctx.call_timeout_s, verify=ctx.verify,
         ranks=ctx.ranks.world if ctx.ranks else 1, transport=ctx.transport.kind, collective=ctx.transport.collective,
         shares_storages=ctx.transport.shares_storages or None,
     )  # fmt: skip

@@ -44,6 +44,16 @@ from refit.errors import EngineError
 from refit.reference.model import ModelConfig, attention, init_weights, rms_norm, rope
 
 PAUSE_MODES = ("abort", "retract", "in_place")
+# faults an engine can be made to commit without noticing (tests, `refit demo --fail-at`): it acks,
+# finalizes and would serve wrong weights; only verification before publish can catch them
+SILENT_FAULTS = {
+    "flip": "load: a bit of the bucket's first tensor flips in the engine's memory after it landed",
+    "swap_qk": "load: the loader writes k where q goes and q where k goes (a name-mapping bug)",
+    "downcast": "load: every tensor is rounded through a narrower dtype on its way in",
+    "skip": "load: the bucket's first tensor is never written",
+    "swap_tp": "load: this TP rank keeps the next rank's shard (shards landed on the wrong rank)",
+    "stale_head": "finalize: post-processing forgets to rebuild the serving copy of the output head",
+}
 MEMORY_TAGS = ("weights", "kv_cache")
 ENGINE_DTYPE = "float32"  # the default ModelConfig.dtype: every tensor's but an auxiliary one's
 
@@ -272,6 +282,7 @@ class EngineCore:
         self.direct_tensors = 0  # tensors a receiver wrote straight into the weights (no copy-out), so far
         self.sessions = 0  # update sessions opened so far; each begin that succeeds opens the next
         self.audit: list[dict[str, Any]] = []  # what the engine itself did, for engine-side invariants
+        self.mangle: str | None = None  # an injected silent fault for the call in progress (SILENT_FAULTS)
         if not serving:
             self.quarantine("awaiting its first refit")
         if self.device.type == "cuda":  # start-up temporaries (the initial weights) are not the engine's peak
@@ -458,6 +469,7 @@ class EngineCore:
             self.break_session(f"bucket {manifest.index} was refused ({exc.kind})")
             raise
         digests: list[int] = []
+        kept = self._keep_for_skip(tensors) if self.mangle == "skip" else None
         if self.device.type == "cuda" and self.session is not None and not self.session.loaded:
             self._copy_events = [torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)]
             self._copy_events[0].record()
@@ -475,6 +487,8 @@ class EngineCore:
                         run.append((self._target(name), tensor))
                 digests += copy_digests(run) if run else []
         assert self.session is not None
+        if self.mangle is not None:
+            self._mangle_loaded(tensors, kept)
         self.weights_epoch += 1
         self.dirty = True
         if expected is not None and combine(digests) != expected:
@@ -485,6 +499,51 @@ class EngineCore:
                 "(in transit, or written during the refit)",
             )
         self.session.loaded.add(manifest.index)
+
+    # ---- silent faults (injected for tests: the engine acks and serves wrong weights) -------------
+
+    def _keep_for_skip(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> tuple[str, torch.Tensor] | None:
+        name = next((n for n, _ in tensors if n not in self.layout.tied), None)
+        return None if name is None else (name, self._dst_view(name).clone())
+
+    @torch.no_grad()
+    def _mangle_loaded(
+        self, tensors: Sequence[tuple[str, torch.Tensor]], kept: tuple[str, torch.Tensor] | None
+    ) -> None:
+        """What `self.mangle` does to a bucket that landed correctly (see SILENT_FAULTS)."""
+        names = [n for n, _ in tensors if n not in self.layout.tied]
+        kind = self.mangle
+        if kind == "skip" and kept is not None:
+            self._dst_view(kept[0]).copy_(kept[1])  # as if never written
+        elif kind == "flip" and names:
+            block = next((b for b in map(self._dst_view, names) if b.is_contiguous() and b.numel()), None)
+            if block is not None:
+                raw = block.view(-1).view(torch.uint8)
+                raw[0] = raw[0] ^ 1
+        elif kind == "downcast":
+            for name in names:
+                block = self._dst_view(name)
+                if block.dtype == torch.float32:
+                    block.copy_(block.to(torch.bfloat16))
+                elif block.dtype in (torch.bfloat16, torch.float16):
+                    block.copy_(block.to(torch.float8_e4m3fn))
+        elif kind == "swap_qk":
+            assert self.config.head_dim is not None
+            for name in names:
+                if name.endswith("self_attn.q_proj.weight"):
+                    target, _dim, _src, _dst, qn = self.layout.targets[name]
+                    kn = self.config.num_kv_heads * self.config.head_dim // self.comm.size
+                    fused = self.params[target]
+                    q, k = fused[:kn].clone(), fused[qn : qn + kn].clone()
+                    fused[:kn].copy_(k)
+                    fused[qn : qn + kn].copy_(q)
+        elif kind == "swap_tp" and self.comm.size > 1:
+            given = dict(tensors)
+            for name in names:
+                if name in self.layout.sharded:
+                    _target, dim, src, _dst, n = self.layout.targets[name]
+                    other = (src + n) % given[name].shape[dim]  # the next rank's shard
+                    self._dst_view(name).copy_(given[name].narrow(dim, other, n))
 
     def direct_targets(self, manifest: BucketManifest, names: Collection[str]) -> dict[str, torch.Tensor]:
         """Where a receiver may write this bucket's tensors `names` (those it can, `writes_into`)
@@ -603,7 +662,9 @@ class EngineCore:
         landed = time.perf_counter() - t0
         self.copies_landed_at = time.monotonic()
         loaded = self._head_weights()
-        if self.head_serving.shape == loaded.shape:
+        if self.mangle == "stale_head":
+            pass  # injected: post-processing forgets the serving head
+        elif self.head_serving.shape == loaded.shape:
             self.head_serving.copy_(loaded)  # into the serving copy it already holds: no allocation
         else:
             self.head_serving = loaded.clone()
@@ -847,6 +908,27 @@ class EngineCore:
             return F.linear(x, weight, bias)
         out = self.comm.all_reduce(F.linear(x.float(), weight.float()))
         return (out if bias is None else out + bias.float()).to(x.dtype)
+
+    def verify(self, kind: str = "xxh3") -> dict[str, Any]:
+        """VERIFYING: the digest (`refit.verify`) of each HF tensor as this engine will serve it,
+        unfused from its stored layout (all TP ranks' shards) and, under the head's name, of the
+        head it serves (its serving copy, rebuilt by finalize). Refused while an update session is
+        open or the weights are released."""
+        from refit.verify import SERVED_HEAD, digest
+
+        if self.session is not None:
+            raise EngineError("session_open", "verify while a weight-update session is open: finalize first")
+        self._require_weights()
+        t0 = time.perf_counter()
+        if self.comm.size > 1:
+            state = self.hf_state_dict()
+        else:  # views into the parameters: nothing copied but what a digest reads
+            state = {
+                name: self.params[t].narrow(dim, dst, n) for name, (t, dim, _s, dst, n) in self.layout.targets.items()
+            }
+        state[SERVED_HEAD] = self.comm.all_gather_cat(self.head_serving, dim=0)
+        out = {name: digest(t, kind) for name, t in state.items()}
+        return {"kind": kind, "digests": out, "seconds": round(time.perf_counter() - t0, 6)}
 
     def digests(self) -> dict[str, int]:
         """Each HF tensor's xxHash3 digest of its bytes as this engine holds them, unfused (a

@@ -54,7 +54,7 @@ from typing import Any, Protocol
 
 from refit.drivers.base import ConnectInfo, Payload, Receiver
 from refit.errors import EngineDied, EngineError
-from refit.reference.engine import EngineCore
+from refit.reference.engine import SILENT_FAULTS, EngineCore
 
 SHUTDOWN = "__shutdown__"
 RECEIVER_PREFIX = "refit."  # receivers are imported by path; only refit's own may be named
@@ -67,18 +67,18 @@ ALLOWED_CLASSES = frozenset(
         ("refit.drivers.base", "Payload"),
     }
 )
-FAULT_KINDS = ("hang", "kill", "corrupt")
+FAULT_KINDS = ("hang", "kill", "corrupt", *SILENT_FAULTS)
 AUDITED = frozenset(
     {
         "probe", "pause", "flush", "begin", "load", "finalize", "publish", "label_version", "continue_generation",
-        "quarantine", "resume_memory", "release_memory", "abort_requests",
+        "quarantine", "resume_memory", "release_memory", "abort_requests", "verify",
     }
 )  # fmt: skip
 HEAD_ONLY = frozenset({"info", "audit", "ping", "arm_fault", "result"})  # no model state: not forwarded
 PROTOCOL_CALLS = frozenset(
     {
         "probe", "resume_memory", "release_memory", "attach", "detach", "pause", "flush", "begin", "load",
-        "finalize", "publish", "continue_generation", "quarantine",
+        "finalize", "publish", "continue_generation", "quarantine", "verify",
     }
 )  # fmt: skip
 
@@ -238,6 +238,7 @@ class EngineServer:
             "info", "submit", "result", "score", "state_dict", "digests", "pause", "continue_generation", "flush",
             "begin", "load", "finalize", "publish", "label_version", "quarantine", "release_memory",
             "resume_memory", "attach", "detach", "ping", "audit", "arm_fault", "probe", "steps", "abort_requests",
+            "verify",
         }
     )  # fmt: skip
 
@@ -256,6 +257,12 @@ class EngineServer:
         if method not in self.METHODS:
             raise EngineError("bad_request", f"unknown method {method!r}")
         fn: Callable[..., Any] = getattr(self, f"_{method}", None) or getattr(self.core, method)
+        try:
+            return self._handle(method, fn, args, kwargs)
+        finally:
+            self.core.mangle = None
+
+    def _handle(self, method: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if method not in AUDITED:
             return fn(*args, **kwargs)
         bucket = args[0].manifest.index if method == "load" and args and isinstance(args[0], Payload) else None
@@ -305,6 +312,8 @@ class EngineServer:
             os.kill(os.getpid(), signal.SIGKILL)
         elif kind == "hang":
             time.sleep(seconds)
+        elif kind in SILENT_FAULTS:
+            self.core.mangle = kind  # for this call only (`handle` clears it)
         elif method == "load":
             self._corrupt_next_load = True
         return kind
@@ -403,7 +412,12 @@ class EngineServer:
         fused = comm.size == 1  # one rank: verify while copying (TP ranks vote first, then apply)
         into: dict[str, Any] = {}  # tensors the receiver writes straight into the weights
         try:
-            if fused and receiver.expected(payload) is None and not self._corrupt_next_load:
+            if (
+                fused
+                and receiver.expected(payload) is None
+                and not self._corrupt_next_load
+                and self.core.mangle is None
+            ):
                 into = self.core.direct_targets(payload.manifest, receiver.writes_into(payload))
             tensors = receiver.read_into(payload, into) if into else receiver.read(payload)
             if self._corrupt_next_load:

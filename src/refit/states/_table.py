@@ -7,7 +7,9 @@ Rule 2: this file knows nothing about drivers, engines, I/O or time. The runner
 it; `docs/diagrams/` is generated from them.
 
 The run table. A state names the phase a run is *in*. Colocated runs pass OFFLOADING and
-RESTORING; disaggregated runs skip them (`connect` from IDLE, `finish` from CONTINUING). Engines
+RESTORING; disaggregated runs skip them (`connect` from IDLE, `finish` from CONTINUING). A run
+that verifies (`RefitContext(verify=...)`, on by default) passes VERIFYING between finalize and
+publish: each finalized engine reports what it will serve and only those that match publish. Engines
 whose update failed are retried (`retry`: back to INVALIDATING for them alone) while attempts and
 time remain; a transport whose group a failed member broke is first rebuilt without it
 (`reconnect`: RECONNECTING, then `retry`). Engines that failed for good are quarantined inside
@@ -31,6 +33,7 @@ class RefitState(StrEnum):
     INVALIDATING = "INVALIDATING"
     TRANSFERRING = "TRANSFERRING"
     POST_PROCESSING = "POST_PROCESSING"
+    VERIFYING = "VERIFYING"
     RECONNECTING = "RECONNECTING"
     CONTINUING = "CONTINUING"
     RESTORING = "RESTORING"
@@ -48,6 +51,7 @@ class Trigger(StrEnum):
     TRANSFER = "transfer"
     NEXT_BUCKET = "next_bucket"
     POST_PROCESS = "post_process"
+    VERIFY = "verify"
     RECONNECT = "reconnect"
     RETRY = "retry"
     PUBLISH = "publish"
@@ -68,14 +72,16 @@ ACTIVE_STATES: tuple[RefitState, ...] = (
     S.INVALIDATING,
     S.TRANSFERRING,
     S.POST_PROCESSING,
+    S.VERIFYING,
     S.RECONNECTING,
     S.CONTINUING,
     S.RESTORING,
 )
 TERMINAL_STATES: tuple[RefitState, ...] = (S.DONE, S.FAILED)
 # inside the update: an engine that fails here (an error, not a hang or a death) is retried when
-# the run allows retries, its next attempt beginning the update again
-RETRY_STATES: tuple[RefitState, ...] = (S.INVALIDATING, S.TRANSFERRING, S.POST_PROCESSING)
+# the run allows retries, its next attempt beginning the update again (VERIFYING: what it would
+# serve is not what was sent)
+RETRY_STATES: tuple[RefitState, ...] = (S.INVALIDATING, S.TRANSFERRING, S.POST_PROCESSING, S.VERIFYING)
 
 # (trigger, sources, destination), in the order of the happy path, then recovery, then failure.
 TRANSITIONS: tuple[tuple[Trigger, tuple[RefitState, ...], RefitState], ...] = (
@@ -86,11 +92,12 @@ TRANSITIONS: tuple[tuple[Trigger, tuple[RefitState, ...], RefitState], ...] = (
     (T.TRANSFER, (S.INVALIDATING,), S.TRANSFERRING),
     (T.NEXT_BUCKET, (S.TRANSFERRING,), S.TRANSFERRING),
     (T.POST_PROCESS, (S.TRANSFERRING,), S.POST_PROCESSING),
-    (T.PUBLISH, (S.POST_PROCESSING,), S.CONTINUING),
+    (T.PUBLISH, (S.POST_PROCESSING, S.VERIFYING), S.CONTINUING),  # POST_PROCESSING: verify="off"
+    (T.VERIFY, (S.POST_PROCESSING,), S.VERIFYING),
     (T.RESTORE, (S.CONTINUING,), S.RESTORING),
     (T.FINISH, (S.CONTINUING, S.RESTORING), S.DONE),
-    (T.RECONNECT, (S.POST_PROCESSING,), S.RECONNECTING),
-    (T.RETRY, (S.POST_PROCESSING, S.RECONNECTING), S.INVALIDATING),
+    (T.RECONNECT, (S.POST_PROCESSING, S.VERIFYING), S.RECONNECTING),
+    (T.RETRY, (S.POST_PROCESSING, S.VERIFYING, S.RECONNECTING), S.INVALIDATING),
     (T.FAIL, (S.IDLE, *ACTIVE_STATES), S.ABORTING),  # IDLE: the ranks' metadata or the plan was refused
     (T.QUARANTINE, (S.ABORTING,), S.QUARANTINING),
     (T.LATCH, (S.ABORTING, S.QUARANTINING), S.FAILED),
@@ -101,7 +108,8 @@ class EngineState(StrEnum):
     JOINED = "JOINED"  # in the run; nothing that changes generation has happened to it yet
     PAUSED = "PAUSED"  # generation stopped, no update session open
     OPEN = "OPEN"  # cache flushed and an update session begun: exactly one finalize is owed
-    FINALIZED = "FINALIZED"  # its attempt acked every bucket and finalized: it may publish
+    FINALIZED = "FINALIZED"  # its attempt acked every bucket and finalized (verify="off": it may publish)
+    VERIFIED = "VERIFIED"  # what it reports it will serve is what the trainer sent: it may publish
     PUBLISHED = "PUBLISHED"  # labelled with the run's version: it must be continued
     SERVING = "SERVING"  # continued (colocated: and its KV memory back): generating again
     QUARANTINED = "QUARANTINED"  # kept out of service until a refit completes
@@ -112,6 +120,8 @@ class EngineEvent(StrEnum):
     PAUSE = "pause"
     OPEN = "open"  # flush and begin succeeded (first attempt or retry)
     FINALIZE = "finalize"  # finalize succeeded after every bucket was acked
+    VERIFY = "verify"  # its report of what it will serve matched the trainer's
+    REJECT = "reject"  # it did not: its weights are no version's (retried or quarantined)
     CLOSE = "close"  # the session ended without a publishable update (partial, failed finalize)
     PUBLISH = "publish"
     CONTINUE = "continue"
@@ -126,8 +136,10 @@ ENGINE_TRANSITIONS: tuple[tuple[EngineEvent, tuple[EngineState, ...], EngineStat
     (EV.OPEN, (E.PAUSED,), E.OPEN),
     (EV.FINALIZE, (E.OPEN,), E.FINALIZED),
     (EV.CLOSE, (E.OPEN,), E.PAUSED),
-    (EV.PUBLISH, (E.FINALIZED,), E.PUBLISHED),
+    (EV.VERIFY, (E.FINALIZED,), E.VERIFIED),
+    (EV.REJECT, (E.FINALIZED,), E.PAUSED),
+    (EV.PUBLISH, (E.FINALIZED, E.VERIFIED), E.PUBLISHED),
     (EV.CONTINUE, (E.PAUSED, E.PUBLISHED), E.SERVING),
-    (EV.QUARANTINE, (E.JOINED, E.PAUSED, E.OPEN, E.FINALIZED, E.PUBLISHED), E.QUARANTINED),
-    (EV.LOSE, (E.JOINED, E.PAUSED, E.OPEN, E.FINALIZED, E.PUBLISHED, E.SERVING), E.GONE),
+    (EV.QUARANTINE, (E.JOINED, E.PAUSED, E.OPEN, E.FINALIZED, E.VERIFIED, E.PUBLISHED), E.QUARANTINED),
+    (EV.LOSE, (E.JOINED, E.PAUSED, E.OPEN, E.FINALIZED, E.VERIFIED, E.PUBLISHED, E.SERVING), E.GONE),
 )

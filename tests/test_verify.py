@@ -1,0 +1,239 @@
+"""Verification before publish (`RefitContext(verify="digest")`, the default): each engine reports the
+digests of what it will serve, computed from its own layout; only engines that match the trainer's
+digests of what it sent publish. The faults are injected for real inside the engine (it acks,
+finalizes and would serve wrong weights); a fault that is not real shows as weights that still match."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from refit import invariants, protocol
+from refit.drivers.broadcast import BroadcastTransport
+from refit.drivers.reference import ReferenceEngine
+from refit.drivers.shm import SharedMemoryTransport
+from refit.drivers.torch_source import TorchSource
+from refit.errors import ConfigError
+from refit.reference.model import TinyLlama
+from refit.replay import replay
+from refit.trace import load_trace
+from refit.verify import SERVED_HEAD, compare, digest, merge
+
+from .conftest import CONFIG, SMALL_BUCKET, perturbed
+
+TRANSPORTS = {"shm": SharedMemoryTransport, "broadcast": BroadcastTransport}
+SILENT = ("flip", "swap_qk", "downcast", "skip", "stale_head", "swap_tp")
+
+
+def test_compare_names_what_differs_what_is_missing_and_what_was_never_sent() -> None:
+    sent = {"a": "01", "b": "02", "model.embed_tokens.weight": "03"}
+    assert compare(sent, {"a": "01", "b": "02", "model.embed_tokens.weight": "03"}).ok
+    v = compare(sent, {"a": "01", "b": "ff", "x": "04"})
+    assert not v.ok and v.mismatched == ["b"] and v.missing == ["model.embed_tokens.weight"] and v.unexpected == ["x"]
+    assert "1 differ: b" in v.describe() and "1 not reported" in v.describe()
+    # a tied head is served from its own copy: reported under the head's name, compared with the embedding
+    full = {**sent, SERVED_HEAD: "03"}
+    assert compare(sent, full).ok and compare(sent, full).compared == 4
+    assert compare(sent, {**full, SERVED_HEAD: "07"}).mismatched == [SERVED_HEAD]
+    # ranks that packed the same tensor agree; one that disagrees makes the name unmatchable
+    kind, merged = merge([{"kind": "xxh3", "digests": {"a": "01"}}, None, {"kind": "xxh3", "digests": {"a": "02"}}])
+    assert kind == "xxh3" and merged == {"a": "conflict"}
+
+
+def _bucket_names(trace: Path, index: int) -> set[str]:
+    _, events, _ = load_trace(trace)
+    plan = next(e for e in events if e.get("kind") == "plan")
+    return set(plan["manifests"][index]["names"])
+
+
+def _silent_run(tmp_path: Path, transport: str, kind: str, *, retries: int) -> tuple[protocol.RefitResult, Any]:
+    tp = 2 if kind == "swap_tp" else 1
+    if tp > 1:
+        engines = ReferenceEngine.spawn_many(["e0", "e1"], CONFIG, seed=0, tp=tp)
+    else:
+        engines = [ReferenceEngine.in_thread(f"e{i}", CONFIG, seed=0) for i in range(2)]
+    model = perturbed(TinyLlama(CONFIG, seed=0), seed=3)
+    at_finalize = kind == "stale_head"
+    plan = protocol.FaultPlan().fail_at(
+        "post_processing" if at_finalize else "transferring", engine=0, bucket=None if at_finalize else 1, kind=kind
+    )
+    trace = tmp_path / "t.jsonl"
+    ctx = protocol.RefitContext(
+        TorchSource(model), TRANSPORTS[transport](), engines, bucket_bytes=SMALL_BUCKET, retries=retries,
+        faults=plan, trace=trace, deadline_s=30.0,
+    )  # fmt: skip
+    try:
+        result = protocol.run(ctx)
+        want = model.state_dict()
+        e0, e1 = engines
+        tokens = [1, 2, 3, 4, 5]
+        wrong = [n for n, t in e0.state_dict().items() if not torch.equal(t, want[n])]
+        served_differs = not torch.equal(e0.score(tokens), e1.score(tokens))
+    finally:
+        ctx.close()
+        for e in engines:
+            e.close()
+    return result, (trace, wrong, served_differs)
+
+
+@pytest.mark.parametrize("transport", sorted(TRANSPORTS))
+@pytest.mark.parametrize("kind", SILENT)
+def test_a_silent_fault_is_caught_named_and_never_published(tmp_path: Path, transport: str, kind: str) -> None:
+    result, (trace, wrong, served_differs) = _silent_run(tmp_path, transport, kind, retries=0)
+    bad, good = result.engines["e0"], result.engines["e1"]
+    assert served_differs  # the fault was real: the engine would have served other logits
+    assert bad.status == "quarantined" and bad.version is None and not bad.serving
+    assert bad.verify is not None and not bad.verify["ok"] and bad.verify["mismatched"]
+    assert "unverified" in (bad.error or "") and bad.verify["mismatched"][0] in (bad.error or "")
+    if kind == "stale_head":
+        assert bad.verify["mismatched"] == [SERVED_HEAD] and wrong == []  # its weights are right, its head is not
+    else:
+        assert set(bad.verify["mismatched"]) <= _bucket_names(trace, 1)  # only what the fault touched
+        assert set(bad.verify["mismatched"]) == set(wrong)  # named exactly: what differs when read back
+    assert good.status == "updated" and good.verify is not None and good.verify["ok"]
+    assert good.verify["compared"] == bad.verify["compared"] > 0
+    _, events, _ = load_trace(trace)
+    assert invariants.check_trace(events) == []
+    assert replay(trace).divergence is None
+
+
+@pytest.mark.parametrize("kind", ["flip", "stale_head"])
+def test_an_engine_that_failed_verification_is_retried(tmp_path: Path, kind: str) -> None:
+    result, (trace, wrong, served_differs) = _silent_run(tmp_path, "shm", kind, retries=1)
+    bad = result.engines["e0"]
+    assert result.ok and bad.status == "updated" and bad.attempts == 2 and bad.verify and bad.verify["ok"]
+    assert wrong == [] and not served_differs  # the retry loaded it whole
+    _, events, _ = load_trace(trace)
+    verdicts = [e for e in events if e.get("event") == "verified" and e.get("engine") == "e0"]
+    assert [v["ok"] for v in verdicts] == [False, True] and [v["attempt"] for v in verdicts] == [0, 1]
+    assert invariants.check_trace(events) == []
+    assert replay(trace).divergence is None
+
+
+@pytest.mark.parametrize("transport", sorted(TRANSPORTS))
+def test_clean_refits_raise_no_false_alarm(transport: str) -> None:
+    """Refits after real optimizer steps, every one verified: none rejected (200 over shm, 50 over
+    a broadcast group)."""
+    n = 200 if transport == "shm" else 50
+    engines = [ReferenceEngine.in_thread(f"c{i}", CONFIG, seed=0) for i in range(2)]
+    model = TinyLlama(CONFIG, seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ctx = protocol.RefitContext(TorchSource(model), TRANSPORTS[transport](), engines, bucket_bytes=SMALL_BUCKET)
+    gen = torch.Generator().manual_seed(0)
+    try:
+        for i in range(n):
+            loss = model(torch.randint(0, CONFIG.vocab_size, (1, 8), generator=gen)).float().pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            result = protocol.run(ctx)
+            verdicts = [o.verify for o in result.engines.values()]
+            assert result.ok, (i, result.error)
+            assert all(v is not None and v["ok"] and v["compared"] > 0 for v in verdicts), (i, verdicts)
+        want = model.state_dict()
+        assert all(torch.equal(e.state_dict()[k], v) for e in engines for k, v in want.items())
+    finally:
+        ctx.close()
+        for e in engines:
+            e.close()
+
+
+def _verified_trace(tmp_path: Path) -> list[dict[str, Any]]:
+    engines = [ReferenceEngine.in_thread(f"t{i}", CONFIG, seed=0) for i in range(2)]
+    model = perturbed(TinyLlama(CONFIG, seed=0), seed=5)
+    trace = tmp_path / "v.jsonl"
+    ctx = protocol.RefitContext(
+        TorchSource(model), SharedMemoryTransport(), engines, bucket_bytes=SMALL_BUCKET, trace=trace
+    )
+    try:
+        assert protocol.run(ctx).ok
+    finally:
+        ctx.close()
+        for e in engines:
+            e.close()
+    return load_trace(trace)[1]
+
+
+def test_check_recomputes_each_verdict_from_the_recorded_digests(tmp_path: Path) -> None:
+    events = _verified_trace(tmp_path)
+    assert invariants.check_run([e for e in events if e.get("run")]) == []
+    run = [dict(e) for e in events if e.get("run")]
+    verify = next(e for e in run if e.get("event") == "verify" and e.get("engine") == "t0")
+    name = sorted(verify["result"]["digests"])[0]
+    verify["result"] = {**verify["result"], "digests": {**verify["result"]["digests"], name: "0" * 16}}
+    found = [v for v in invariants.check_run(run) if v.invariant == "verified"]
+    assert found and name in found[0].message and "t0" in found[0].message  # the run's own verdict is not trusted
+    without = [
+        e for e in events if e.get("run") and not (e.get("event") in ("verify", "verified") and e.get("engine") == "t1")
+    ]
+    found = [v for v in invariants.check_run(without) if v.invariant == "verified"]
+    assert found and "t1" in found[0].message and "no successful verify" in found[0].message
+    off = [dict(e, verify="off") if e.get("event") == "start" else e for e in without]
+    assert [v for v in invariants.check_run(off) if v.invariant == "verified"] == []  # verify off: nothing to check
+
+
+def test_a_driver_that_reports_no_digests_is_refused_up_front() -> None:
+    class NoDigests(ReferenceEngine):
+        digest_kinds = frozenset()
+
+    engine = NoDigests(ReferenceEngine.in_thread("n0", CONFIG, seed=0).client)
+    try:
+        with pytest.raises(ConfigError, match=r"engine n0 \(NoDigests\) cannot report digests.*verify='off'"):
+            protocol.RefitContext(TorchSource(TinyLlama(CONFIG, seed=0)), SharedMemoryTransport(), [engine])
+        with pytest.raises(ConfigError, match="verify must be one of"):
+            protocol.RefitContext(
+                TorchSource(TinyLlama(CONFIG, seed=0)), SharedMemoryTransport(), [engine], verify="on"
+            )
+        ctx = protocol.RefitContext(
+            TorchSource(perturbed(TinyLlama(CONFIG, seed=0), seed=1)), SharedMemoryTransport(), [engine], verify="off",
+            bucket_bytes=SMALL_BUCKET,
+        )  # fmt: skip
+        result = protocol.run(ctx)
+        assert result.ok and result.engines["n0"].verify is None  # trusted, and the result says it was not verified
+        ctx.close()
+    finally:
+        engine.close()
+
+
+def test_a_verify_answer_without_digests_is_rejected_not_trusted() -> None:
+    class Vague(ReferenceEngine):
+        def verify(self, kind: str, *, timeout: float) -> dict[str, Any]:
+            return {"kind": kind, "ok": True}  # says it is fine, shows nothing
+
+    engines = [
+        Vague(ReferenceEngine.in_thread("v0", CONFIG, seed=0).client),
+        ReferenceEngine.in_thread("v1", CONFIG, seed=0),
+    ]
+    model = perturbed(TinyLlama(CONFIG, seed=0), seed=2)
+    ctx = protocol.RefitContext(
+        TorchSource(model), SharedMemoryTransport(), engines, bucket_bytes=SMALL_BUCKET, retries=0
+    )
+    try:
+        result = protocol.run(ctx)
+    finally:
+        ctx.close()
+        for e in engines:
+            e.close()
+    vague = result.engines["v0"]
+    assert vague.status == "quarantined" and "answered without xxh3 digests" in (vague.error or "")
+    assert result.engines["v1"].status == "updated"
+
+
+def test_the_engine_refuses_to_verify_with_an_update_open() -> None:
+    engine = ReferenceEngine.in_thread("o0", CONFIG, seed=0)
+    try:
+        engine.pause("abort", timeout=5)
+        engine.flush(timeout=5)
+        engine.client.call("begin", None, timeout=5)  # an update session with no plan checked
+        with pytest.raises(Exception, match="session_open"):
+            engine.verify("xxh3", timeout=5)
+        engine.finalize(timeout=5)
+        report = engine.verify("xxh3", timeout=5)
+        assert report["kind"] == "xxh3" and report["seconds"] >= 0
+        held = {n: digest(t) for n, t in engine.state_dict().items()}
+        assert compare(held, report["digests"]).ok  # every tensor as held, and the head it serves
+    finally:
+        engine.close()
