@@ -237,3 +237,28 @@ def test_the_engine_refuses_to_verify_with_an_update_open() -> None:
         assert compare(held, report["digests"]).ok  # every tensor as held, and the head it serves
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("checksums", [True, False])
+def test_a_source_that_casts_on_the_way_is_verified_in_the_dtype_it_sent(checksums: bool) -> None:
+    """TorchSource(dtype=bf16) hands out float32 tensors the transport casts while packing: the
+    trainer's digests are of the bf16 bytes sent (hashed by the transport, or cast then hashed)."""
+    import dataclasses
+
+    config = dataclasses.replace(CONFIG, dtype="bfloat16")
+    engines = [ReferenceEngine.in_thread(f"b{i}", config, seed=0) for i in range(2)]
+    model = perturbed(TinyLlama(CONFIG, seed=0), seed=4)  # float32
+    ctx = protocol.RefitContext(
+        TorchSource(model, dtype=torch.bfloat16), SharedMemoryTransport(checksums=checksums), engines,
+        bucket_bytes=SMALL_BUCKET,
+    )  # fmt: skip
+    try:
+        result = protocol.run(ctx)
+        assert result.ok, result.error
+        assert all(o.verify and o.verify["ok"] for o in result.engines.values())
+        want = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}
+        assert all(torch.equal(e.state_dict()[k], v) for e in engines for k, v in want.items())
+    finally:
+        ctx.close()
+        for e in engines:
+            e.close()

@@ -168,7 +168,7 @@ class Participant:
         hashed = digest is not None and self.rank == 0
         if digest is not None:
             self._digest_kind = digest
-            tensors = self._hashed(tensors, digest)
+            tensors = self._hashed(tensors, digest, self.plan[index])
         self.transport.tensor_digests = {} if hashed and digest == "xxh3" else None
         try:
             part = self.transport.pack(self.plan[index], tensors)
@@ -182,19 +182,26 @@ class Participant:
             return None
         return {"kind": self._digest_kind, "digests": dict(self._digests)}
 
-    def _hashed(self, tensors: LazyTensors, kind: str) -> LazyTensors:
+    def _hashed(self, tensors: LazyTensors, kind: str, manifest: BucketManifest) -> LazyTensors:
         """The bucket's tensors as the source gives them; once the transport has taken each one,
-        rank 0 records its digest (of the full value: every rank gathers a sharded tensor once
-        more, in the same order, so the collectives match)."""
+        rank 0 records its digest: of the full value (every rank gathers a sharded tensor once
+        more, in the same order, so the collectives match) in the dtype the plan sends (a source
+        may hand out tensors the transport casts on the way)."""
+        from refit.buckets import torch_dtype
         from refit.verify import digest
 
+        dtypes = {e.meta.name: e.meta.dtype for e in manifest.entries}
         for name, tensor in tensors:
             yield name, tensor
             full = tensor.full_tensor() if hasattr(tensor, "placements") else tensor  # on every rank
             if self.rank != 0:
                 continue
             packed = self.transport.tensor_digests  # the transport hashed it while packing: not read again
-            self._digests[name] = f"{packed[name]:016x}" if packed and name in packed else digest(full, kind)
+            if packed and name in packed:
+                self._digests[name] = f"{packed[name]:016x}"
+                continue
+            want = torch_dtype(dtypes[name]) if name in dtypes else full.dtype
+            self._digests[name] = digest(full if full.dtype == want else full.to(want), kind)
 
     def send(self, index: int) -> None:
         self.transport.send(index)
