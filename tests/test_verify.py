@@ -200,7 +200,7 @@ def test_a_driver_that_reports_no_digests_is_refused_up_front() -> None:
 
 def test_a_verify_answer_without_digests_is_rejected_not_trusted() -> None:
     class Vague(ReferenceEngine):
-        def verify(self, kind: str, *, timeout: float) -> dict[str, Any]:
+        def verify(self, kind: str | None, probe: Any = None, *, timeout: float) -> dict[str, Any]:
             return {"kind": kind, "ok": True}  # says it is fine, shows nothing
 
     engines = [
@@ -262,3 +262,61 @@ def test_a_source_that_casts_on_the_way_is_verified_in_the_dtype_it_sent(checksu
         ctx.close()
         for e in engines:
             e.close()
+
+
+def _probe_run(tmp_path: Path, verify: str, *, rope_theta: float = 10000.0) -> tuple[protocol.RefitResult, Path]:
+    """Engine p0 has a wrong config (rope theta) but the same shapes: it takes the bytes as sent."""
+    import dataclasses
+
+    engines = [
+        ReferenceEngine.in_thread("p0", dataclasses.replace(CONFIG, rope_theta=rope_theta), seed=0),
+        ReferenceEngine.in_thread("p1", CONFIG, seed=0),
+    ]
+    model = perturbed(TinyLlama(CONFIG, seed=0), seed=6)
+    trace = tmp_path / f"{verify}.jsonl"
+    ctx = protocol.RefitContext(
+        TorchSource(model), SharedMemoryTransport(), engines, bucket_bytes=SMALL_BUCKET, verify=verify, retries=0,
+        trace=trace, mode="colocated",
+    )  # fmt: skip
+    try:
+        return protocol.run(ctx), trace
+    finally:
+        ctx.close()
+        for e in engines:
+            e.close()
+
+
+def test_the_probe_catches_a_wrong_engine_config_that_digests_cannot(tmp_path: Path) -> None:
+    wrong = 500000.0
+    digest, _ = _probe_run(tmp_path, "digest", rope_theta=wrong)
+    assert digest.ok and digest.engines["p0"].status == "updated"  # the bytes are right: digests pass
+    for mode in ("probe", "both"):
+        result, trace = _probe_run(tmp_path, mode, rope_theta=wrong)
+        bad, good = result.engines["p0"], result.engines["p1"]
+        assert bad.status == "quarantined" and "forward does not match the trainer's model" in (bad.error or "")
+        assert bad.verify and not bad.verify["probe"]["ok"] and bad.verify["probe"]["max_diff"] > 1e-3
+        assert good.status == "updated" and good.verify and good.verify["probe"]["ok"]
+        assert good.verify["probe"]["max_diff"] < 1e-4 and good.verify["probe"]["tolerance"] == 1e-3  # float32
+        assert (bad.verify["compared"] > 0) == (mode == "both")  # digests only where asked for
+        _, events, _ = load_trace(trace)
+        assert invariants.check_trace(events) == []
+        assert replay(trace).divergence is None
+        run = [dict(e) for e in events if e.get("run")]
+        call = next(e for e in run if e.get("event") == "verify" and e.get("engine") == "p1")
+        call["result"] = {**call["result"], "logprobs": [[x + 0.5 for x in row] for row in call["result"]["logprobs"]]}
+        found = [v for v in invariants.check_run(run) if v.invariant == "verified"]
+        assert found and "p1" in found[0].message and "log-probability" in found[0].message
+
+
+def test_a_source_that_cannot_score_fails_the_probe_before_anything_moves() -> None:
+    engines = [ReferenceEngine.in_thread("s0", CONFIG, seed=0)]
+    state = {k: v.clone() for k, v in perturbed(TinyLlama(CONFIG, seed=0), seed=1).state_dict().items()}
+    ctx = protocol.RefitContext(TorchSource(state), SharedMemoryTransport(), engines, verify="probe")
+    try:
+        result = protocol.run(ctx)
+        assert not result.ok and result.state == "FAILED" and result.error.state == "IDLE"
+        assert "only an nn.Module can score prompts" in str(result.error)
+        assert result.engines["s0"].status == "unchanged" and engines[0].info()["version"] == 0
+    finally:
+        ctx.close()
+        engines[0].close()

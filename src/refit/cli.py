@@ -435,10 +435,11 @@ def _demo_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--verify",
-        choices=("digest", "off"),
+        choices=("digest", "probe", "both", "off"),
         default=None,
-        help="check each engine serves what was sent before it publishes (default: digest; off for --engine "
-        "sglang/vllm, whose drivers report no digests yet)",
+        help="check each engine before it publishes: digest (its weights, bit for bit), probe (its next-token "
+        "log-probabilities against the trainer's), both, or off (default: digest; off for --engine sglang/vllm, "
+        "whose drivers report neither yet)",
     )
     p.add_argument("--in-thread", action="store_true", help="run engines on threads instead of processes")
     p.add_argument(

@@ -369,6 +369,7 @@ class ReplayTransport(Transport):
 class ReplayEngine(EngineDriver):
     transports = frozenset({"replay"})
     digest_kinds = frozenset({"xxh3"})
+    probes = True
     pause_modes = frozenset({"abort", "retract", "in_place"})
     supports_in_place_pause = True
 

@@ -15,6 +15,11 @@ Kinds (`DIGEST_KINDS`):
 Modes (`VERIFY_MODES`, `RefitContext(verify=...)`):
   digest  every finalized engine reports its digests; an engine publishes only when each tensor
           the trainer sent, and the head it serves, matches bit for bit.
+  probe   a few fixed prompts: the engine's next-token log-probabilities at the trainer's top
+          tokens, against the trainer's model (computed before the run offloads it), within a
+          tolerance set by the weights' dtype. Catches what digests cannot: an engine that
+          holds the right bytes and computes with them wrongly (a wrong config).
+  both    digest and probe.
   off     the engine's word is trusted (finalize answered): nothing is compared.
 """
 
@@ -28,7 +33,12 @@ if TYPE_CHECKING:
     import torch
 
 DIGEST_KINDS = ("xxh3",)
-VERIFY_MODES = ("digest", "off")
+VERIFY_MODES = ("digest", "probe", "both", "off")
+PROBE_TOP = 8  # tokens per prompt compared: the trainer's most likely next tokens
+# the largest |logprob difference| a probe allows, by the weights' dtype: two implementations of the
+# same forward differ by rounding (float32: ~1e-6 in this repo's reference engine vs torch; bf16
+# matmuls in another order: a few hundredths)
+PROBE_TOLERANCE = {"float64": 1e-6, "float32": 1e-3, "float16": 0.05, "bfloat16": 0.15}
 SERVED_HEAD = "lm_head.weight"  # what an engine serves as its output head, reported under this name
 
 
@@ -95,6 +105,51 @@ def compare(expected: Mapping[str, str], reported: Mapping[str, str], tied: Mapp
                    sorted(unexpected))  # fmt: skip
 
 
+def digests_of(mode: str) -> bool:
+    return mode in ("digest", "both")
+
+
+def probes_of(mode: str) -> bool:
+    return mode in ("probe", "both")
+
+
+def default_prompts(vocab: int, n: int = 4, length: int = 12) -> list[list[int]]:
+    """Fixed prompts of token ids below `vocab` (the same for every run of the same model)."""
+    return [[(7919 * (i + 1) + 104729 * j) % max(vocab, 1) for j in range(length)] for i in range(n)]
+
+
+def probe_tolerance(dtypes: list[str]) -> float:
+    """The probe's tolerance for weights of these dtypes (the loosest wins; unknown: bf16's)."""
+    floats = [d for d in dtypes if d.startswith(("float", "bfloat"))]
+    return max(
+        (PROBE_TOLERANCE.get(d, PROBE_TOLERANCE["bfloat16"]) for d in floats), default=PROBE_TOLERANCE["float32"]
+    )
+
+
+def compare_probe(expected: list[dict[str, Any]], got: Any, tolerance: float) -> tuple[bool, float | None, str]:
+    """The engine's log-probabilities (`got`: one list per prompt, at the trainer's `ids`) against
+    the trainer's; (ok, largest difference, what was wrong)."""
+    if not isinstance(got, list) or len(got) != len(expected):
+        return False, None, f"the probe answered {type(got).__name__} for {len(expected)} prompts"
+    worst, where = 0.0, -1
+    for i, (want, have) in enumerate(zip(expected, got, strict=True)):
+        values = want["logprobs"]
+        if not isinstance(have, list) or len(have) != len(values):
+            return False, None, f"prompt {i}: {len(values)} log-probabilities expected"
+        try:
+            diff = max((abs(float(a) - float(b)) for a, b in zip(values, have, strict=True)), default=0.0)
+        except (TypeError, ValueError):
+            return False, None, f"prompt {i}: log-probabilities that are not numbers"
+        if not diff <= worst:  # NaN counts as the worst
+            worst, where = diff, i
+    ok = worst <= tolerance
+    return (
+        ok,
+        worst,
+        "" if ok else f"prompt {where}: next-token log-probability off by {worst:.3g} (tolerance {tolerance:g})",
+    )
+
+
 def merge(per_rank: list[Any]) -> tuple[str | None, dict[str, str]]:
     """The trainer's digests from every rank's report ({"kind", "digests"} or None): ranks that
     packed the same tensor report the same digest; a rank that disagrees wins nothing (the name is
@@ -109,3 +164,40 @@ def merge(per_rank: list[Any]) -> tuple[str | None, dict[str, str]]:
             if out.setdefault(name, d) != d:
                 out[name] = "conflict"
     return kind, out
+
+
+def judge(
+    answer: Any,
+    kind: str | None,
+    expected: Mapping[str, str],
+    reference: Mapping[str, Any] | None,
+) -> dict[str, Any]:
+    """One engine's verify answer against what the trainer sent: its digests of kind `kind` (None:
+    not asked) against `expected`, and its probe answers against `reference` ({"expected": the
+    trainer's logprobs, "tolerance"}; None: not asked). The verdict: `ok`, `compared`,
+    `mismatched` / `missing` / `unexpected` names, `probe` ({"ok", "max_diff", "tolerance"}) and
+    `problems` (what was wrong, in words). Pure: the ledger and `refit check` both call it."""
+    verdict: dict[str, Any] = {"ok": False, "compared": 0, "mismatched": [], "missing": [], "unexpected": []}
+    problems: list[str] = []
+    if not isinstance(answer, dict):
+        problems.append(f"verify answered {type(answer).__name__}, not a report")
+        answer = {}
+    if kind is not None:
+        digests = answer.get("digests")
+        if not isinstance(digests, dict) or answer.get("kind") != kind:
+            problems.append(f"verify({kind!r}) answered without {kind} digests (got {answer.get('kind')!r})")
+        else:
+            found = compare(expected, digests)
+            verdict.update({k: v for k, v in found.to_dict().items() if k != "ok"})
+            if not found.ok:
+                problems.append(f"what it will serve is not what the trainer sent: {found.describe()}")
+    if reference is not None:
+        ok, diff, why = compare_probe(
+            list(reference["expected"]), answer.get("logprobs"), float(reference["tolerance"])
+        )
+        verdict["probe"] = {"ok": ok, "max_diff": diff, "tolerance": reference["tolerance"]}
+        if not ok:
+            problems.append(f"its forward does not match the trainer's model: {why}")
+    verdict["ok"] = not problems
+    verdict["problems"] = problems
+    return verdict

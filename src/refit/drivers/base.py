@@ -191,6 +191,8 @@ class Source(ABC):
                                    A retry starts a fresh iterator on every rank.
       RESTORING, or the abort path `restore()`: back to training placement; idempotent. Called on
                                    every exit of a colocated run that called `offload()`.
+      run start, verify="probe"    `logprobs(prompts, top)` (optional): the reference the engines'
+                                   probe answers are compared with.
     `storages()`: the storages its tensors lie in, for a transport that shares them once at connect
     (`Transport.shares_storages`); None (the default) when it hands out tensors it makes anew.
     """
@@ -221,6 +223,12 @@ class Source(ABC):
     @abstractmethod
     def iter_buckets(self, plan: Sequence[BucketManifest]) -> Iterator[LazyTensors]:
         """Named tensors for each manifest of `plan`, in order."""
+
+    def logprobs(self, prompts: Sequence[Sequence[int]], top: int) -> list[dict[str, list[Any]]]:
+        """verify="probe": per prompt, the model's `top` most likely next tokens and their
+        log-probabilities ({"ids", "logprobs"}), with the weights it is about to send. Run on every
+        rank (a sharded model's forward is collective) before the run offloads anything."""
+        raise NotImplementedError(f"{type(self).__name__} cannot score prompts: use verify='digest' or 'off'")
 
 
 class Transport(ABC):
@@ -413,8 +421,11 @@ class EngineDriver(ABC):
       TRANSFERRING           `load(payload)`: every TP rank copies its shard of the bucket;
                              returning is the acknowledgement (no rank reads the buffer after).
       POST_PROCESSING        `finalize()`: exactly once per session, after the last bucket.
-      VERIFYING (verify on)  `verify(kind)`: {"kind", "digests": {HF name: digest}} of the weights
-                             as the engine will serve them (`refit.verify`), computed engine-side.
+      VERIFYING (verify on)  `verify(kind, probe)`: {"kind", "digests": {HF name: digest}} of the
+                             weights as the engine will serve them (`refit.verify`, kind None: no
+                             digests), computed engine-side, and with `probe` ([prompt, token ids]
+                             pairs) "logprobs": per prompt, the next-token log-probabilities at
+                             those ids, from a forward with those weights.
       CONTINUING             `publish(version)` (refused unless the session acked every planned
                              bucket and finalized), `continue_generation()`.
       RESTORING (colocated)  `resume_memory(["kv_cache"])`.
@@ -433,7 +444,8 @@ class EngineDriver(ABC):
     unknown, `begin` leaves the weights unusable until a complete update finishes: vLLM's layerwise
     reload moves them to the meta device; the runner then never continues the engine without one);
     `digest_kinds` (the `refit.verify` digest kinds its `verify` reports; empty: it cannot report
-    what it serves, so a run that verifies by digest refuses it).
+    what it serves, so a run that verifies by digest refuses it); `probes` (its `verify` answers a
+    probe, even while paused).
     """
 
     supports_in_place_pause: ClassVar[bool] = False
@@ -442,6 +454,7 @@ class EngineDriver(ABC):
     transports: ClassVar[frozenset[str]] = frozenset()
     memory_tags: ClassVar[frozenset[str]] = frozenset({"weights", "kv_cache"})
     digest_kinds: ClassVar[frozenset[str]] = frozenset()
+    probes: ClassVar[bool] = False
 
     name: str
 
@@ -497,8 +510,9 @@ class EngineDriver(ABC):
     @abstractmethod
     def quarantine(self, reason: str, *, timeout: float) -> None: ...
 
-    def verify(self, kind: str, *, timeout: float) -> dict[str, Any]:
-        """Digests of the weights as the engine will serve them (see `digest_kinds`)."""
+    def verify(self, kind: str | None, probe: Sequence[Any] | None = None, *, timeout: float) -> dict[str, Any]:
+        """Digests of the weights as the engine will serve them (see `digest_kinds`), and the
+        probe's log-probabilities (see `probes`)."""
         from refit.errors import EngineError
 
         raise EngineError("unsupported", f"{type(self).__name__} cannot report digests of its weights")

@@ -58,6 +58,7 @@ class ReferenceEngine(EngineDriver):
     pause_modes = frozenset({"abort", "retract", "in_place"})
     transports = frozenset({"shm", "broadcast", "ipc", "sglang_tensor"})
     digest_kinds = frozenset({"xxh3"})
+    probes = True
 
     def __init__(self, client: EngineClient) -> None:
         self.client = client
@@ -214,8 +215,8 @@ class ReferenceEngine(EngineDriver):
     def quarantine(self, reason: str, *, timeout: float) -> None:
         self.client.call("quarantine", reason, timeout=timeout)
 
-    def verify(self, kind: str, *, timeout: float) -> dict[str, Any]:
-        return self.client.call("verify", kind, timeout=timeout)
+    def verify(self, kind: str | None, probe: Sequence[Any] | None = None, *, timeout: float) -> dict[str, Any]:
+        return self.client.call("verify", kind, probe, timeout=timeout)
 
     def arm_fault(self, kind: str, call: str, *, bucket: int | None, seconds: float, timeout: float) -> bool:
         """Make the engine itself hang, die or receive corrupted bytes on its next `call` (see

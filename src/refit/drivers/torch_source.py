@@ -98,6 +98,31 @@ class TorchSource(Source):
                 raise KeyError(f"torch source: planned tensors {missing[:3]} are no longer in the state dict")
             yield [(name, named[name].detach()) for name in manifest.names]
 
+    def logprobs(self, prompts: Sequence[Sequence[int]], top: int) -> list[dict[str, list[Any]]]:
+        """The module's next-token log-probabilities (its forward returns logits, or an object with
+        `.logits`, as transformers' models do), in eval mode, without gradients."""
+        import torch
+        from torch import nn
+
+        model = self._model
+        if not isinstance(model, nn.Module):
+            raise NotImplementedError("torch source: only an nn.Module can score prompts (this one is a state dict)")
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        training = model.training
+        model.eval()
+        out = []
+        try:
+            with torch.no_grad():
+                for prompt in prompts:
+                    result = model(torch.tensor([list(prompt)], device=device))
+                    logits = getattr(result, "logits", result)
+                    row = torch.log_softmax(logits[0, -1].float(), dim=-1)
+                    values, ids = row.topk(min(top, row.numel()))
+                    out.append({"ids": ids.tolist(), "logprobs": values.tolist()})
+        finally:
+            model.train(training)
+        return out
+
     def offload(self) -> None:
         from torch import nn
 

@@ -213,28 +213,39 @@ def commit_gate(
 
 def _verification(events: Sequence[Event], name: str, attempt: int, *, after: int) -> str | None:
     """Why engine `name`'s attempt is not verified (None: it is): its last verify call after its
-    finalize must have answered, and its digests must match the trainer's digests recorded
-    before the verdict (recomputed here with `refit.verify.compare`)."""
-    from refit.verify import compare, merge
+    finalize must have answered, and its answer, judged again here (`refit.verify.judge`) against
+    the trainer's digests and reference log-probabilities recorded before it, must pass."""
+    from refit.verify import digests_of, judge, merge, probes_of
 
+    mode = _start(events).get("verify") or "digest"
     calls = [c for c in _calls(events, "verify", engine=name, attempt=attempt) if c["seq"] > after]
     if not calls or calls[-1].get("outcome") != "ok":
         return f"engine {name} has no successful verify after its finalize in attempt {attempt}"
     call = calls[-1]
-    reports = [
-        e for e in events
-        if e.get("kind") == "call" and e.get("event") == "digests" and e.get("side") != "engine"
-        and e.get("outcome") == "ok" and e["seq"] < call["seq"] and e.get("attempt", 0) == attempt
-    ]  # fmt: skip
-    if not reports:
-        return f"engine {name}: no digests of what the trainer sent were recorded in attempt {attempt}"
-    kind, expected = merge(list(reports[-1].get("per_rank") or []))
-    digests = (call.get("result") or {}).get("digests")
-    if not isinstance(digests, dict) or (call.get("result") or {}).get("kind") != kind:
-        return f"engine {name}: its verify recorded no {kind} digests"
-    verdict = compare(expected, digests)
-    if not verdict.ok:
-        return f"engine {name} does not serve what the trainer sent: {verdict.describe()}"
+    kind, expected = None, {}
+    if digests_of(mode):
+        reports = [
+            e for e in events
+            if e.get("kind") == "call" and e.get("event") == "digests" and e.get("side") != "engine"
+            and e.get("outcome") == "ok" and e["seq"] < call["seq"] and e.get("attempt", 0) == attempt
+        ]  # fmt: skip
+        if not reports:
+            return f"engine {name}: no digests of what the trainer sent were recorded in attempt {attempt}"
+        kind, expected = merge(list(reports[-1].get("per_rank") or []))
+    reference = None
+    if probes_of(mode):
+        scored = [
+            e for e in events
+            if e.get("kind") == "call" and e.get("event") == "logprobs" and e.get("side") != "engine"
+            and e.get("outcome") == "ok" and e["seq"] < call["seq"]
+        ]  # fmt: skip
+        answers = [a for a in (scored[-1].get("per_rank") or []) if a is not None] if scored else []
+        if not answers or "tolerance" not in scored[-1]:
+            return f"engine {name}: no reference log-probabilities of the trainer's model were recorded"
+        reference = {"expected": answers[0], "tolerance": scored[-1]["tolerance"]}
+    verdict = judge(call.get("result"), kind, expected, reference)
+    if not verdict["ok"]:
+        return f"engine {name}: " + "; ".join(verdict["problems"])
     return None
 
 

@@ -115,7 +115,10 @@ class RefitContext:
     verify: before an engine publishes, check that what it will serve is what the trainer sent
         (`refit.verify`): "digest" (default) compares each tensor's digest, the trainer's taken
         while packing, the engine's computed from its own layout; an engine that differs is
-        retried or quarantined like one whose update failed. "off" trusts the engine's finalize.
+        retried or quarantined like one whose update failed. "probe": a few prompts' next-token
+        log-probabilities on each engine against the trainer's model (the source must score:
+        `Source.logprobs`), within a tolerance by dtype; "both"; "off" trusts the engine's finalize.
+    probe_prompts: the probe's prompts (token ids); default: four fixed 12-token prompts.
     """
 
     source: Source | None
@@ -135,6 +138,7 @@ class RefitContext:
     ranks: Ranks | None = None
     check_invariants: bool = True
     verify: str = "digest"
+    probe_prompts: Sequence[Sequence[int]] | None = None
     clock: Callable[[], float] = time.monotonic
     session: Session = field(init=False, repr=False)  # what lasts across this context's runs
     recorder: TraceRecorder = field(init=False, repr=False)
@@ -210,11 +214,16 @@ class RefitContext:
                     f"engine {e.name} ({type(e).__name__}) cannot receive the {self.transport.kind!r} transport "
                     f"({type(self.transport).__name__}); it receives {sorted(e.transports)}"
                 )
-            if self.verify == "digest" and "xxh3" not in e.digest_kinds:
+            if self.verify in ("digest", "both") and "xxh3" not in e.digest_kinds:
                 raise ConfigError(
                     f"engine {e.name} ({type(e).__name__}) cannot report digests of the weights it serves, so "
-                    "verify='digest' (the default) cannot check it before it publishes; pass verify='off' to trust "
-                    "its finalize"
+                    f"verify={self.verify!r} cannot check it before it publishes; pass verify='off' to trust its "
+                    "finalize" + (", or verify='probe' to check what it computes" if e.probes else "")
+                )
+            if self.verify in ("probe", "both") and not e.probes:
+                raise ConfigError(
+                    f"engine {e.name} ({type(e).__name__}) cannot answer a probe, so verify={self.verify!r} cannot "
+                    "check it; use verify='digest' or 'off'"
                 )
             tp = e.tp_size
             if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:

@@ -101,6 +101,7 @@ class Ledger:
         self.first_error: RefitError | None = None
         self.expected: dict[str, str] = {}  # the trainer's digests of what it sent (verify on)
         self.digest_kind: str | None = None
+        self.probe: dict[str, Any] | None = None  # verify="probe": the trainer's logprobs and the tolerance
 
     # ---- outcomes of calls --------------------------------------------------------------------
 
@@ -183,34 +184,29 @@ class Ledger:
         return []
 
     def _verified(self, e: Engine, step: Step, value: Any) -> list[Event]:
-        """Compare an engine's report of what it will serve with what the trainer sent."""
-        from refit.verify import compare
+        """Judge an engine's report of what it will serve against what the trainer sent."""
+        from refit.verify import judge
 
         if e.state != E.FINALIZED or e.failure.state != F.NONE:
             return []  # its attempt did not complete: there is nothing to verify, and it will not publish
         kind = step.args[0] if step.args else None
-        digests = value.get("digests") if isinstance(value, dict) else None
-        if not isinstance(digests, dict) or value.get("kind") != kind:
-            e.position.fire(EV.REJECT)
-            got = value.get("kind") if isinstance(value, dict) else type(value).__name__
-            err = EngineError("bad_answer", f"verify({kind!r}) answered without {kind} digests (got {got!r})")
-            return self.drop(e, step, err)
-        verdict = compare(self.expected, digests)
-        seconds = value.get("seconds")
-        e.verdict = {**verdict.to_dict(), "seconds": seconds if isinstance(seconds, int | float) else None}
+        asked_probe = len(step.args) > 1 and step.args[1] is not None
+        verdict = judge(value, kind, self.expected, self.probe if asked_probe else None)
+        seconds = value.get("seconds") if isinstance(value, dict) else None
+        problems = verdict.pop("problems")
+        e.verdict = {**verdict, "seconds": seconds if isinstance(seconds, int | float) else None}
         fields = {
-            "engine": e.name,
-            "ok": verdict.ok,
-            "compared": verdict.compared,
-            "digest": kind,
+            "engine": e.name, "ok": verdict["ok"], "compared": verdict["compared"], "digest": kind,
             "attempt": max(e.attempt, 0),
-        }
-        if verdict.ok:
+        }  # fmt: skip
+        if "probe" in verdict:
+            fields["probe"] = verdict["probe"]
+        if verdict["ok"]:
             e.position.fire(EV.VERIFY)
             return [("engine", "verified", fields)]
         e.position.fire(EV.REJECT)
-        fields.update(mismatched=verdict.mismatched, missing=verdict.missing, unexpected=verdict.unexpected)
-        err = EngineError("unverified", f"what it will serve is not what the trainer sent: {verdict.describe()}")
+        fields.update(mismatched=verdict["mismatched"], missing=verdict["missing"], unexpected=verdict["unexpected"])
+        err = EngineError("unverified", "; ".join(problems))
         return [("engine", "verified", fields), *self.drop(e, step, err)]
 
     def drop(self, e: Engine, step: Step, err: BaseException | None) -> list[Event]:

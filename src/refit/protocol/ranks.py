@@ -42,9 +42,9 @@ from refit.drivers.base import LazyTensors, Source, Topology, Transport
 from refit.errors import RankError, RefitError
 
 SEND_CALLS = frozenset({"send"})
-SOURCE_CALLS = frozenset({"metas", "epoch", "offload", "restore"})  # the rest are the transport's
+SOURCE_CALLS = frozenset({"metas", "epoch", "offload", "restore", "logprobs"})  # the rest are the transport's
 # steps whose per-rank values the trace keeps (field `per_rank`); replay answers with them
-RECORDED_RESULTS = frozenset({"epoch", "digests"})
+RECORDED_RESULTS = frozenset({"epoch", "digests", "logprobs"})
 
 
 @dataclass(frozen=True)
@@ -89,6 +89,7 @@ class Participant:
                               feeds no engine; returns this rank's part. `digest` (a kind of
                               `refit.verify`): rank 0 also takes each tensor's digest as it packs
       digests()               what rank 0 hashed since its stream opened: {"kind", "digests"}
+      logprobs(prompts, top)  verify="probe": the source's next-token log-probabilities (rank 0's)
       send(index)             collective transports: this rank's half of the transfer
       release(index) / abandon(index) / disconnect()
       end_run()               close the stream; report this run's stats
@@ -135,6 +136,10 @@ class Participant:
             close = getattr(stream, "close", None)
             if close is not None:
                 close()
+
+    def logprobs(self, prompts: Sequence[Sequence[int]], top: int) -> list[dict[str, list[Any]]] | None:
+        out = self.source.logprobs(prompts, top)  # every rank: a sharded forward is collective
+        return out if self.rank == 0 else None
 
     def offload(self) -> None:
         self.source.offload()

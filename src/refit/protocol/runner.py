@@ -61,7 +61,7 @@ from refit.states import (
     TrainerEvent,
     Trigger,
 )
-from refit.verify import merge
+from refit.verify import PROBE_TOP, default_prompts, digests_of, merge, probe_tolerance, probes_of
 
 S, T, E, CE, M = RefitState, Trigger, EngineState, ConnectionEvent, Memory
 
@@ -112,8 +112,9 @@ class _Run(Recording):
         self.held: list[tuple[Engine, Step, StepResult, int]] = []  # finalizes that rode on last buckets
         self.rode = 0  # 1: bucket 0 rode the pause wave (`ride_first_bucket`)
         self.verifying = ctx.verify != "off"
+        self.probe: list[tuple[list[int], list[int]]] | None = None  # verify="probe": (prompt, token ids)
         self.sent_digests: RankCall | None = None  # the trainer's digests, asked for after the last pack
-        self.digest_kind = "xxh3" if self.verifying else None
+        self.digest_kind = "xxh3" if digests_of(ctx.verify) else None
         self.lock_taken: int | None = None  # the lock's acquisition count once this run took it
         self.error: RefitError | None = None
 
@@ -184,8 +185,26 @@ class _Run(Recording):
             manifests=[m.summary() for m in self.plan],
         )  # fmt: skip
         self.read_epochs("IDLE")
+        if probes_of(self.ctx.verify):
+            self.reference_logprobs(metas)
         if self.transport.wants_prepare:  # work that needs no engine, done before any is paused
             self.rank_call(RankStep("prepare", "IDLE", (self.plan,)))
+
+    def reference_logprobs(self, metas: list[Any]) -> None:
+        """verify="probe", IDLE (before the trainer is offloaded): the trainer's model scores the
+        probe's prompts with the weights it is about to send; the engines will answer for the same
+        prompts at the same tokens."""
+        vocab = next((m.shape[0] for m in metas if "embed" in m.name and len(m.shape) == 2), 2)
+        prompts = [list(p) for p in self.ctx.probe_prompts] if self.ctx.probe_prompts else default_prompts(vocab)
+        tolerance = probe_tolerance([m.dtype for m in metas])
+        step = RankStep("logprobs", "IDLE", (prompts, PROBE_TOP))
+        answers = self.rank_call(step, prompts=prompts, tolerance=tolerance)
+        expected = next((a for a in answers if a is not None), None)
+        if not isinstance(expected, list) or len(expected) != len(prompts):
+            what = f"the trainer's source scored {type(expected).__name__}, not {len(prompts)} prompts"
+            raise RefitError(what, state="IDLE")
+        self.ledger.probe = {"expected": expected, "tolerance": tolerance}
+        self.probe = [(p, list(a["ids"])) for p, a in zip(prompts, expected, strict=True)]
 
     def read_epochs(self, state: str) -> None:
         """Every rank's storage epoch, for a transport that shares the source's storages: a
@@ -414,12 +433,12 @@ class _Run(Recording):
         """What follows an engine's last bucket in the same call: its finalize and, when the run
         verifies, its report of what it will serve (no extra round trip)."""
         finalize = Step("finalize", "POST_PROCESSING")
-        return [finalize, Step("verify", "VERIFYING", (self.digest_kind,))] if self.verifying else [finalize]
+        return [finalize, Step("verify", "VERIFYING", (self.digest_kind, self.probe))] if self.verifying else [finalize]
 
     def ask_digests(self) -> None:
         """Once the last bucket is packed, ask the ranks for their digests of what they sent: they
         answer while the engines load, so VERIFYING waits for nothing on the trainer side."""
-        if self.verifying:
+        if self.digest_kind is not None:
             self.collect_digests(str(self.machine.state))  # one left over from an attempt that verified nothing
             self.sent_digests = self.waves.rank_start(RankStep("digests", "VERIFYING"))
 
@@ -465,17 +484,17 @@ class _Run(Recording):
         engine's report of what it will serve; the ledger passes the engines that match and
         rejects the others (retried while attempts remain, else quarantined)."""
         self.enter(T.VERIFY)
-        if self.sent_digests is None:
-            self.ask_digests()
-        report, exc = self.collect_digests()
-        if exc is not None:
-            raise wrap_error(exc, "digests", "VERIFYING", None, None) from exc
-        kind, expected = merge(report or [])
-        if kind != self.digest_kind or not expected:
-            raise RefitError(
-                f"the trainer ranks report no {self.digest_kind} digests of what they sent", state="VERIFYING"
-            )
-        self.ledger.expected, self.ledger.digest_kind = expected, kind
+        if self.digest_kind is not None:
+            if self.sent_digests is None:
+                self.ask_digests()
+            report, exc = self.collect_digests()
+            if exc is not None:
+                raise wrap_error(exc, "digests", "VERIFYING", None, None) from exc
+            kind, expected = merge(report or [])
+            if kind != self.digest_kind or not expected:
+                what = f"the trainer ranks report no {self.digest_kind} digests of what they sent"
+                raise RefitError(what, state="VERIFYING")
+            self.ledger.expected, self.ledger.digest_kind = expected, kind
         for e, step, res, batch in sorted(checks, key=lambda c: c[0].index):
             self.apply(e, step, res, batch)
 

@@ -909,17 +909,32 @@ class EngineCore:
         out = self.comm.all_reduce(F.linear(x.float(), weight.float()))
         return (out if bias is None else out + bias.float()).to(x.dtype)
 
-    def verify(self, kind: str = "xxh3") -> dict[str, Any]:
+    def verify(self, kind: str | None = "xxh3", probe: Sequence[Any] | None = None) -> dict[str, Any]:
         """VERIFYING: the digest (`refit.verify`) of each HF tensor as this engine will serve it,
         unfused from its stored layout (all TP ranks' shards) and, under the head's name, of the
-        head it serves (its serving copy, rebuilt by finalize). Refused while an update session is
-        open or the weights are released."""
-        from refit.verify import SERVED_HEAD, digest
-
+        head it serves (its serving copy, rebuilt by finalize); kind None: no digests. `probe`
+        ([prompt, token ids] pairs): per prompt, the next-token log-probabilities at those ids from
+        a fresh forward (the cache is neither read nor written; works while paused). Refused while
+        an update session is open or the weights are released."""
         if self.session is not None:
             raise EngineError("session_open", "verify while a weight-update session is open: finalize first")
         self._require_weights()
         t0 = time.perf_counter()
+        out: dict[str, Any] = {"kind": kind}
+        if kind is not None:
+            out["digests"] = self._digests(kind)
+        if probe is not None:
+            answers = []
+            for prompt, ids in probe:
+                row = torch.log_softmax(self.score(prompt)[-1].float(), dim=-1)
+                answers.append(row[torch.tensor(list(ids), dtype=torch.long, device=row.device)].tolist())
+            out["logprobs"] = answers
+        out["seconds"] = round(time.perf_counter() - t0, 6)
+        return out
+
+    def _digests(self, kind: str) -> dict[str, str]:
+        from refit.verify import SERVED_HEAD, digest
+
         if self.comm.size > 1:
             state = self.hf_state_dict()
         else:  # views into the parameters: nothing copied but what a digest reads
@@ -927,8 +942,7 @@ class EngineCore:
                 name: self.params[t].narrow(dim, dst, n) for name, (t, dim, _s, dst, n) in self.layout.targets.items()
             }
         state[SERVED_HEAD] = self.comm.all_gather_cat(self.head_serving, dim=0)
-        out = {name: digest(t, kind) for name, t in state.items()}
-        return {"kind": kind, "digests": out, "seconds": round(time.perf_counter() - t0, 6)}
+        return {name: digest(t, kind) for name, t in state.items()}
 
     def digests(self) -> dict[str, int]:
         """Each HF tensor's xxHash3 digest of its bytes as this engine holds them, unfused (a
