@@ -100,15 +100,43 @@ def test_a_silent_fault_is_caught_named_and_never_published(tmp_path: Path, tran
     assert replay(trace).divergence is None
 
 
+@pytest.mark.parametrize("transport", sorted(TRANSPORTS))
 @pytest.mark.parametrize("kind", ["flip", "stale_head"])
-def test_an_engine_that_failed_verification_is_retried(tmp_path: Path, kind: str) -> None:
-    result, (trace, wrong, served_differs) = _silent_run(tmp_path, "shm", kind, retries=1)
+def test_an_engine_that_failed_verification_is_retried(tmp_path: Path, kind: str, transport: str) -> None:
+    """Over a broadcast group the retry first rebuilds the group for the engines it retries (the
+    verified one receives nothing more: a group holding it would stall every send)."""
+    result, (trace, wrong, served_differs) = _silent_run(tmp_path, transport, kind, retries=1)
     bad = result.engines["e0"]
     assert result.ok and bad.status == "updated" and bad.attempts == 2 and bad.verify and bad.verify["ok"]
     assert wrong == [] and not served_differs  # the retry loaded it whole
     _, events, _ = load_trace(trace)
     verdicts = [e for e in events if e.get("event") == "verified" and e.get("engine") == "e0"]
     assert [v["ok"] for v in verdicts] == [False, True] and [v["attempt"] for v in verdicts] == [0, 1]
+    assert invariants.check_trace(events) == []
+    assert replay(trace).divergence is None
+    sends = [e for e in events if e.get("event") == "send"]
+    assert all(e["outcome"] == "ok" for e in sends) and (transport == "shm") == (not sends)
+
+
+def test_when_the_trainer_cannot_report_its_digests_nothing_publishes_and_the_trace_replays(tmp_path: Path) -> None:
+    engines = [ReferenceEngine.in_thread(f"d{i}", CONFIG, seed=0) for i in range(2)]
+    model = perturbed(TinyLlama(CONFIG, seed=0), seed=8)
+    trace = tmp_path / "d.jsonl"
+    plan = protocol.FaultPlan().fail_at("verifying", call="digests", kind="raise")
+    ctx = protocol.RefitContext(
+        TorchSource(model), SharedMemoryTransport(), engines, bucket_bytes=SMALL_BUCKET, faults=plan, trace=trace
+    )
+    try:
+        result = protocol.run(ctx)
+    finally:
+        ctx.close()
+        for e in engines:
+            e.close()
+    assert result.state == "FAILED" and result.error.call == "digests" and result.version is None
+    assert {o.status for o in result.engines.values()} == {"quarantined"}  # finalized, never judged: not served
+    _, events, _ = load_trace(trace)
+    reports = [e for e in events if e.get("kind") == "call" and e.get("event") == "verify"]
+    assert len(reports) == 2 and all(e["outcome"] == "ok" for e in reports)  # what the engines did is recorded
     assert invariants.check_trace(events) == []
     assert replay(trace).divergence is None
 

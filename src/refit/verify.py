@@ -40,6 +40,8 @@ PROBE_TOP = 8  # tokens per prompt compared: the trainer's most likely next toke
 # matmuls in another order: a few hundredths)
 PROBE_TOLERANCE = {"float64": 1e-6, "float32": 1e-3, "float16": 0.05, "bfloat16": 0.15}
 SERVED_HEAD = "lm_head.weight"  # what an engine serves as its output head, reported under this name
+CONFLICT = "conflict"  # the trainer's ranks disagree on a tensor's digest: no report can match it
+LISTED = 50  # names a verdict lists per kind of problem (the count is always whole)
 
 
 def digest(tensor: torch.Tensor, kind: str = "xxh3") -> str:
@@ -75,10 +77,14 @@ class Verdict:
         return "; ".join(parts)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "ok": self.ok, "compared": self.compared, "mismatched": self.mismatched, "missing": self.missing,
-            "unexpected": self.unexpected,
-        }  # fmt: skip
+        """As data; each list of names cut to LISTED (with `<kind>_count` the whole count)."""
+        out: dict[str, Any] = {"ok": self.ok, "compared": self.compared}
+        for key in ("mismatched", "missing", "unexpected"):
+            names = getattr(self, key)
+            out[key] = names[:LISTED]
+            if len(names) > LISTED:
+                out[f"{key}_count"] = len(names)
+        return out
 
 
 def compare(expected: Mapping[str, str], reported: Mapping[str, str], tied: Mapping[str, str] | None = None) -> Verdict:
@@ -98,7 +104,7 @@ def compare(expected: Mapping[str, str], reported: Mapping[str, str], tied: Mapp
             unexpected.append(name)
             continue
         compared += 1
-        if str(got).lower() != str(want).lower():
+        if want == CONFLICT or str(got).lower() != str(want).lower():
             mismatched.append(name)
     missing = [n for n in expected if n not in reported]
     return Verdict(not (mismatched or missing or unexpected), compared, sorted(mismatched), sorted(missing),
@@ -162,7 +168,7 @@ def merge(per_rank: list[Any]) -> tuple[str | None, dict[str, str]]:
         kind = kind or report.get("kind")
         for name, d in (report.get("digests") or {}).items():
             if out.setdefault(name, d) != d:
-                out[name] = "conflict"
+                out[name] = CONFLICT
     return kind, out
 
 

@@ -232,6 +232,13 @@ def _verification(events: Sequence[Event], name: str, attempt: int, *, after: in
         if not reports:
             return f"engine {name}: no digests of what the trainer sent were recorded in attempt {attempt}"
         kind, expected = merge(list(reports[-1].get("per_rank") or []))
+        plan = _first(events, "plan", "buckets") or {}
+        planned = [n for m in plan.get("manifests") or [] for n in m.get("names", [])]
+        uncovered = [n for n in planned if n not in expected]
+        if uncovered or not planned:
+            return (
+                f"engine {name}: the trainer's digests do not cover the plan ({len(uncovered)} planned tensors missing)"
+            )
     reference = None
     if probes_of(mode):
         scored = [

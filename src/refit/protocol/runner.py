@@ -161,7 +161,7 @@ class _Run(Recording):
             self.attempt += 1
             for e in retry:
                 self.ledger.begin_attempt(e, self.attempt)
-            if self.session.connection.state == Connection.BROKEN:
+            if self.session.connection.state == Connection.BROKEN or self.group_differs(retry):
                 self.enter(T.RECONNECT)
                 self.connect(retry, "RECONNECTING")
             self.enter(T.RETRY)
@@ -170,6 +170,15 @@ class _Run(Recording):
             self.stream([e for e in retry if e.active and e.state == E.OPEN])
         self.commit()
         self.enter(T.FINISH)
+
+    def group_differs(self, engines: list[Engine]) -> bool:
+        """A collective group is all-or-nothing per bucket: an attempt streams through it only when
+        its members are exactly the engines that load (a member that does not receive would hold
+        every broadcast until the group's timeout). A retry of some engines (a failed finalize, a
+        rejected verification) rebuilds it for them."""
+        if not self.transport.collective or self.topology is None:
+            return False
+        return {e.name for e in engines if e.active} != {s.name for s in self.topology.engines}
 
     def prepare(self) -> None:
         """IDLE: every rank's metadata (which must agree), the plan, storage epochs."""
@@ -484,19 +493,31 @@ class _Run(Recording):
         engine's report of what it will serve; the ledger passes the engines that match and
         rejects the others (retried while attempts remain, else quarantined)."""
         self.enter(T.VERIFY)
-        if self.digest_kind is not None:
-            if self.sent_digests is None:
-                self.ask_digests()
-            report, exc = self.collect_digests()
-            if exc is not None:
-                raise wrap_error(exc, "digests", "VERIFYING", None, None) from exc
-            kind, expected = merge(report or [])
-            if kind != self.digest_kind or not expected:
-                what = f"the trainer ranks report no {self.digest_kind} digests of what they sent"
-                raise RefitError(what, state="VERIFYING")
-            self.ledger.expected, self.ledger.digest_kind = expected, kind
-        for e, step, res, batch in sorted(checks, key=lambda c: c[0].index):
+        checks = sorted(checks, key=lambda c: c[0].index)
+        try:
+            self.trainer_digests()
+        except BaseException:  # the engines' reports are recorded (unjudged: none of them publishes)
+            for e, step, res, batch in checks:
+                self.record(e, step, res, batch)
+            raise
+        for e, step, res, batch in checks:
             self.apply(e, step, res, batch)
+
+    def trainer_digests(self) -> None:
+        """The ranks' digests of what they sent, checked to cover the plan, into the ledger."""
+        if self.digest_kind is None:
+            return
+        if self.sent_digests is None:
+            self.ask_digests()
+        report, exc = self.collect_digests()
+        if exc is not None:
+            raise wrap_error(exc, "digests", "VERIFYING", None, None) from exc
+        kind, expected = merge(report or [])
+        missing = [n for m in self.plan for n in m.names if n not in expected]
+        if kind != self.digest_kind or missing:
+            what = f"the trainer ranks report no {self.digest_kind} digests of {len(missing)} tensors they sent"
+            raise RefitError(f"{what} ({', '.join(missing[:3])}...)", state="VERIFYING")
+        self.ledger.expected, self.ledger.digest_kind = expected, kind
 
     # ---- committing ------------------------------------------------------------------------------
 
