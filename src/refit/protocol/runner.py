@@ -156,7 +156,11 @@ class _Run(Recording):
             self.wave({e: head + tail for e in members})
             self.check_probes()
         self.require_engines("paused, flushed and in an update session")
-        self.stream([e for e in self.engines if e.active and e.state == E.OPEN], start=self.rode)
+        opened = [e for e in self.engines if e.active and e.state == E.OPEN]
+        if self.group_differs(opened):  # a member left before any byte moved: the group without it
+            self.enter(T.RECONNECT)
+            self.connect(opened, "RECONNECTING")
+        self.stream([e for e in opened if e.active], start=self.rode)
         while retry := (self.ledger.retryable(ctx.retries) if self.deadline.remaining() > 0 else []):
             self.attempt += 1
             for e in retry:

@@ -9,13 +9,15 @@ it; `docs/diagrams/` is generated from them.
 The run table. A state names the phase a run is *in*. Colocated runs pass OFFLOADING and
 RESTORING; disaggregated runs skip them (`connect` from IDLE, `finish` from CONTINUING). A run
 that verifies (`RefitContext(verify=...)`, on by default) passes VERIFYING between finalize and
-publish: each finalized engine reports what it will serve and only those that match publish. Engines
-whose update failed are retried (`retry`: back to INVALIDATING for them alone) while attempts and
-time remain; a transport whose group a failed member broke is first rebuilt without it
-(`reconnect`: RECONNECTING, then `retry`). Engines that failed for good are quarantined inside
-CONTINUING while healthy ones publish. A failure of the run itself (trainer side, deadline, no
-engine left) moves to ABORTING; from there the run may quarantine poisoned engines and always ends
-latched in FAILED. DONE and FAILED have no exits.
+publish: each finalized engine reports what it will serve and only those that match publish.
+Engines whose update failed are retried (`retry`: back to INVALIDATING for them alone) while
+attempts and time remain; a transport whose group a failed member broke is first rebuilt without
+it (`reconnect`: RECONNECTING, then `retry`), and so is a collective group one of whose members
+left before the transfer (its begin failed: `reconnect` from INVALIDATING, then `transfer`).
+Engines that failed for good are quarantined inside CONTINUING while healthy ones publish. A
+failure of the run itself (trainer side, deadline, no engine left) moves to ABORTING; from there
+the run may quarantine poisoned engines and always ends latched in FAILED. DONE and FAILED have
+no exits.
 
 The engine table. One per engine and run (h11 keeps one state per role): where that engine
 stands in the update. Facts that are not positions (whether its weights changed or were lost,
@@ -89,14 +91,14 @@ TRANSITIONS: tuple[tuple[Trigger, tuple[RefitState, ...], RefitState], ...] = (
     (T.CONNECT, (S.IDLE, S.OFFLOADING), S.CONNECTING),
     (T.PAUSE, (S.CONNECTING,), S.PAUSING),
     (T.INVALIDATE, (S.PAUSING,), S.INVALIDATING),
-    (T.TRANSFER, (S.INVALIDATING,), S.TRANSFERRING),
+    (T.TRANSFER, (S.INVALIDATING, S.RECONNECTING), S.TRANSFERRING),  # RECONNECTING: a group rebuilt first
     (T.NEXT_BUCKET, (S.TRANSFERRING,), S.TRANSFERRING),
     (T.POST_PROCESS, (S.TRANSFERRING,), S.POST_PROCESSING),
     (T.PUBLISH, (S.POST_PROCESSING, S.VERIFYING), S.CONTINUING),  # POST_PROCESSING: verify="off"
     (T.VERIFY, (S.POST_PROCESSING,), S.VERIFYING),
     (T.RESTORE, (S.CONTINUING,), S.RESTORING),
     (T.FINISH, (S.CONTINUING, S.RESTORING), S.DONE),
-    (T.RECONNECT, (S.POST_PROCESSING, S.VERIFYING), S.RECONNECTING),
+    (T.RECONNECT, (S.INVALIDATING, S.POST_PROCESSING, S.VERIFYING), S.RECONNECTING),
     (T.RETRY, (S.POST_PROCESSING, S.VERIFYING, S.RECONNECTING), S.INVALIDATING),
     (T.FAIL, (S.IDLE, *ACTIVE_STATES), S.ABORTING),  # IDLE: the ranks' metadata or the plan was refused
     (T.QUARANTINE, (S.ABORTING,), S.QUARANTINING),
