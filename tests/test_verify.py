@@ -348,3 +348,45 @@ def test_a_source_that_cannot_score_fails_the_probe_before_anything_moves() -> N
     finally:
         ctx.close()
         engines[0].close()
+
+
+def test_wsum_names_bytes_and_their_places() -> None:
+    """The GPU digest's host implementation (the same spec the Triton kernel computes: on a GPU,
+    tests_gpu/test_wsum.py checks they agree bit for bit)."""
+    from refit.wsum import host_digest
+
+    t = torch.randn(1001)
+    assert host_digest(t) == host_digest(t.clone()) and len(host_digest(t)) == 16
+    flipped = t.clone()
+    flipped.view(torch.int32)[500] ^= 1 << 7
+    swapped = t.clone()
+    swapped[[3, 4]] = t[[4, 3]]
+    padded = torch.cat([t, torch.zeros(1)])
+    odd = torch.arange(7, dtype=torch.uint8)
+    seen = {host_digest(x) for x in (t, flipped, swapped, padded, odd, odd[:6], t.to(torch.bfloat16))}
+    assert len(seen) == 7  # a bit, an order, a length (zero padding), a dtype: each changes it
+
+
+class WsumShm(SharedMemoryTransport):
+    digest_kind = "wsum"  # the GPU transports' kind, computed here on the host
+
+
+def test_a_transport_that_verifies_with_wsum_catches_a_flip_on_the_host() -> None:
+    engines = [ReferenceEngine.in_thread(f"w{i}", CONFIG, seed=0) for i in range(2)]
+    model = perturbed(TinyLlama(CONFIG, seed=0), seed=9)
+    plan = protocol.FaultPlan().fail_at("transferring", engine=1, bucket=2, kind="flip")
+    ctx = protocol.RefitContext(
+        TorchSource(model), WsumShm(), engines, bucket_bytes=SMALL_BUCKET, retries=0, faults=plan
+    )
+    try:
+        result = protocol.run(ctx)
+        assert result.engines["w0"].status == "updated" and result.engines["w0"].verify["ok"]
+        bad = result.engines["w1"]
+        assert bad.status == "quarantined" and len(bad.verify["mismatched"]) == 1
+        events = ctx.recorder.events
+        start = next(e for e in events if e.get("event") == "start")
+        assert start["digest"] == "wsum" and invariants.check_trace(events, open_ok=True) == []
+    finally:
+        ctx.close()
+        for e in engines:
+            e.close()

@@ -147,16 +147,20 @@ def _transport(path: str) -> Any:
 
 def run_path(
     path: str, config: ModelConfig, state: dict[str, torch.Tensor], *, refits: int, bucket_mb: int,
-    tick: Callable[[str], None] = lambda s: None,
+    tick: Callable[[str], None] = lambda s: None, verify: str = "off",
 ) -> dict[str, Any]:  # fmt: skip
-    """A connecting refit, then `refits` timed refits of `state` into a fresh engine process."""
+    """A connecting refit, then `refits` timed refits of `state` into a fresh engine process.
+    `verify`: the runs' RefitContext(verify=...), or "both": refits alternate off and digest, and
+    the row also gives each mode's median stall, their ratio, and the refits verification failed."""
     engine = ReferenceEngine.spawn(f"gpu-{path}", config, seed=0, device="cuda")
+    modes = ("off", "digest") if verify == "both" else (verify,)
     ctx = protocol.RefitContext(
         TorchSource(state), _transport(path), [engine], mode="colocated", pause_mode="abort",
-        bucket_bytes=bucket_mb << 20, deadline_s=300.0,
-        verify="off",  # the GPU digest (fused into the engine's copy) is not built yet: CUDA weights hash on the host
+        bucket_bytes=bucket_mb << 20, deadline_s=300.0, verify=modes[0],
     )  # fmt: skip
     stalls, transfers, phases, pre, post, spans = [], [], [], [], [], []
+    by_mode: dict[str, list[float]] = {m: [] for m in modes}
+    alarms = 0
     try:
         engine_base = engine.info()["gpu_allocated_bytes"]
         _sync()
@@ -165,12 +169,17 @@ def run_path(
         for i in range(refits + 1):  # the first refit connects (opens handles): not counted
             _step(state)
             _sync()  # the step is the trainer's, not the refit's
+            ctx.verify = modes[i % len(modes)]
             since = time.monotonic()
-            result = protocol.run(ctx).raise_for_error()
-            tick(f"{path} refit {i + 1}/{refits + 1}")
+            result = protocol.run(ctx)
+            verdicts = [o.verify for o in result.engines.values() if o.verify is not None]
+            alarms += sum(not v["ok"] for v in verdicts)
+            result.raise_for_error()
+            tick(f"{path} refit {i + 1}/{refits + 1} (verify {ctx.verify})")
             if i == 0:
                 continue
             times = refit_times(engine, since)
+            by_mode[ctx.verify].append(times["stall"])
             stalls.append(times["stall"])
             transfers.append(times["transfer"])
             pre.append(times["pre"])
@@ -206,13 +215,28 @@ def run_path(
         "ms_pause_to_first_load": round(statistics.median(pre) * 1e3, 3),
         "ms_landed_to_continued": round(statistics.median(post) * 1e3, 3),
         "ms_engine_gpu_copy_span": round(statistics.median(spans) * 1e3, 3),
+        "verify": verify,
+        "verify_false_alarms": alarms,
+        **(
+            {
+                "ms_stall_verify_off": round(statistics.median(by_mode["off"]) * 1e3, 3),
+                "ms_stall_verify_digest": round(statistics.median(by_mode["digest"]) * 1e3, 3),
+                "verified_stall_ratio": round(
+                    statistics.median(by_mode["digest"]) / statistics.median(by_mode["off"]), 3
+                ),
+            }
+            if verify == "both"
+            else {}
+        ),
     }
 
 
 def gpu(
     shapes: tuple[str, ...] = ("7b", "1.5b"), *, refits: int = 5, bucket_mb: int = 512,
-    paths: tuple[str, ...] = PATHS, tick: Callable[[str], None] = lambda s: None,
+    paths: tuple[str, ...] = PATHS, tick: Callable[[str], None] = lambda s: None, verify: str = "off",
 ) -> dict[str, Any]:  # fmt: skip
+    """`verify` applies to path (b) ("ipc": its digests are computed on the GPU, `refit.wsum`); the
+    other paths run unverified (their digests would be read to the host)."""
     if not torch.cuda.is_available():
         raise RuntimeError("refit bench gpu needs a CUDA device (torch.cuda.is_available() is False)")
     report: dict[str, Any] = {
@@ -235,7 +259,8 @@ def gpu(
         for path in paths:
             if path == "floor":
                 continue
-            row = run_path(path, config, state, refits=refits, bucket_mb=bucket_mb, tick=tick)
+            mode = verify if path == "ipc" else "off"
+            row = run_path(path, config, state, refits=refits, bucket_mb=bucket_mb, tick=tick, verify=mode)
             row["bucket_bytes"] = max(bucket_mb << 20, getattr(_transport(path), "signal_bytes", 0))  # ipc: its signals
             row["ratio_to_floor"] = round(row["ms_stall"] / floor, 3)
             row["transfer_ratio_to_floor"] = round(row["ms_transfer"] / floor, 3)
@@ -273,6 +298,12 @@ def table(report: dict[str, Any]) -> str:
                 f"    {path:<10} {stall:>9} {r['ms_transfer']:>9.2f} {r['gbps']:>7.0f} {r['ratio_to_floor']:>11.2f} "
                 f"{r['peak_extra_gpu_bytes'] / 1e9:>9.2f}  {r['bit_exact']}"
             )
+            if "verified_stall_ratio" in r:
+                lines.append(
+                    f"    {'':<10} verify off / digest (alternate refits): stall {r['ms_stall_verify_off']:.2f} / "
+                    f"{r['ms_stall_verify_digest']:.2f} ms, ratio {r['verified_stall_ratio']:.3f}; "
+                    f"false alarms {r['verify_false_alarms']}"
+                )
     goal = report.get("goal")
     if goal:
         a, b = goal["ipc_stall_over_floor"], goal["seed_stall_over_ipc_stall"]

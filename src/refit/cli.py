@@ -224,7 +224,9 @@ def _bench_gpu(args: argparse.Namespace) -> int:
     tick = lambda s: print(f"  {s}", file=sys.stderr, flush=True)  # noqa: E731
     print(f"bench {what}: shapes {', '.join(shapes)}; {args.refits} timed refits per path ...", file=sys.stderr)
     if what == "gpu":
-        report = bench_gpu.gpu(shapes, refits=args.refits, bucket_mb=args.bucket_mb or 512, tick=tick)
+        report = bench_gpu.gpu(
+            shapes, refits=args.refits, bucket_mb=args.bucket_mb or 512, tick=tick, verify=args.verify or "off"
+        )
         print(bench_gpu.table(report))
     else:
         from refit import bench_broadcast
@@ -268,7 +270,7 @@ def _bench(args: argparse.Namespace) -> int:
                 mode=args.mode,
                 progress=progress,
                 ray=args.ray,
-                verify=args.verify,
+                verify=args.verify or "digest",
             )
         print(
             f"control plane: {report['engines']} engine {report['hosting']}, {report['refits']} refits "
@@ -544,8 +546,9 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     bench_p.add_argument(
         "--verify",
         choices=("digest", "off", "both"),
-        default="digest",
-        help="control: verify before publish (default digest); both: alternate refits off and on, report each",
+        default=None,
+        help="control, gpu: verify before publish; both: alternate refits off and digest, report each and their "
+        "ratio (default: control digest, as a run's default; gpu off, on path (b) only)",
     )
     bench_p.add_argument("--small", action="store_true", help="transport: a few-MB state (a quick smoke run)")
     bench_p.add_argument("--json", metavar="PATH", help="also write the figures as JSON here")

@@ -7,10 +7,13 @@ own from its stored layout (fused, sharded, a serving copy of the head: whatever
 unfused back into HF names. The runner compares them in VERIFYING (`compare`, no I/O); an engine
 whose report differs is not published.
 
-Kinds (`DIGEST_KINDS`):
+Kinds (`DIGEST_KINDS`; the transport names the one its runs use, `Transport.digest_kind`):
   xxh3   xxHash3-64 over the tensor's raw bytes in 1 MiB pieces, the pieces' digests hashed
          again (`refit.buckets.tensor_digest`): the checksum the CPU transports already use.
          A tensor on a GPU is read to the host first.
+  wsum   `refit.wsum`: a GPU reads each byte once (a Triton kernel; the result stays on the
+         device until a batch is read back with one sync); the host computes the same value.
+         The GPU transports' kind (CUDA IPC, NCCL broadcast).
 
 Modes (`VERIFY_MODES`, `RefitContext(verify=...)`):
   digest  every finalized engine reports its digests; an engine publishes only when each tensor
@@ -32,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-DIGEST_KINDS = ("xxh3",)
+DIGEST_KINDS = ("xxh3", "wsum")
 VERIFY_MODES = ("digest", "probe", "both", "off")
 PROBE_TOP = 8  # tokens per prompt compared: the trainer's most likely next tokens
 # the largest |logprob difference| a probe allows, by the weights' dtype: two implementations of the
@@ -45,12 +48,48 @@ LISTED = 50  # names a verdict lists per kind of problem (the count is always wh
 
 
 def digest(tensor: torch.Tensor, kind: str = "xxh3") -> str:
-    """One tensor's digest as 16 hex digits."""
+    """One tensor's digest as 16 hex digits (for many tensors on a GPU, `Digests` syncs once)."""
+    if kind == "wsum":
+        batch = Digests(kind)
+        batch.add("t", tensor)
+        return batch.results()["t"]
     if kind != "xxh3":
         raise ValueError(f"digest kind {kind!r}; known {DIGEST_KINDS}")
     from refit.buckets import tensor_digest
 
     return f"{tensor_digest(tensor):016x}"
+
+
+class Digests:
+    """Digests of many tensors by name: `add` as they come, `results` once (a GPU's are queued and
+    read back together, with one host sync)."""
+
+    def __init__(self, kind: str) -> None:
+        if kind not in DIGEST_KINDS:
+            raise ValueError(f"digest kind {kind!r}; known {DIGEST_KINDS}")
+        self.kind = kind
+        self._done: dict[str, str] = {}
+        self._wsum: Any = None
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        if self.kind == "xxh3":
+            self._done[name] = digest(tensor, "xxh3")
+            return
+        if self._wsum is None:
+            from refit.wsum import Batch
+
+            self._wsum = Batch()
+        self._wsum.add(name, tensor)
+
+    def put(self, name: str, value: str) -> None:
+        """A digest already known (a transport hashed the bytes while packing)."""
+        self._done[name] = value
+
+    def results(self) -> dict[str, str]:
+        if self._wsum is not None:
+            self._done.update(self._wsum.results())
+            self._wsum = None
+        return dict(self._done)
 
 
 @dataclass

@@ -272,6 +272,7 @@ class Transport(ABC):
     # free a tensor's memory once the next one is taken, so a transport must copy it in `pack`
     resident_source: bool = False
     temp_bytes: int = 0  # the largest temporary (gather, cast) the last `pack` needed
+    digest_kind: str = "xxh3"  # the `refit.verify` digest its runs verify with (a GPU transport: "wsum")
     # set by the rank while it records what it sends (verification): a transport that hashes the
     # bytes it packs anyway puts each tensor's `tensor_digest` here by name, so it is not read twice
     tensor_digests: dict[str, int] | None = None

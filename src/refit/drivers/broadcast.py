@@ -233,6 +233,7 @@ class BroadcastTransport(Transport):
             raise ValueError(f"direct_bytes must be an integer >= 0, got {direct_bytes!r}")
         self.slots = slots
         self.backend = backend
+        self.digest_kind = "wsum" if backend == "nccl" else "xxh3"  # verification hashes where the bytes are
         self.ops = ops
         self.direct_bytes = direct_bytes
         self.host = host

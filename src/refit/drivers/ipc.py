@@ -161,6 +161,7 @@ class IPCTransport(Transport):
 
     kind = "ipc"
     shares_storages = True
+    digest_kind = "wsum"  # verification hashes on the GPU, where the weights are
 
     def __init__(self, slots: int = 2, *, signal_bytes: int = 2 << 30, share_cpu: bool = False) -> None:
         """`signal_bytes`: the least a bucket covers. A referenced bucket costs no memory, only a

@@ -57,7 +57,7 @@ class ReferenceEngine(EngineDriver):
     supports_in_place_pause = False
     pause_modes = frozenset({"abort", "retract", "in_place"})
     transports = frozenset({"shm", "broadcast", "ipc", "sglang_tensor"})
-    digest_kinds = frozenset({"xxh3"})
+    digest_kinds = frozenset({"xxh3", "wsum"})
     probes = True
 
     def __init__(self, client: EngineClient) -> None:

@@ -214,7 +214,7 @@ class RefitContext:
                     f"engine {e.name} ({type(e).__name__}) cannot receive the {self.transport.kind!r} transport "
                     f"({type(self.transport).__name__}); it receives {sorted(e.transports)}"
                 )
-            if self.verify in ("digest", "both") and "xxh3" not in e.digest_kinds:
+            if self.verify in ("digest", "both") and self.transport.digest_kind not in e.digest_kinds:
                 raise ConfigError(
                     f"engine {e.name} ({type(e).__name__}) cannot report digests of the weights it serves, so "
                     f"verify={self.verify!r} cannot check it before it publishes; pass verify='off' to trust its "

@@ -107,8 +107,7 @@ class Participant:
         self._next = 0
         self.stats = RankStats(rank)
         self._lock = threading.Lock()
-        self._digests: dict[str, str] = {}  # name -> digest of what this rank sent (rank 0, verify on)
-        self._digest_kind: str | None = None
+        self._digests: Any = None  # rank 0, verify on: a refit.verify.Digests of what it sent
 
     def run(self, step: RankStep) -> Any:
         attempt = step.args[1] if step.call == "pack" else -1
@@ -172,7 +171,6 @@ class Participant:
         self._next += 1
         hashed = digest is not None and self.rank == 0
         if digest is not None:
-            self._digest_kind = digest
             tensors = self._hashed(tensors, digest, self.plan[index])
         self.transport.tensor_digests = {} if hashed and digest == "xxh3" else None
         try:
@@ -183,9 +181,9 @@ class Participant:
         return part
 
     def digests(self) -> dict[str, Any] | None:
-        if self.rank != 0 or self._digest_kind is None:
+        if self.rank != 0 or self._digests is None:
             return None
-        return {"kind": self._digest_kind, "digests": dict(self._digests)}
+        return {"kind": self._digests.kind, "digests": self._digests.results()}
 
     def _hashed(self, tensors: LazyTensors, kind: str, manifest: BucketManifest) -> LazyTensors:
         """The bucket's tensors as the source gives them; once the transport has taken each one,
@@ -193,8 +191,10 @@ class Participant:
         more, in the same order, so the collectives match) in the dtype the plan sends (a source
         may hand out tensors the transport casts on the way)."""
         from refit.buckets import torch_dtype
-        from refit.verify import digest
+        from refit.verify import Digests
 
+        if self.rank == 0 and (self._digests is None or self._digests.kind != kind):
+            self._digests = Digests(kind)
         dtypes = {e.meta.name: e.meta.dtype for e in manifest.entries}
         for name, tensor in tensors:
             yield name, tensor
@@ -203,10 +203,10 @@ class Participant:
                 continue
             packed = self.transport.tensor_digests  # the transport hashed it while packing: not read again
             if packed and name in packed:
-                self._digests[name] = f"{packed[name]:016x}"
+                self._digests.put(name, f"{packed[name]:016x}")
                 continue
             want = torch_dtype(dtypes[name]) if name in dtypes else full.dtype
-            self._digests[name] = digest(full if full.dtype == want else full.to(want), kind)
+            self._digests.add(name, full if full.dtype == want else full.to(want))
 
     def send(self, index: int) -> None:
         self.transport.send(index)
@@ -239,7 +239,7 @@ class Participant:
         self._stream = iter(self.source.iter_buckets(self.plan))
         self._stream_key = (attempt,)
         self._next = 0
-        self._digests, self._digest_kind = {}, None
+        self._digests = None
 
     def _close_stream(self) -> None:
         stream, self._stream, self._stream_key = self._stream, None, None

@@ -114,7 +114,7 @@ class _Run(Recording):
         self.verifying = ctx.verify != "off"
         self.probe: list[tuple[list[int], list[int]]] | None = None  # verify="probe": (prompt, token ids)
         self.sent_digests: RankCall | None = None  # the trainer's digests, asked for after the last pack
-        self.digest_kind = "xxh3" if digests_of(ctx.verify) else None
+        self.digest_kind = ctx.transport.digest_kind if digests_of(ctx.verify) else None
         self.lock_taken: int | None = None  # the lock's acquisition count once this run took it
         self.error: RefitError | None = None
 
@@ -682,6 +682,7 @@ def _lead(ctx: RefitContext) -> RefitResult:
         incarnations=[e.incarnation for e in r.engines], engine_tp=[e.tp for e in r.engines], mode=ctx.mode,
         pause_mode=ctx.pause_mode, bucket_bytes=ctx.bucket_bytes, deadline_s=ctx.deadline_s,
         cleanup_grace_s=ctx.cleanup_grace_s, retries=ctx.retries, call_timeout_s=ctx.call_timeout_s, verify=ctx.verify,
+        digest=r.digest_kind,
         ranks=ctx.ranks.world if ctx.ranks else 1, transport=ctx.transport.kind, collective=ctx.transport.collective,
         shares_storages=ctx.transport.shares_storages or None,
     )  # fmt: skip

@@ -933,7 +933,7 @@ class EngineCore:
         return out
 
     def _digests(self, kind: str) -> dict[str, str]:
-        from refit.verify import SERVED_HEAD, digest
+        from refit.verify import SERVED_HEAD, Digests
 
         if self.comm.size > 1:
             state = self.hf_state_dict()
@@ -942,7 +942,10 @@ class EngineCore:
                 name: self.params[t].narrow(dim, dst, n) for name, (t, dim, _s, dst, n) in self.layout.targets.items()
             }
         state[SERVED_HEAD] = self.comm.all_gather_cat(self.head_serving, dim=0)
-        return {name: digest(t, kind) for name, t in state.items()}
+        batch = Digests(kind)  # on a GPU: queued, read back with one sync
+        for name, t in state.items():
+            batch.add(name, t)
+        return batch.results()
 
     def digests(self) -> dict[str, int]:
         """Each HF tensor's xxHash3 digest of its bytes as this engine holds them, unfused (a

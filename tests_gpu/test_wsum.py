@@ -1,0 +1,93 @@
+"""The GPU digest (`refit.wsum`, verification's kind on CUDA transports): the Triton kernel equals
+the host implementation bit for bit, whatever the size, dtype, layout or alignment; a refit over
+CUDA IPC into a reference engine on the GPU is verified with it, and a silent fault is caught."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from refit import invariants, protocol
+from refit.drivers.ipc import IPCTransport
+from refit.drivers.reference import ReferenceEngine
+from refit.drivers.torch_source import TorchSource
+from refit.reference.model import ModelConfig, TinyLlama
+from refit.verify import Digests, digest
+from refit.wsum import host_digest
+
+assert torch.cuda.is_available(), "tests_gpu needs a CUDA device"
+
+CFG = ModelConfig(vocab_size=512, hidden_size=256, num_layers=3, num_heads=8, num_kv_heads=2, intermediate_size=512)
+
+
+def _cases() -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(3 << 20, generator=g)
+    out = [
+        ("empty", torch.empty(0)),
+        ("one byte", torch.tensor([7], dtype=torch.uint8)),
+        ("three bytes", torch.tensor([1, 2, 3], dtype=torch.uint8)),
+        ("a word", torch.tensor([1.5])),
+        ("bf16 odd", base[:4097].to(torch.bfloat16)),  # 8194 bytes: not a whole number of words
+        ("one block", base[:4096]),
+        ("blocks and a tail", base[: 4096 * 3 + 5]),
+        ("12 MiB", base),
+        ("bf16 matrix", base[: 1024 * 1000].view(1024, 1000).to(torch.bfloat16)),
+        ("transposed", base[: 512 * 300].view(512, 300).t()),
+        ("uint8", torch.randint(0, 255, (100003,), dtype=torch.uint8, generator=g)),
+    ]
+    return out
+
+
+@pytest.mark.parametrize(("label", "tensor"), _cases(), ids=[c[0] for c in _cases()])
+def test_the_kernel_equals_the_host_bit_for_bit(label: str, tensor: torch.Tensor) -> None:
+    assert digest(tensor.cuda(), "wsum") == host_digest(tensor)
+
+
+def test_a_view_two_bytes_off_a_word_and_a_batch_with_one_sync() -> None:
+    buf = torch.randn(10001).to(torch.bfloat16)
+    view = buf.cuda()[1:]  # data_ptr % 4 == 2: hashed from an aligned copy
+    assert view.data_ptr() % 4 == 2 and digest(view, "wsum") == host_digest(buf[1:])
+    batch = Digests("wsum")
+    tensors = {f"t{i}": torch.randn(1000 + i, device="cuda") for i in range(50)}
+    for name, t in tensors.items():
+        batch.add(name, t)
+    assert batch.results() == {n: host_digest(t.cpu()) for n, t in tensors.items()}
+
+
+def test_changes_are_seen_on_the_gpu() -> None:
+    t = torch.randn(1 << 20, device="cuda")
+    flipped = t.clone()
+    flipped.view(torch.int32)[123456] ^= 1
+    swapped = t.clone()
+    swapped[[10, 20]] = t[[20, 10]]
+    assert len({digest(x, "wsum") for x in (t, flipped, swapped, t.to(torch.bfloat16))}) == 4
+
+
+@pytest.mark.parametrize("retries", [0, 1])
+def test_a_silent_fault_on_a_cuda_engine_over_ipc_is_caught(retries: int) -> None:
+    model = TinyLlama(CFG, seed=0).cuda()
+    engines = [ReferenceEngine.spawn(f"v{i}", CFG, seed=0, device="cuda") for i in range(2)]
+    plan = protocol.FaultPlan().fail_at("transferring", engine=1, bucket=1, kind="flip")
+    ctx = protocol.RefitContext(
+        TorchSource(model), IPCTransport(signal_bytes=0), engines, mode="colocated", pause_mode="abort",
+        bucket_bytes=64 << 10, retries=retries, faults=plan,
+    )  # fmt: skip
+    try:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.01)
+        result = protocol.run(ctx)
+        good, bad = result.engines["v0"], result.engines["v1"]
+        assert good.status == "updated" and good.verify["ok"] and good.verify["compared"] > 0
+        if retries:
+            assert bad.status == "updated" and bad.attempts == 2 and bad.verify["ok"]
+        else:
+            assert bad.status == "quarantined" and len(bad.verify["mismatched"]) == 1
+        start = next(e for e in ctx.recorder.events if e.get("event") == "start")
+        assert start["digest"] == "wsum"
+        assert invariants.check_trace(ctx.recorder.events, open_ok=True) == []
+    finally:
+        ctx.close()
+        for e in engines:
+            e.close()
