@@ -386,6 +386,8 @@ def test_a_transport_that_verifies_with_wsum_catches_a_flip_on_the_host() -> Non
         events = ctx.recorder.events
         start = next(e for e in events if e.get("event") == "start")
         assert start["digest"] == "wsum" and invariants.check_trace(events, open_ok=True) == []
+        rank0 = ctx.ranks.participants[0]  # a resident source: hashed before the pause, not while packing
+        assert len(rank0._from_early) == len(ctx.source.metas())
     finally:
         ctx.close()
         for e in engines:

@@ -81,6 +81,11 @@ class Digests:
             self._wsum = Batch()
         self._wsum.add(name, tensor)
 
+    def flush(self) -> None:
+        """Hash what is queued now (a GPU's: one launch); the caller may then drop the tensors."""
+        if self._wsum is not None:
+            self._wsum.flush()
+
     def put(self, name: str, value: str) -> None:
         """A digest already known (a transport hashed the bytes while packing)."""
         self._done[name] = value

@@ -81,6 +81,9 @@ _KERNEL: Any = None
 
 
 def _kernel() -> Any:
+    """One launch hashes a whole batch: program p finds its tensor by binary search over the
+    programs' prefix sums, reads BLOCK words of it and adds its lane sums atomically into that
+    tensor's slot (integer adds: the order does not matter)."""
     global _KERNEL  # noqa: PLW0603 - compiled once per process
     if _KERNEL is not None:
         return _KERNEL
@@ -96,25 +99,35 @@ def _kernel() -> Any:
         return x ^ (x >> 16)
 
     @triton.jit
-    def wsum_kernel(src, out, n_words, BLOCK: tl.constexpr):  # noqa: ANN001, ANN202
-        pid = tl.program_id(0)
-        offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n_words
-        w = tl.load(src + offs, mask=mask, other=0).to(tl.uint32, bitcast=True).to(tl.uint64)
+    def wsum_kernel(addrs, words, starts, n_tensors, out, BLOCK: tl.constexpr):  # noqa: ANN001, ANN202
+        pid = tl.program_id(0).to(tl.int64)
+        lo = 0
+        hi = n_tensors - 1
+        while lo < hi:  # the last tensor whose first program is at or before this one
+            mid = (lo + hi + 1) // 2
+            if tl.load(starts + mid) <= pid:
+                lo = mid
+            else:
+                hi = mid - 1
+        base = tl.load(addrs + lo).to(tl.pointer_type(tl.int32))
+        n = tl.load(words + lo)
+        offs = (pid - tl.load(starts + lo)) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        w = tl.load(base + offs, mask=mask, other=0).to(tl.uint32, bitcast=True).to(tl.uint64)
         i = offs.to(tl.uint64) & 0xFFFFFFFF
         la = _fmix32(w ^ ((i * 0x9E3779B1) & 0xFFFFFFFF)) >> 1
         lb = _fmix32(w ^ ((i * 0x85EBCA77) & 0xFFFFFFFF) ^ 0x27D4EB2F) >> 1
         la = tl.where(mask, la.to(tl.int64), 0)
         lb = tl.where(mask, lb.to(tl.int64), 0)
-        tl.store(out + 2 * pid, tl.sum(la, axis=0))
-        tl.store(out + 2 * pid + 1, tl.sum(lb, axis=0))
+        tl.atomic_add(out + 2 * lo, tl.sum(la, axis=0))
+        tl.atomic_add(out + 2 * lo + 1, tl.sum(lb, axis=0))
 
     _KERNEL = wsum_kernel
     return _KERNEL
 
 
-def gpu_lanes(tensor: torch.Tensor) -> torch.Tensor:
-    """(A, B) of a CUDA tensor's bytes as a 2-element int64 tensor on its device (no sync)."""
+def _words(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as int32 words (an aligned, zero-padded copy when they are not)."""
     import torch
 
     t = tensor.detach()
@@ -122,45 +135,81 @@ def gpu_lanes(tensor: torch.Tensor) -> torch.Tensor:
         t = t.contiguous()
     raw = t.reshape(-1).view(torch.uint8)
     n = raw.numel()
-    if n == 0:
-        return torch.zeros(2, dtype=torch.int64, device=t.device)
-    if n % 4 or raw.data_ptr() % 4:  # a padded, aligned copy (rare: odd-sized or oddly placed)
+    if n % 4 or raw.data_ptr() % 4:  # rare: odd-sized or oddly placed
         padded = torch.zeros((n + 3) // 4 * 4, dtype=torch.uint8, device=t.device)
         padded[:n].copy_(raw)
         raw = padded
-    words = raw.view(torch.int32)
-    programs = (words.numel() + BLOCK - 1) // BLOCK
-    partial = torch.empty(programs * 2, dtype=torch.int64, device=t.device)
-    _kernel()[(programs,)](words, partial, words.numel(), BLOCK=BLOCK)
-    return partial.view(programs, 2).sum(dim=0)
+    return raw.view(torch.int32)
+
+
+def gpu_lanes(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """(A, B) of each CUDA tensor (all on one device), as an [n, 2] int64 tensor on it: one kernel
+    launch for all of them, no host sync. The tensors must stay alive until the kernel ran (the
+    caller holds them, or frees them in stream order)."""
+    import torch
+
+    device = tensors[0].device
+    out = torch.zeros((len(tensors), 2), dtype=torch.int64, device=device)
+    words = [_words(t) for t in tensors]
+    counts = [w.numel() for w in words]
+    programs = [(c + BLOCK - 1) // BLOCK for c in counts]
+    starts, total = [], 0
+    for p in programs:
+        starts.append(total)
+        total += p
+    live = [i for i, c in enumerate(counts) if c]  # empty tensors add nothing (their lanes stay 0)
+    if not live:
+        return out
+    table = torch.tensor(
+        [[words[i].data_ptr() for i in live], [counts[i] for i in live], [starts[i] for i in live]], dtype=torch.int64
+    ).to(device)
+    slots = torch.zeros((len(live), 2), dtype=torch.int64, device=device)
+    _kernel()[(total,)](table[0], table[1], table[2] - starts[live[0]], len(live), slots, BLOCK=BLOCK)
+    out[torch.tensor(live, device=device)] = slots
+    del words  # (the padded copies are freed in stream order, after the kernel)
+    return out
 
 
 class Batch:
-    """Digests of many tensors with one host sync: GPU lanes are queued, `results` reads them all."""
+    """Digests of many tensors with one host sync: `add` queues, `flush` hashes what is queued in
+    one launch per device (drop your references after it: the lanes stay on the device), and
+    `results` reads every lane back at once."""
 
     def __init__(self) -> None:
         self.names: list[str] = []
         self.sizes: list[int] = []
-        self.lanes: list[Any] = []  # device tensors, or (A, B) already on the host
+        self.lanes: list[Any] = []  # per name: (A, B) on the host, or (device tensor, row)
+        self._queued: list[tuple[int, Any]] = []  # (index into names, CUDA tensor)
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
-        nbytes = tensor.numel() * tensor.element_size()
+        self.names.append(name)
+        self.sizes.append(tensor.numel() * tensor.element_size())
         if tensor.device.type == "cuda":
-            lanes: Any = gpu_lanes(tensor)
+            self.lanes.append(None)
+            self._queued.append((len(self.names) - 1, tensor))
         else:
             from refit.buckets import _raw
 
-            lanes = host_lanes(_raw(tensor))
-        self.names.append(name)
-        self.sizes.append(nbytes)
-        self.lanes.append(lanes)
+            self.lanes.append(host_lanes(_raw(tensor)))
+
+    def flush(self) -> None:
+        by_device: dict[Any, list[tuple[int, Any]]] = {}
+        for i, t in self._queued:
+            by_device.setdefault(t.device, []).append((i, t))
+        self._queued = []
+        for queued in by_device.values():
+            lanes = gpu_lanes([t for _, t in queued])
+            for row, (i, _) in enumerate(queued):
+                self.lanes[i] = (lanes, row)
 
     def results(self) -> dict[str, str]:
         import torch
 
-        on_device = [i for i, x in enumerate(self.lanes) if isinstance(x, torch.Tensor)]
-        if on_device:
-            host = torch.stack([self.lanes[i] for i in on_device]).cpu().tolist()
-            for i, pair in zip(on_device, host, strict=True):
-                self.lanes[i] = (pair[0], pair[1])
-        return {n: finish(a, b, s) for n, (a, b), s in zip(self.names, self.lanes, self.sizes, strict=True)}
+        self.flush()
+        blocks = {id(x[0]): x[0] for x in self.lanes if isinstance(x[0], torch.Tensor)}
+        host = {k: v.cpu().tolist() for k, v in blocks.items()}  # one sync for the lot
+        out = {}
+        for name, lane, size in zip(self.names, self.lanes, self.sizes, strict=True):
+            a, b = host[id(lane[0])][lane[1]] if isinstance(lane[0], torch.Tensor) else lane
+            out[name] = finish(a, b, size)
+        return out

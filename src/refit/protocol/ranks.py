@@ -89,6 +89,7 @@ class Participant:
                               feeds no engine; returns this rank's part. `digest` (a kind of
                               `refit.verify`): rank 0 also takes each tensor's digest as it packs
       digests()               what rank 0 hashed since its stream opened: {"kind", "digests"}
+      predigest(plan, kind)   before the pause: rank 0 queues a resident source's digests (GPU)
       logprobs(prompts, top)  verify="probe": the source's next-token log-probabilities (rank 0's)
       send(index)             collective transports: this rank's half of the transfer
       release(index) / abandon(index) / disconnect()
@@ -108,6 +109,8 @@ class Participant:
         self.stats = RankStats(rank)
         self._lock = threading.Lock()
         self._digests: Any = None  # rank 0, verify on: a refit.verify.Digests of what it sent
+        self._early: tuple[str, Any, dict[str, tuple[int, int]]] | None = None  # predigest: (kind, Digests, identities)
+        self._from_early: set[str] = set()  # names whose early digest still held when packed
 
     def run(self, step: RankStep) -> Any:
         attempt = step.args[1] if step.call == "pack" else -1
@@ -177,13 +180,43 @@ class Participant:
             part = self.transport.pack(self.plan[index], tensors)
         finally:
             self.transport.tensor_digests = None
+        if hashed and self._digests is not None:
+            self._digests.flush()  # a GPU's queued digests now (one launch), so the source may free the tensors
         self._account(self.transport.temp_bytes)
         return part
 
     def digests(self) -> dict[str, Any] | None:
         if self.rank != 0 or self._digests is None:
             return None
-        return {"kind": self._digests.kind, "digests": self._digests.results()}
+        out = self._digests.results()
+        if self._early is not None and self._from_early:
+            early = self._early[1].results()
+            out.update({n: early[n] for n in self._from_early})
+        return {"kind": self._digests.kind, "digests": out}
+
+    def predigest(self, plan: Sequence[BucketManifest], kind: str) -> None:
+        """Before any engine is paused: rank 0 queues the digests of a resident source's tensors
+        (its own, unchanged until the run ends), so packing need not read them in the stall. A
+        tensor written since (its storage or torch version counter changed) is hashed as it is
+        packed instead."""
+        self._early, self._from_early = None, set()
+        if self.rank != 0 or not self.source.resident:
+            return
+        from refit.verify import Digests
+
+        batch, ids = Digests(kind), {}
+        stream = iter(self.source.iter_buckets(plan))
+        try:
+            for _, tensors in zip(plan, stream, strict=False):
+                for name, tensor in tensors:
+                    batch.add(name, tensor)
+                    ids[name] = _identity(tensor)
+        finally:
+            close = getattr(stream, "close", None)
+            if close is not None:
+                close()
+        batch.flush()
+        self._early = (kind, batch, ids)
 
     def _hashed(self, tensors: LazyTensors, kind: str, manifest: BucketManifest) -> LazyTensors:
         """The bucket's tensors as the source gives them; once the transport has taken each one,
@@ -200,6 +233,10 @@ class Participant:
             yield name, tensor
             full = tensor.full_tensor() if hasattr(tensor, "placements") else tensor  # on every rank
             if self.rank != 0:
+                continue
+            early = self._early
+            if early is not None and early[0] == kind and early[2].get(name) == _identity(full):
+                self._from_early.add(name)  # hashed before the pause, unchanged since
                 continue
             packed = self.transport.tensor_digests  # the transport hashed it while packing: not read again
             if packed and name in packed:
@@ -239,7 +276,7 @@ class Participant:
         self._stream = iter(self.source.iter_buckets(self.plan))
         self._stream_key = (attempt,)
         self._next = 0
-        self._digests = None
+        self._digests, self._from_early = None, set()
 
     def _close_stream(self) -> None:
         stream, self._stream, self._stream_key = self._stream, None, None
@@ -549,3 +586,8 @@ __all__ = [
     "combine",
     "default_ranks",
 ]
+
+
+def _identity(tensor: Any) -> tuple[int, int]:
+    """Where a tensor's bytes lie and how often torch has seen it written (its version counter)."""
+    return (int(tensor.data_ptr()), int(getattr(tensor, "_version", 0)))

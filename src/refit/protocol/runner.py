@@ -200,6 +200,8 @@ class _Run(Recording):
         self.read_epochs("IDLE")
         if probes_of(self.ctx.verify):
             self.reference_logprobs(metas)
+        if self.digest_kind == "wsum":  # a GPU hashes a resident source now, off the stall (asynchronously)
+            self.rank_call(RankStep("predigest", "IDLE", (self.plan, self.digest_kind)))
         if self.transport.wants_prepare:  # work that needs no engine, done before any is paused
             self.rank_call(RankStep("prepare", "IDLE", (self.plan,)))
 
