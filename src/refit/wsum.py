@@ -5,8 +5,9 @@ The spec (what both implementations compute): the tensor's raw bytes, zero-padde
 4, as little-endian uint32 words w_i (i = 0, 1, ...). Two lanes, each the sum over i of a 31-bit
 mix of the word with its index:
     a_i = fmix32(w_i ^ (i * 0x9E3779B1)) >> 1
-    b_i = fmix32(w_i ^ (i * 0x85EBCA77) ^ 0x27D4EB2F) >> 1
-(fmix32: murmur3's finalizer; products and index taken mod 2^32). A = sum a_i, B = sum b_i, exact
+    b_i = mix(w_i ^ (i * 0x85EBCA77) ^ 0xA7D4EB2F) >> 1,   mix(x) = (x * 0x85EBCA6B) ^ (that >> 15)
+(fmix32: murmur3's finalizer; products and index taken mod 2^32; lane B's lighter mix keeps a
+GPU memory-bound). A = sum a_i, B = sum b_i, exact
 (below 2^63 for any tensor under 16 GiB). The digest is splitmix64 of A, B and the byte length,
 as 16 hex digits. A sum of per-word mixes is order-free, so a GPU reduces it in any order and
 gets the same value; every word's mix depends on its position, so moved words change it; a
@@ -23,9 +24,10 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-K_A, K_B, SALT_B = 0x9E3779B1, 0x85EBCA77, 0x27D4EB2F
+K_A, K_B, SALT_B = 0x9E3779B1, 0x85EBCA77, 0xA7D4EB2F
 M1, M2 = 0x85EBCA6B, 0xC2B2AE35
-BLOCK = 4096  # words per GPU program
+BLOCK = 4096  # words per step of a GPU program
+ITERS = 4  # steps per program (fewer programs: each finds its tensor once)
 MASK32, MASK64 = 0xFFFFFFFF, 0xFFFFFFFFFFFFFFFF
 
 
@@ -64,7 +66,8 @@ def host_lanes(raw: Any) -> tuple[int, int]:
             w = chunk.view("<u4").astype(np.uint32)
             i = np.arange(start, stop, dtype=np.uint64).astype(np.uint32)
             la = _fmix32_np(w ^ (i * np.uint32(K_A))) >> np.uint32(1)
-            lb = _fmix32_np(w ^ (i * np.uint32(K_B)) ^ np.uint32(SALT_B)) >> np.uint32(1)
+            xb = (w ^ (i * np.uint32(K_B)) ^ np.uint32(SALT_B)) * np.uint32(M1)
+            lb = (xb ^ (xb >> np.uint32(15))) >> np.uint32(1)
             a += int(la.astype(np.uint64).sum(dtype=np.uint64))
             b += int(lb.astype(np.uint64).sum(dtype=np.uint64))
     return a, b
@@ -91,15 +94,15 @@ def _kernel() -> Any:
     import triton.language as tl
 
     @triton.jit
-    def _fmix32(x):  # noqa: ANN001, ANN202 - a 32-bit value held in uint64 (products masked back to 32 bits)
+    def _fmix32(x):  # noqa: ANN001, ANN202 - uint32 throughout: products wrap mod 2^32, shifts are logical
         x = x ^ (x >> 16)
-        x = (x * 0x85EBCA6B) & 0xFFFFFFFF
+        x = x * 0x85EBCA6B
         x = x ^ (x >> 13)
-        x = (x * 0xC2B2AE35) & 0xFFFFFFFF
+        x = x * 0xC2B2AE35
         return x ^ (x >> 16)
 
     @triton.jit
-    def wsum_kernel(addrs, words, starts, n_tensors, out, BLOCK: tl.constexpr):  # noqa: ANN001, ANN202
+    def wsum_kernel(addrs, words, starts, n_tensors, out, BLOCK: tl.constexpr, ITERS: tl.constexpr):  # noqa: ANN001, ANN202
         pid = tl.program_id(0).to(tl.int64)
         lo = 0
         hi = n_tensors - 1
@@ -111,16 +114,21 @@ def _kernel() -> Any:
                 hi = mid - 1
         base = tl.load(addrs + lo).to(tl.pointer_type(tl.int32))
         n = tl.load(words + lo)
-        offs = (pid - tl.load(starts + lo)) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
-        w = tl.load(base + offs, mask=mask, other=0).to(tl.uint32, bitcast=True).to(tl.uint64)
-        i = offs.to(tl.uint64) & 0xFFFFFFFF
-        la = _fmix32(w ^ ((i * 0x9E3779B1) & 0xFFFFFFFF)) >> 1
-        lb = _fmix32(w ^ ((i * 0x85EBCA77) & 0xFFFFFFFF) ^ 0x27D4EB2F) >> 1
-        la = tl.where(mask, la.to(tl.int64), 0)
-        lb = tl.where(mask, lb.to(tl.int64), 0)
-        tl.atomic_add(out + 2 * lo, tl.sum(la, axis=0))
-        tl.atomic_add(out + 2 * lo + 1, tl.sum(lb, axis=0))
+        first = (pid - tl.load(starts + lo)) * (BLOCK * ITERS)
+        sum_a = tl.sum(tl.zeros((1,), dtype=tl.int64), axis=0)
+        sum_b = sum_a
+        for k in tl.static_range(ITERS):
+            offs = first + k * BLOCK + tl.arange(0, BLOCK)
+            mask = offs < n
+            w = tl.load(base + offs, mask=mask, other=0).to(tl.uint32, bitcast=True)
+            i = offs.to(tl.uint32)  # the index mod 2^32
+            la = _fmix32(w ^ (i * 0x9E3779B1)) >> 1
+            xb = (w ^ (i * 0x85EBCA77) ^ 0xA7D4EB2F) * 0x85EBCA6B
+            lb = (xb ^ (xb >> 15)) >> 1
+            sum_a += tl.sum(tl.where(mask, la, 0).to(tl.int64), axis=0)
+            sum_b += tl.sum(tl.where(mask, lb, 0).to(tl.int64), axis=0)
+        tl.atomic_add(out + 2 * lo, sum_a)
+        tl.atomic_add(out + 2 * lo + 1, sum_b)
 
     _KERNEL = wsum_kernel
     return _KERNEL
@@ -152,7 +160,7 @@ def gpu_lanes(tensors: list[torch.Tensor]) -> torch.Tensor:
     out = torch.zeros((len(tensors), 2), dtype=torch.int64, device=device)
     words = [_words(t) for t in tensors]
     counts = [w.numel() for w in words]
-    programs = [(c + BLOCK - 1) // BLOCK for c in counts]
+    programs = [(c + BLOCK * ITERS - 1) // (BLOCK * ITERS) for c in counts]
     starts, total = [], 0
     for p in programs:
         starts.append(total)
@@ -164,7 +172,9 @@ def gpu_lanes(tensors: list[torch.Tensor]) -> torch.Tensor:
         [[words[i].data_ptr() for i in live], [counts[i] for i in live], [starts[i] for i in live]], dtype=torch.int64
     ).to(device)
     slots = torch.zeros((len(live), 2), dtype=torch.int64, device=device)
-    _kernel()[(total,)](table[0], table[1], table[2] - starts[live[0]], len(live), slots, BLOCK=BLOCK)
+    _kernel()[(total,)](
+        table[0], table[1], table[2] - starts[live[0]], len(live), slots, BLOCK=BLOCK, ITERS=ITERS, num_warps=8
+    )
     out[torch.tensor(live, device=device)] = slots
     del words  # (the padded copies are freed in stream order, after the kernel)
     return out
