@@ -72,7 +72,7 @@ def control(
     """Stall minus transfer per refit, from the engines' own clocks (CLOCK_MONOTONIC, one host).
     `progress(done, warmup + refits)` counts warm-up refits too. `ray`: the engines are Ray actors
     (`refit.drivers.ray_actors.RayEngine`) on the connected Ray cluster. `verify`: the runs'
-    `RefitContext(verify=...)`, or "both": refits alternate off and digest on one context, and the
+    `RefitContext(verify=...)`, or "alternate": refits alternate off and digest on one context, and the
     figures are given for each, with their ratio."""
     config = ModelConfig()
     model = TinyLlama(config, seed=0)
@@ -92,7 +92,7 @@ def control(
         deadline_s=60.0,  # type: ignore[arg-type]
     )
     controls, stalls, transfers, trips = [], [], [], []
-    modes = ("off", "digest") if verify == "both" else (verify,)
+    modes = ("off", "digest") if verify == "alternate" else (verify,)
     by_mode: dict[str, list[tuple[float, float]]] = {m: [] for m in modes}  # (stall, control) per refit
     if progress is not None:
         progress(0, warmup + refits)

@@ -150,10 +150,10 @@ def run_path(
     tick: Callable[[str], None] = lambda s: None, verify: str = "off",
 ) -> dict[str, Any]:  # fmt: skip
     """A connecting refit, then `refits` timed refits of `state` into a fresh engine process.
-    `verify`: the runs' RefitContext(verify=...), or "both": refits alternate off and digest, and
+    `verify`: the runs' RefitContext(verify=...), or "alternate": refits alternate off and digest, and
     the row also gives each mode's median stall, their ratio, and the refits verification failed."""
     engine = ReferenceEngine.spawn(f"gpu-{path}", config, seed=0, device="cuda")
-    modes = ("off", "digest") if verify == "both" else (verify,)
+    modes = ("off", "digest") if verify == "alternate" else (verify,)
     ctx = protocol.RefitContext(
         TorchSource(state), _transport(path), [engine], mode="colocated", pause_mode="abort",
         bucket_bytes=bucket_mb << 20, deadline_s=300.0, verify=modes[0],
@@ -225,7 +225,7 @@ def run_path(
                     statistics.median(by_mode["digest"]) / statistics.median(by_mode["off"]), 3
                 ),
             }
-            if verify == "both"
+            if verify == "alternate"
             else {}
         ),
     }

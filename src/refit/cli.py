@@ -545,10 +545,11 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     bench_p.add_argument("--no-checksums", action="store_true", help="transport: turn corruption detection off")
     bench_p.add_argument(
         "--verify",
-        choices=("digest", "off", "both"),
+        choices=("digest", "probe", "both", "off", "alternate"),
         default=None,
-        help="control, gpu: verify before publish; both: alternate refits off and digest, report each and their "
-        "ratio (default: control digest, as a run's default; gpu off, on path (b) only)",
+        help="control, gpu: the runs' verify mode; alternate: refits alternate off and digest on one context, and "
+        "each mode's stall and their ratio are reported (default: control digest, as a run's default; gpu off; gpu "
+        "verifies path (b) only)",
     )
     bench_p.add_argument("--small", action="store_true", help="transport: a few-MB state (a quick smoke run)")
     bench_p.add_argument("--json", metavar="PATH", help="also write the figures as JSON here")

@@ -245,7 +245,8 @@ def _run_one_trainer(args: argparse.Namespace) -> int:
         f"model: {n_params:,} fp32 params ({n_params * 4 / 2**20:.2f} MiB) | mode {args.mode} | pause "
         f"{args.pause_mode} | engine {args.engine} | transport {args.transport} | "
         f"bucket {args.bucket_bytes / 1024:.0f} KiB | "
-        f"deadline {args.deadline:g}s"
+        f"deadline {args.deadline:g}s | verify {verify_mode(args)}"
+        + ("" if args.engine == "reference" or args.verify else " (this driver reports no digests or probe yet)")
     )
     trainer = Trainer(lambda n: train(model, opt, gen, n, config.vocab_size), lambda: model)
     try:

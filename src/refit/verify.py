@@ -224,10 +224,13 @@ def judge(
 ) -> dict[str, Any]:
     """One engine's verify answer against what the trainer sent: its digests of kind `kind` (None:
     not asked) against `expected`, and its probe answers against `reference` ({"expected": the
-    trainer's logprobs, "tolerance"}; None: not asked). The verdict: `ok`, `compared`,
-    `mismatched` / `missing` / `unexpected` names, `probe` ({"ok", "max_diff", "tolerance"}) and
-    `problems` (what was wrong, in words). Pure: the ledger and `refit check` both call it."""
-    verdict: dict[str, Any] = {"ok": False, "compared": 0, "mismatched": [], "missing": [], "unexpected": []}
+    trainer's logprobs, "tolerance"}; None: not asked). The verdict: `ok`; when digests were asked,
+    `compared` and the `mismatched` / `missing` / `unexpected` names; when the probe was, `probe`
+    ({"ok", "max_diff", "tolerance"}); and `problems` (what was wrong, in words). Pure: the ledger
+    and `refit check` both call it."""
+    verdict: dict[str, Any] = {"ok": False}
+    if kind is not None:
+        verdict.update(compared=0, mismatched=[], missing=[], unexpected=[])
     problems: list[str] = []
     if not isinstance(answer, dict):
         problems.append(f"verify answered {type(answer).__name__}, not a report")

@@ -221,9 +221,14 @@ class RefitContext:
                     "finalize" + (", or verify='probe' to check what it computes" if e.probes else "")
                 )
             if self.verify in ("probe", "both") and not e.probes:
+                can = (
+                    "'digest' or 'off'"
+                    if self.transport.digest_kind in e.digest_kinds
+                    else "'off' to trust its finalize"
+                )
                 raise ConfigError(
                     f"engine {e.name} ({type(e).__name__}) cannot answer a probe, so verify={self.verify!r} cannot "
-                    "check it; use verify='digest' or 'off'"
+                    f"check it; use verify={can}"
                 )
             tp = e.tp_size
             if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:

@@ -195,17 +195,19 @@ class Ledger:
         seconds = value.get("seconds") if isinstance(value, dict) else None
         problems = verdict.pop("problems")
         e.verdict = {**verdict, "seconds": seconds if isinstance(seconds, int | float) else None}
-        fields = {
-            "engine": e.name, "ok": verdict["ok"], "compared": verdict["compared"], "digest": kind,
-            "attempt": max(e.attempt, 0),
-        }  # fmt: skip
+        fields = {"engine": e.name, "ok": verdict["ok"], "digest": kind, "attempt": max(e.attempt, 0)}
+        if kind is not None:
+            fields["compared"] = verdict["compared"]
         if "probe" in verdict:
             fields["probe"] = verdict["probe"]
         if verdict["ok"]:
             e.position.fire(EV.VERIFY)
             return [("engine", "verified", fields)]
         e.position.fire(EV.REJECT)
-        fields.update(mismatched=verdict["mismatched"], missing=verdict["missing"], unexpected=verdict["unexpected"])
+        if kind is not None:
+            fields.update(
+                mismatched=verdict["mismatched"], missing=verdict["missing"], unexpected=verdict["unexpected"]
+            )
         err = EngineError("unverified", "; ".join(problems))
         return [("engine", "verified", fields), *self.drop(e, step, err)]
 
