@@ -357,6 +357,11 @@ def _demo_problem(args: argparse.Namespace) -> str | None:
         return f"--pause-mode in_place: {in_place_refusal(engines)}"
     if args.engine != "reference" and args.ranks > 1:
         return f"--engine {args.engine} runs with one trainer rank here; drop --ranks"
+    if args.engine != "reference" and args.verify not in (None, "off"):
+        return (
+            f"--verify {args.verify}: refit's {args.engine} driver reports no digests or probe yet (docs/verify.md); "
+            "use --verify off"
+        )
     if args.in_thread and args.ranks > 1:
         return "--ranks runs engines as processes; drop --in-thread"
     if args.in_thread and args.engine_tp != 1:
