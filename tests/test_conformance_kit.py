@@ -155,7 +155,7 @@ class IgnoresItsTimeout(_NoAudit):
     client with no timeout behind a call that was given one)."""
 
     def load(self, payload: Payload, *, timeout: float) -> None:
-        time.sleep(timeout + 0.25)
+        time.sleep(timeout + 0.75)
         self.client.call("load", payload, timeout=60.0)
 
 

@@ -51,7 +51,8 @@ class Recording:
 
     def emit_all(self, events: list[Event]) -> None:
         for kind, event, fields in events:
-            self.emit(kind, event, **fields)
+            extra = {"sent_batches": self.waves.last_batch} if (kind, event) == ("engine", "dropped") else {}
+            self.emit(kind, event, **fields, **extra)  # (calls in later batches were sent after it left)
 
     def fault_fired(self, fault: Any, call: str) -> None:
         self.emit("fault", "injected", fault=fault.describe(), call=call)

@@ -140,6 +140,7 @@ class Waves:
         self.round_trips = 0
         self.budgets: dict[int, float] = {}  # batch -> the budget its engine calls were given
         self._batches = itertools.count()
+        self.last_batch = -1  # the newest engine call started (batches are numbered in the order sent)
         self._answered: dict[int, float] = {}  # id(future) -> when it completed (time.monotonic)
 
     def _stamp(self, fut: Future[Any]) -> None:
@@ -151,6 +152,7 @@ class Waves:
         budget = self.budget.engine_call(cleanup)
         wave = Wave(next(self._batches), budget, time.monotonic(), [])
         self.budgets[wave.batch] = budget
+        self.last_batch = wave.batch
         for e, steps in plan.items():
             if not steps:
                 continue
