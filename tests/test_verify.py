@@ -43,6 +43,17 @@ def test_compare_names_what_differs_what_is_missing_and_what_was_never_sent() ->
     assert kind == "xxh3" and merged == {"a": "conflict"}
 
 
+def _run_once(engines: list[ReferenceEngine], model: TinyLlama, **kw: Any) -> protocol.RefitResult:
+    """One refit over shared memory in small buckets; the context and the engines are closed after."""
+    ctx = protocol.RefitContext(TorchSource(model), SharedMemoryTransport(), engines, bucket_bytes=SMALL_BUCKET, **kw)
+    try:
+        return protocol.run(ctx)
+    finally:
+        ctx.close()
+        for e in engines:
+            e.close()
+
+
 def _bucket_names(trace: Path, index: int) -> set[str]:
     _, events, _ = load_trace(trace)
     plan = next(e for e in events if e.get("kind") == "plan")
@@ -123,15 +134,7 @@ def test_when_the_trainer_cannot_report_its_digests_nothing_publishes_and_the_tr
     model = perturbed(TinyLlama(CONFIG, seed=0), seed=8)
     trace = tmp_path / "d.jsonl"
     plan = protocol.FaultPlan().fail_at("verifying", call="digests", kind="raise")
-    ctx = protocol.RefitContext(
-        TorchSource(model), SharedMemoryTransport(), engines, bucket_bytes=SMALL_BUCKET, faults=plan, trace=trace
-    )
-    try:
-        result = protocol.run(ctx)
-    finally:
-        ctx.close()
-        for e in engines:
-            e.close()
+    result = _run_once(engines, model, faults=plan, trace=trace)
     assert result.state == "FAILED" and result.error.call == "digests" and result.version is None
     assert {o.status for o in result.engines.values()} == {"quarantined"}  # finalized, never judged: not served
     _, events, _ = load_trace(trace)
@@ -236,15 +239,7 @@ def test_a_verify_answer_without_digests_is_rejected_not_trusted() -> None:
         ReferenceEngine.in_thread("v1", CONFIG, seed=0),
     ]
     model = perturbed(TinyLlama(CONFIG, seed=0), seed=2)
-    ctx = protocol.RefitContext(
-        TorchSource(model), SharedMemoryTransport(), engines, bucket_bytes=SMALL_BUCKET, retries=0
-    )
-    try:
-        result = protocol.run(ctx)
-    finally:
-        ctx.close()
-        for e in engines:
-            e.close()
+    result = _run_once(engines, model, retries=0)
     vague = result.engines["v0"]
     assert vague.status == "quarantined" and "answered without xxh3 digests" in (vague.error or "")
     assert result.engines["v1"].status == "updated"
