@@ -113,7 +113,6 @@ class _Run(Recording):
         self.rode = 0  # 1: bucket 0 rode the pause wave (`ride_first_bucket`)
         self.verifying = ctx.verify != "off"
         self.probe: list[tuple[list[int], list[int]]] | None = None  # verify="probe": (prompt, token ids)
-        self.sent_digests: RankCall | None = None  # the trainer's digests, asked for after the last pack
         self.digest_kind = ctx.transport.digest_kind if digests_of(ctx.verify) else None
         self.lock_taken: int | None = None  # the lock's acquisition count once this run took it
         self.error: RefitError | None = None
@@ -343,8 +342,6 @@ class _Run(Recording):
             assert self.topology is not None
             payloads = self.transport.payloads(manifest, pack.future.result(), self.topology)
             self.bytes_moved += manifest.payload_bytes
-            if len(self.plan) == 1:
-                self.ask_digests()
             for e in members:
                 plan[e].append(Step("load", "TRANSFERRING", (payloads[e.name],), 0))
                 if len(self.plan) == 1:
@@ -395,8 +392,6 @@ class _Run(Recording):
                 break
             pack = RankStep("pack", "TRANSFERRING", (k, self.attempt, self.digest_kind), k)
             parts = self.rank_call(pack, manifest=manifest.summary())
-            if k == n - 1:
-                self.ask_digests()
             assert self.topology is not None
             payloads = self.transport.payloads(manifest, parts, self.topology)
             self.bytes_moved += manifest.payload_bytes
@@ -450,18 +445,6 @@ class _Run(Recording):
         finalize = Step("finalize", "POST_PROCESSING")
         return [finalize, Step("verify", "VERIFYING", (self.digest_kind, self.probe))] if self.verifying else [finalize]
 
-    def ask_digests(self) -> None:
-        """Once the last bucket is packed, ask the ranks for their digests of what they sent: they
-        answer while the engines load, so VERIFYING waits for nothing on the trainer side."""
-        if self.digest_kind is not None:
-            self.collect_digests(str(self.machine.state))  # one left over from an attempt that verified nothing
-            self.sent_digests = self.waves.rank_start(RankStep("digests", "VERIFYING"))
-
-    def collect_digests(self, state: str | None = None) -> tuple[list[Any] | None, BaseException | None]:
-        """Wait for the digests asked for (recorded in `state`, or VERIFYING); (None, None) if none."""
-        rc, self.sent_digests = self.sent_digests, None
-        return (None, None) if rc is None else self.rank_wait(rc, state=state)
-
     def post_process(self, state: str | None = None, *, cleanup: bool = False) -> None:
         """Finalizes that rode on last buckets, then every other finalize owed (POST_PROCESSING,
         or ABORTING on the failure path, where nothing is verified or published: reports are only
@@ -486,13 +469,10 @@ class _Run(Recording):
                     else:
                         self.apply(e, step, res, w.batch, state)
         if cleanup:
-            self.collect_digests(state)
             for e, step, res, batch in checks:
                 self.record(e, step, res, batch, state)
         elif checks:
             self.verify(checks)
-        else:
-            self.collect_digests(str(self.machine.state))
 
     def verify(self, checks: list[tuple[Engine, Step, StepResult, int]]) -> None:
         """VERIFYING: the trainer's digests of what it sent (taken while packing) against each
@@ -513,9 +493,7 @@ class _Run(Recording):
         """The ranks' digests of what they sent, checked to cover the plan, into the ledger."""
         if self.digest_kind is None:
             return
-        if self.sent_digests is None:
-            self.ask_digests()
-        report, exc = self.collect_digests()
+        report, exc = self.rank_wait(self.waves.rank_start(RankStep("digests", "VERIFYING")))
         if exc is not None:
             raise wrap_error(exc, "digests", "VERIFYING", None, None) from exc
         kind, expected = merge(report or [])
