@@ -419,3 +419,14 @@ def test_demo_logit_check_scales_with_the_logits() -> None:
     within = check_engine(Engine(0.5e-5 * big), model, previous)  # type: ignore[arg-type]
     assert within["ok"] and within["max_diff"] > 1e-5
     assert not check_engine(Engine(2e-5 * big), model, previous)["ok"]  # type: ignore[arg-type]
+
+
+def test_a_demo_whose_engine_served_wrong_weights_says_why_it_was_retried(capsys: pytest.CaptureFixture[str]) -> None:
+    """A silent fault (q and k swapped by the engine's loader): verification rejects the engine,
+    the retry repairs it, and the demo names the reason and the tensors."""
+    argv = [*FAST_DEMO, "--fail-at", "transferring:engine=0:bucket=1:kind=swap_qk"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "| verify digest" in out
+    assert "retried and caught up: engine-0 (verify failed: EngineError: unverified:" in out
+    assert "model.layers.0.self_attn.k_proj.weight, model.layers.0.self_attn.q_proj.weight" in out

@@ -186,9 +186,10 @@ def refit_loop(
                     lost += 1
             if result.ok:
                 say(row(r, result, loss, entry["check"]))
-                retried = [o.name for o in result.engines.values() if o.attempts > 1]
-                if retried:
-                    say(f"      retried and caught up: {', '.join(retried)}")
+                retried = [o for o in result.engines.values() if o.attempts > 1]
+                if retried:  # why each was retried: its first attempt's error, without the bracketed context
+                    why = [f"{o.name} ({(o.error or 'failed').split(' [')[0]})" for o in retried]
+                    say(f"      retried and caught up: {'; '.join(why)}")
             else:
                 say(f"\nrefit {r} did not reach every engine (run state {result.state}): {result.error}")
                 for o in result.engines.values():
