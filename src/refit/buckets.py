@@ -346,6 +346,12 @@ def tensor_digest(tensor: torch.Tensor) -> int:
     return combine(chunk_digests(tensor.detach().contiguous().cpu()))
 
 
+def tensor_identity(tensor: Any) -> tuple[int, int]:
+    """Where a tensor's bytes lie and how many times torch saw it written in place (its version
+    counter): a digest taken earlier still holds while both are unchanged."""
+    return int(tensor.data_ptr()), int(tensor._version)
+
+
 def checksum(tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
     """A bucket's checksum: xxHash3-64 over the per-chunk digests of every tensor's raw bytes, in
     order (padding excluded, so any transport and any copy of the bytes agree)."""

@@ -357,11 +357,19 @@ def _demo_problem(args: argparse.Namespace) -> str | None:
         return f"--pause-mode in_place: {in_place_refusal(engines)}"
     if args.engine != "reference" and args.ranks > 1:
         return f"--engine {args.engine} runs with one trainer rank here; drop --ranks"
-    if args.engine != "reference" and args.verify not in (None, "off"):
-        return (
-            f"--verify {args.verify}: refit's {args.engine} driver reports no digests or probe yet (docs/verify.md); "
-            "use --verify off"
-        )
+    if args.verify not in (None, "off"):
+        from refit.demo import driver_class, unverifiable
+
+        cls = driver_class(args)
+        if unverifiable(args):
+            return (
+                f"--verify {args.verify}: refit's {args.engine} driver reports no digests or probe yet "
+                "(docs/verify.md); use --verify off"
+            )
+        if args.verify in ("digest", "both") and "xxh3" not in cls.digest_kinds:
+            return f"--verify {args.verify}: refit's {args.engine} driver reports no digests; use --verify probe or off"
+        if args.verify in ("probe", "both") and not cls.probes:
+            return f"--verify {args.verify}: refit's {args.engine} driver answers no probe; use --verify digest or off"
     if args.in_thread and args.ranks > 1:
         return "--ranks runs engines as processes; drop --in-thread"
     if args.in_thread and args.engine_tp != 1:

@@ -193,11 +193,31 @@ def _run_ray(args: argparse.Namespace) -> int:
     return verdict(entries, args.refits, trace, unfired=unfired, temporary=temporary)
 
 
+def driver_class(args: argparse.Namespace) -> type[Any]:
+    """The driver class the demo's engines get (`start_engines`), for its capabilities."""
+    engine = getattr(args, "engine", "reference")
+    if engine == "sglang":
+        from refit.testing.sglang_server import EmulatedSGLangEngine
+
+        return EmulatedSGLangEngine
+    if engine == "vllm":
+        from refit.testing.vllm_server import EmulatedVLLMEngine
+
+        return EmulatedVLLMEngine
+    return ReferenceEngine  # (RayEngine is one: the same capabilities)
+
+
+def unverifiable(args: argparse.Namespace) -> bool:
+    """The demo's driver reports neither digests nor a probe (the demo's transports hash with xxh3)."""
+    cls = driver_class(args)
+    return "xxh3" not in cls.digest_kinds and not cls.probes
+
+
 def verify_mode(args: argparse.Namespace) -> str:
-    """--verify, or its default: digest, except for the SGLang and vLLM drivers (no digests yet)."""
+    """--verify, or its default: digest where the driver reports digests, else off."""
     if getattr(args, "verify", None):
         return str(args.verify)
-    return "digest" if getattr(args, "engine", "reference") == "reference" else "off"
+    return "digest" if "xxh3" in driver_class(args).digest_kinds else "off"
 
 
 def _run_one_trainer(args: argparse.Namespace) -> int:
@@ -246,7 +266,7 @@ def _run_one_trainer(args: argparse.Namespace) -> int:
         f"{args.pause_mode} | engine {args.engine} | transport {args.transport} | "
         f"bucket {args.bucket_bytes / 1024:.0f} KiB | "
         f"deadline {args.deadline:g}s | verify {verify_mode(args)}"
-        + ("" if args.engine == "reference" or args.verify else " (this driver reports no digests or probe yet)")
+        + (" (this driver reports no digests or probe yet)" if not args.verify and unverifiable(args) else "")
     )
     trainer = Trainer(lambda n: train(model, opt, gen, n, config.vocab_size), lambda: model)
     try:

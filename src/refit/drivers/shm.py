@@ -39,7 +39,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from refit.buckets import BucketManifest, chunk_digests, itemsize, pack_into, slot_bytes, torch_dtype, unpack
+from refit.buckets import (
+    BucketManifest,
+    chunk_digests,
+    itemsize,
+    pack_into,
+    slot_bytes,
+    tensor_identity,
+    torch_dtype,
+    unpack,
+)
 from refit.drivers.base import ConnectInfo, LazyTensors, Payload, Receiver, Topology, Transport, routed_payloads
 from refit.drivers.slots import SlotPool
 
@@ -59,11 +68,6 @@ def leaked_segments(directory: Path | None = None, pid: int | None = None) -> li
     d = directory or _default_dir()
     stem = f"{PREFIX}{pid}-" if pid is not None else PREFIX
     return sorted(p for p in d.glob(f"{stem}*") if p.is_file())
-
-
-def _identity(tensor: Any) -> tuple[int, int]:
-    """Where a tensor lies and how many times it was written in place (torch's version counter)."""
-    return int(tensor.data_ptr()), int(tensor._version)
 
 
 def _unlink_all(paths: Sequence[str]) -> None:
@@ -297,11 +301,11 @@ class SharedMemoryTransport(Transport):
         arenas = _live_arenas()
         for (name, tensor), entry in zip(tensors, manifest.entries, strict=False):
             if self._eligible(entry.meta, tensor) and any(a.offset_of(tensor) is not None for a in arenas):
-                self._digests[name] = (_identity(tensor), chunk_digests(tensor))
+                self._digests[name] = (tensor_identity(tensor), chunk_digests(tensor))
 
     def _known(self, name: str, tensor: Any) -> list[int] | None:
         hit = self._digests.pop(name, None)
-        return hit[1] if hit is not None and hit[0] == _identity(tensor) else None
+        return hit[1] if hit is not None and hit[0] == tensor_identity(tensor) else None
 
     @staticmethod
     def _eligible(meta: Any, tensor: Any) -> bool:

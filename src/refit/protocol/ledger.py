@@ -100,7 +100,6 @@ class Ledger:
         self.ahead: list[str] = []  # engines found at or past the target version
         self.first_error: RefitError | None = None
         self.expected: dict[str, str] = {}  # the trainer's digests of what it sent (verify on)
-        self.digest_kind: str | None = None
         self.probe: dict[str, Any] | None = None  # verify="probe": the trainer's logprobs and the tolerance
 
     # ---- outcomes of calls --------------------------------------------------------------------
@@ -252,10 +251,6 @@ class Ledger:
             if e.failure.state == F.ERROR and e.failed_in in RETRY_STATES and e.state == E.PAUSED
             and e.attempts <= retries
         ]  # fmt: skip
-
-    def finalized(self) -> list[Engine]:
-        """Engines whose attempt finalized and that verification has not yet seen."""
-        return [e for e in self.engines if e.active and e.state == E.FINALIZED]
 
     def ready(self, *, verify: bool) -> list[Engine]:
         """Engines that may publish: verified (or, when the run does not verify, finalized)."""

@@ -37,7 +37,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from refit.buckets import BucketManifest, TensorMeta
+from refit.buckets import BucketManifest, TensorMeta, tensor_identity
 from refit.drivers.base import LazyTensors, Source, Topology, Transport
 from refit.errors import RankError, RefitError
 
@@ -210,7 +210,7 @@ class Participant:
             for _, tensors in zip(plan, stream, strict=False):
                 for name, tensor in tensors:
                     batch.add(name, tensor)
-                    ids[name] = _identity(tensor)
+                    ids[name] = tensor_identity(tensor)
         finally:
             close = getattr(stream, "close", None)
             if close is not None:
@@ -235,7 +235,7 @@ class Participant:
             if self.rank != 0:
                 continue
             early = self._early
-            if early is not None and early[0] == kind and early[2].get(name) == _identity(full):
+            if early is not None and early[0] == kind and early[2].get(name) == tensor_identity(full):
                 self._from_early.add(name)  # hashed before the pause, unchanged since
                 continue
             packed = self.transport.tensor_digests  # the transport hashed it while packing: not read again
@@ -586,8 +586,3 @@ __all__ = [
     "combine",
     "default_ranks",
 ]
-
-
-def _identity(tensor: Any) -> tuple[int, int]:
-    """Where a tensor's bytes lie and how often torch has seen it written (its version counter)."""
-    return (int(tensor.data_ptr()), int(getattr(tensor, "_version", 0)))

@@ -493,15 +493,12 @@ class _Run(Recording):
         """The ranks' digests of what they sent, checked to cover the plan, into the ledger."""
         if self.digest_kind is None:
             return
-        report, exc = self.rank_wait(self.waves.rank_start(RankStep("digests", "VERIFYING")))
-        if exc is not None:
-            raise wrap_error(exc, "digests", "VERIFYING", None, None) from exc
-        kind, expected = merge(report or [])
+        kind, expected = merge(self.rank_call(RankStep("digests", "VERIFYING")))
         missing = [n for m in self.plan for n in m.names if n not in expected]
         if kind != self.digest_kind or missing:
             what = f"the trainer ranks report no {self.digest_kind} digests of {len(missing)} tensors they sent"
             raise RefitError(f"{what} ({', '.join(missing[:3])}...)", state="VERIFYING")
-        self.ledger.expected, self.ledger.digest_kind = expected, kind
+        self.ledger.expected = expected
 
     # ---- committing ------------------------------------------------------------------------------
 

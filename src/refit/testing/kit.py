@@ -172,7 +172,7 @@ class DriverStateMachine(RuleBasedStateMachine):
         self.snapshots[0] = _clone(self.model.state_dict())  # every engine starts from this checkpoint
         self.ctx = protocol.RefitContext(
             source=TorchSource(self.model),
-            transport=type(self).transport_factory(),
+            transport=(transport := type(self).transport_factory()),
             engines=self.engines,
             mode=mode,  # type: ignore[arg-type]
             pause_mode=pause_mode,  # type: ignore[arg-type]
@@ -182,7 +182,7 @@ class DriverStateMachine(RuleBasedStateMachine):
             call_timeout_s=type(self).call_timeout_s,
             version=0,
             # a driver that reports digests is verified before every publish, as users get it by default
-            verify="digest" if all("xxh3" in e.digest_kinds for e in self.engines) else "off",
+            verify="digest" if all(transport.digest_kind in e.digest_kinds for e in self.engines) else "off",
         )
         _note(f"{n} engines, {mode}, pause {pause_mode}, verify {self.ctx.verify}")
 
