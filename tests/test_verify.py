@@ -25,7 +25,7 @@ from refit.verify import SERVED_HEAD, compare, digest, merge
 from .conftest import CONFIG, SMALL_BUCKET, perturbed
 
 TRANSPORTS = {"shm": SharedMemoryTransport, "broadcast": BroadcastTransport}
-SILENT = ("flip", "swap_qk", "downcast", "skip", "stale_head", "swap_tp")
+SILENT = ("flip", "swap_qk", "downcast", "skip", "stale_head", "swap_tp", "late_copy")
 
 
 def test_compare_names_what_differs_what_is_missing_and_what_was_never_sent() -> None:
@@ -366,23 +366,81 @@ class WsumShm(SharedMemoryTransport):
     digest_kind = "wsum"  # the GPU transports' kind, computed here on the host
 
 
-def test_a_transport_that_verifies_with_wsum_catches_a_flip_on_the_host() -> None:
+@pytest.mark.parametrize("point", ["written", "served"])
+def test_a_wsum_refit_hashes_what_it_writes_or_reads_it_back(point: str) -> None:
+    """digest_point="written" (the default where the engine can): the engine hashes each tensor as
+    it writes it and reads nothing back on a clean refit; "served" reads every tensor back. A bit
+    flipped in the engine's memory after its write is seen only when read back: the documented
+    limit of "written" (docs/verify.md)."""
     engines = [ReferenceEngine.in_thread(f"w{i}", CONFIG, seed=0) for i in range(2)]
     model = perturbed(TinyLlama(CONFIG, seed=0), seed=9)
     plan = protocol.FaultPlan().fail_at("transferring", engine=1, bucket=2, kind="flip")
     ctx = protocol.RefitContext(
-        TorchSource(model), WsumShm(), engines, bucket_bytes=SMALL_BUCKET, retries=0, faults=plan
+        TorchSource(model), WsumShm(), engines, bucket_bytes=SMALL_BUCKET, retries=0, faults=plan, digest_point=point
     )
     try:
         result = protocol.run(ctx)
-        assert result.engines["w0"].status == "updated" and result.engines["w0"].verify["ok"]
-        bad = result.engines["w1"]
-        assert bad.status == "quarantined" and len(bad.verify["mismatched"]) == 1
+        good, flipped = result.engines["w0"], result.engines["w1"]
+        served = len(ctx.source.metas()) + (SERVED_HEAD not in dict(model.named_parameters()))
+        assert good.status == "updated" and good.verify["ok"]
+        assert good.verify["read_back"] == (0 if point == "written" else served)
+        want = model.state_dict()
+        wrong = [n for n, t in engines[1].state_dict().items() if not torch.equal(t, want[n])]
+        assert len(wrong) == 1  # the flip is real in both runs
+        if point == "served":
+            assert flipped.status == "quarantined" and flipped.verify["mismatched"] == wrong
+        else:
+            assert flipped.status == "updated" and flipped.verify["ok"]  # written whole and right, changed after
         events = ctx.recorder.events
         start = next(e for e in events if e.get("event") == "start")
-        assert start["digest"] == "wsum" and invariants.check_trace(events, open_ok=True) == []
+        assert start["digest"] == "wsum" and start["digest_point"] == point
+        assert invariants.check_trace(events, open_ok=True) == []
         rank0 = ctx.ranks.participants[0]  # a resident source: hashed before the pause, not while packing
         assert len(rank0._from_early) == len(ctx.source.metas())
+    finally:
+        ctx.close()
+        for e in engines:
+            e.close()
+
+
+@pytest.mark.parametrize("kind", ["swap_qk", "downcast", "skip", "stale_head", "swap_tp", "late_copy"])
+def test_a_fault_in_what_the_engine_writes_is_caught_where_it_is_hashed(kind: str) -> None:
+    """The faults a loader commits while writing (a wrong place, a narrower dtype, a tensor never
+    written, a head never rebuilt) are caught by the digests taken as it writes: each write is
+    credited to the place it lands in, and what was not written whole is read back. On TP ranks
+    (swap_tp) nothing is hashed at the write: every tensor is read back."""
+    tp = 2 if kind == "swap_tp" else 1
+    names = ["w0", "w1"]
+    if tp > 1:
+        engines = ReferenceEngine.spawn_many(names, CONFIG, seed=0, tp=tp)
+    else:
+        engines = [ReferenceEngine.in_thread(n, CONFIG, seed=0) for n in names]
+    model = perturbed(TinyLlama(CONFIG, seed=0), seed=5)
+    at_finalize = kind == "stale_head"
+    plan = protocol.FaultPlan().fail_at(
+        "post_processing" if at_finalize else "transferring", engine=0, bucket=None if at_finalize else 1, kind=kind
+    )
+    ctx = protocol.RefitContext(
+        TorchSource(model), WsumShm(), engines, bucket_bytes=SMALL_BUCKET, retries=0, faults=plan,
+        digest_point="written", deadline_s=30.0,
+    )  # fmt: skip
+    try:
+        result = protocol.run(ctx)
+        want = model.state_dict()
+        wrong = [n for n, t in engines[0].state_dict().items() if not torch.equal(t, want[n])]
+        bad, good = result.engines["w0"], result.engines["w1"]
+        assert good.status == "updated" and good.verify["ok"]
+        assert bad.status == "quarantined" and not bad.verify["ok"]
+        if kind == "stale_head":
+            assert bad.verify["mismatched"] == [SERVED_HEAD] and wrong == []
+        else:
+            assert wrong and set(bad.verify["mismatched"]) == set(wrong)
+        if tp > 1:
+            served = len(ctx.source.metas()) + (SERVED_HEAD not in dict(model.named_parameters()))
+            assert good.verify["read_back"] == served
+        else:
+            assert good.verify["read_back"] == 0 and bad.verify["read_back"] == (kind in ("skip", "stale_head"))
+        assert invariants.check_trace(ctx.recorder.events, open_ok=True) == []
     finally:
         ctx.close()
         for e in engines:

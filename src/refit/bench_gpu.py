@@ -112,6 +112,47 @@ def cold_floor_ms(state: dict[str, torch.Tensor], idle_s: float = 0.05, repeats:
     return statistics.median(times) * 1e3
 
 
+def digest_kernels_ms(state: dict[str, torch.Tensor], repeats: int = 5) -> dict[str, Any]:
+    """The GPU digest's kernels on the whole state, against the floor's copy, in one process
+    (`refit.wsum`): the copy (`torch._foreach_copy_`), the same copy with the digest fused in
+    (`Written.copy`, what an engine that hashes as it writes runs), and the digest alone (what
+    reading the weights back costs). Medians, ms; and whether the fused digests equal the
+    digests of the copies read back."""
+    from refit.wsum import Written, finish, gpu_lanes
+
+    src = list(state.values())
+    dst = [torch.empty_like(t) for t in src]
+    pairs = list(zip(dst, src, strict=True))
+
+    def fused() -> Written:
+        written = Written({str(i): t for i, t in enumerate(dst)})
+        written.copy(pairs)
+        return written
+
+    runs: dict[str, Callable[[], Any]] = {
+        "copy": lambda: torch._foreach_copy_(dst, src),
+        "copy_and_digest": fused,
+        "digest": lambda: gpu_lanes(src),
+    }
+    out: dict[str, Any] = {}
+    for name, fn in runs.items():
+        times = []
+        for _ in range(repeats + 2):
+            _sync()
+            t0 = time.perf_counter()
+            fn()
+            _sync()
+            times.append(time.perf_counter() - t0)
+        out[f"ms_{name}"] = round(statistics.median(times[2:]) * 1e3, 3)
+    got = fused().results()
+    lanes = gpu_lanes(dst).cpu().tolist()
+    sizes = [t.numel() * t.element_size() for t in dst]
+    out["fused_equals_read_back"] = got == {
+        str(i): finish(a, b, n) for i, ((a, b), n) in enumerate(zip(lanes, sizes, strict=True))
+    }
+    return out
+
+
 def refit_times(engine: ReferenceEngine, since: float) -> dict[str, float]:
     """One refit on the engine's own clock (its audit, CLOCK_MONOTONIC): stall (pause start ->
     continue end), transfer (first bucket's load start -> its copies landed at finalize), pre (pause
@@ -150,14 +191,18 @@ def run_path(
     tick: Callable[[str], None] = lambda s: None, verify: str = "off",
 ) -> dict[str, Any]:  # fmt: skip
     """A connecting refit, then `refits` timed refits of `state` into a fresh engine process.
-    `verify`: the runs' RefitContext(verify=...), or "alternate": refits alternate off and digest, and
-    the row also gives each mode's median stall, their ratio, and the refits verification failed."""
+    `verify`: the runs' RefitContext(verify=...), or "alternate": refits rotate verify off, digest
+    (hashed as the engine writes: digest_point "auto") and digest read back after finalize
+    ("served"); the row also gives each one's median stall, their ratios to off, the tensors read
+    back, and the refits verification failed."""
     engine = ReferenceEngine.spawn(f"gpu-{path}", config, seed=0, device="cuda")
-    modes = ("off", "digest") if verify == "alternate" else (verify,)
+    settings = {"off": ("off", "auto"), "digest": ("digest", "auto"), "served": ("digest", "served")}
+    modes = tuple(settings) if verify == "alternate" else (verify,)
     ctx = protocol.RefitContext(
         TorchSource(state), _transport(path), [engine], mode="colocated", pause_mode="abort",
-        bucket_bytes=bucket_mb << 20, deadline_s=300.0, verify=modes[0],
+        bucket_bytes=bucket_mb << 20, deadline_s=300.0, verify=settings.get(modes[0], (modes[0],))[0],
     )  # fmt: skip
+    read_back: dict[str, list[int]] = {m: [] for m in modes}
     stalls, transfers, phases, pre, post, spans = [], [], [], [], [], []
     by_mode: dict[str, list[float]] = {m: [] for m in modes}
     alarms = 0
@@ -169,17 +214,19 @@ def run_path(
         for i in range(refits + 1):  # the first refit connects (opens handles): not counted
             _step(state)
             _sync()  # the step is the trainer's, not the refit's
-            ctx.verify = modes[i % len(modes)]
+            mode = modes[i % len(modes)]
+            ctx.verify, ctx.digest_point = settings.get(mode, (mode, "auto"))
             since = time.monotonic()
             result = protocol.run(ctx)
             verdicts = [o.verify for o in result.engines.values() if o.verify is not None]
             alarms += sum(not v["ok"] for v in verdicts)
+            read_back[mode] += [v["read_back"] for v in verdicts if "read_back" in v]
             result.raise_for_error()
-            tick(f"{path} refit {i + 1}/{refits + 1} (verify {ctx.verify})")
+            tick(f"{path} refit {i + 1}/{refits + 1} (verify {mode})")
             if i == 0:
                 continue
             times = refit_times(engine, since)
-            by_mode[ctx.verify].append(times["stall"])
+            by_mode[mode].append(times["stall"])
             stalls.append(times["stall"])
             transfers.append(times["transfer"])
             pre.append(times["pre"])
@@ -221,9 +268,15 @@ def run_path(
             {
                 "ms_stall_verify_off": round(statistics.median(by_mode["off"]) * 1e3, 3),
                 "ms_stall_verify_digest": round(statistics.median(by_mode["digest"]) * 1e3, 3),
+                "ms_stall_verify_served": round(statistics.median(by_mode["served"]) * 1e3, 3),
                 "verified_stall_ratio": round(
                     statistics.median(by_mode["digest"]) / statistics.median(by_mode["off"]), 3
                 ),
+                "served_stall_ratio": round(
+                    statistics.median(by_mode["served"]) / statistics.median(by_mode["off"]), 3
+                ),
+                "refits_per_mode": {m: len(v) for m, v in by_mode.items()},
+                "read_back_max": {m: max(v, default=None) for m, v in read_back.items() if m != "off"},
             }
             if verify == "alternate"
             else {}
@@ -270,6 +323,12 @@ def gpu(
             "tensors": len(state), "bytes": nbytes, "floor_ms": round(floor, 3), "floor_after_idle_ms": round(cold, 3),
             "paths": rows,
         }  # fmt: skip
+        if verify != "off":
+            kernels = digest_kernels_ms(state)
+            kernels["copy_and_digest_over_copy"] = round(kernels["ms_copy_and_digest"] / kernels["ms_copy"], 3)
+            kernels["digest_gbps"] = round(nbytes / kernels["ms_digest"] / 1e6, 1)
+            report["shapes"][shape]["digest_kernels"] = kernels
+            tick(f"{shape} digest kernels: {kernels}")
         del state
         torch.cuda.empty_cache()  # between shapes, outside every refit
     seven = report["shapes"].get("7b", {}).get("paths", {})
@@ -300,10 +359,20 @@ def table(report: dict[str, Any]) -> str:
             )
             if "verified_stall_ratio" in r:
                 lines.append(
-                    f"    {'':<10} verify off / digest (alternate refits): stall {r['ms_stall_verify_off']:.2f} / "
-                    f"{r['ms_stall_verify_digest']:.2f} ms, ratio {r['verified_stall_ratio']:.3f}; "
+                    f"    {'':<10} verify off / digest / digest read back (rotating refits): stall "
+                    f"{r['ms_stall_verify_off']:.2f} / {r['ms_stall_verify_digest']:.2f} / "
+                    f"{r['ms_stall_verify_served']:.2f} ms, ratios {r['verified_stall_ratio']:.3f} / "
+                    f"{r['served_stall_ratio']:.3f}; tensors read back {r['read_back_max']}; "
                     f"false alarms {r['verify_false_alarms']}"
                 )
+        k = s.get("digest_kernels")
+        if k:
+            lines.append(
+                f"    digest kernels: copy {k['ms_copy']:.2f} ms, copy with the digest fused "
+                f"{k['ms_copy_and_digest']:.2f} ms ({k['copy_and_digest_over_copy']:.3f}x), digest alone "
+                f"{k['ms_digest']:.2f} ms "
+                f"({k['digest_gbps']:.0f} GB/s); fused equals read back: {k['fused_equals_read_back']}"
+            )
     goal = report.get("goal")
     if goal:
         a, b = goal["ipc_stall_over_floor"], goal["seed_stall_over_ipc_stall"]

@@ -224,9 +224,15 @@ def _bench_gpu(args: argparse.Namespace) -> int:
     tick = lambda s: print(f"  {s}", file=sys.stderr, flush=True)  # noqa: E731
     print(f"bench {what}: shapes {', '.join(shapes)}; {args.refits} timed refits per path ...", file=sys.stderr)
     if what == "gpu":
+        paths = tuple(p for p in (args.paths or ",".join(bench_gpu.PATHS)).split(",") if p)
+        unknown = [p for p in paths if p not in bench_gpu.PATHS]
+        if unknown:
+            print(f"refit bench gpu: unknown path(s) {unknown}; the paths are {list(bench_gpu.PATHS)}", file=sys.stderr)
+            return 2
         report = bench_gpu.gpu(
-            shapes, refits=args.refits, bucket_mb=args.bucket_mb or 512, tick=tick, verify=args.verify or "off"
-        )
+            shapes, refits=args.refits, bucket_mb=args.bucket_mb or 512, tick=tick, verify=args.verify or "off",
+            paths=paths,
+        )  # fmt: skip
         print(bench_gpu.table(report))
     else:
         from refit import bench_broadcast
@@ -446,7 +452,7 @@ def _demo_arguments(p: argparse.ArgumentParser) -> None:
         metavar="SPEC",
         help="inject one fault, e.g. transferring:engine=1:bucket=2:kind=kill "
         "(keys: engine, bucket, call, kind = raise | hang | kill | corrupt, or a silent one the engine does not "
-        "notice: flip | swap_qk | downcast | skip | swap_tp on a load, stale_head on a finalize)",
+        "notice: flip | swap_qk | downcast | skip | swap_tp | late_copy on a load, stale_head on a finalize)",
     )
     p.add_argument(
         "--verify",
@@ -555,14 +561,18 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
         help="bucket size in MiB (transport: default 64, gpu and broadcast: 512)",
     )  # fmt: skip
     bench_p.add_argument("--shapes", default="7b,1.5b", help="gpu, broadcast: model shapes (default 7b,1.5b)")
+    bench_p.add_argument(
+        "--paths", default=None, help="gpu: which paths, comma-separated (default floor,seed,flattened,ipc,ipc_512)"
+    )
     bench_p.add_argument("--no-checksums", action="store_true", help="transport: turn corruption detection off")
     bench_p.add_argument(
         "--verify",
         choices=("digest", "probe", "both", "off", "alternate"),
         default=None,
-        help="control, gpu: the runs' verify mode; alternate: refits alternate off and digest on one context, and "
-        "each mode's stall and their ratio are reported (default: control digest, as a run's default; gpu off; gpu "
-        "verifies path (b) only)",
+        help="control, gpu: the runs' verify mode; alternate: refits alternate off and digest on one context (gpu: "
+        "off, digest hashed as the engine writes, and digest read back after finalize), and each mode's stall and "
+        "its ratio to off are reported (default: control digest, as a run's default; gpu off; gpu verifies path (b) "
+        "only)",
     )
     bench_p.add_argument("--small", action="store_true", help="transport: a few-MB state (a quick smoke run)")
     bench_p.add_argument("--json", metavar="PATH", help="also write the figures as JSON here")

@@ -369,6 +369,7 @@ class ReplayTransport(Transport):
 class ReplayEngine(EngineDriver):
     transports = frozenset({"replay"})
     digest_kinds = frozenset({"xxh3", "wsum"})
+    written_digests = frozenset({"wsum"})
     probes = True
     pause_modes = frozenset({"abort", "retract", "in_place"})
     supports_in_place_pause = True
@@ -513,6 +514,7 @@ def replay(path: str | Path, loaded: tuple[dict[str, Any], list[dict[str, Any]],
                 setattr(ctx, key, start[key])
         ctx.verify = start.get("verify", "off")
         transport.digest_kind = start.get("digest") or "xxh3"
+        ctx.digest_point = start.get("digest_point", "served")
         if start.get("engines") and [e.name for e in ctx.engines] != list(start["engines"]):  # the set changed
             ctx.engines = [ReplayEngine(n, script) for n in start["engines"]]
         try:

@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 
 DIGEST_KINDS = ("xxh3", "wsum")
 VERIFY_MODES = ("digest", "probe", "both", "off")
+DIGEST_POINTS = ("auto", "written", "served")  # where an engine takes its digest (RefitContext.digest_point)
 PROBE_TOP = 8  # tokens per prompt compared: the trainer's most likely next tokens
 # the largest |logprob difference| a probe allows, by the weights' dtype: two implementations of the
 # same forward differ by rounding (float32: ~1e-6 in this repo's reference engine vs torch; bf16

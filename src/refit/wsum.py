@@ -14,7 +14,10 @@ gets the same value; every word's mix depends on its position, so moved words ch
 changed word changes each lane with probability 1 - 2^-31.
 
 On CUDA a Triton kernel reads each word once (`gpu_lanes`; results stay on the device until
-`finish` reads a whole batch back with one sync). On the host, numpy (`host_lanes`).
+`finish` reads a whole batch back with one sync); the same kernel can copy each word as it hashes
+it (`copy_lanes`, `Written`: an engine that hashes what it writes, at the cost of the copy alone).
+On the host, numpy (`host_lanes`). A word's index counts from the start of the tensor it belongs
+to, so pieces of one tensor can be hashed apart (at their offsets) and their lanes added.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ K_A, K_B, SALT_B = 0x9E3779B1, 0x85EBCA77, 0xA7D4EB2F
 M1, M2 = 0x85EBCA6B, 0xC2B2AE35
 BLOCK = 4096  # words per step of a GPU program
 ITERS = 4  # steps per program (fewer programs: each finds its tensor once)
+WARPS = 8  # warps per program (benchmarks/wsum_tune.py measured the choices: results/wsum_tune_7b_h100_*.json)
 MASK32, MASK64 = 0xFFFFFFFF, 0xFFFFFFFFFFFFFFFF
 
 
@@ -37,6 +41,23 @@ def finish(a: int, b: int, nbytes: int) -> str:
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
     return f"{z ^ (z >> 31):016x}"
+
+
+def finish_all(lanes: Any, sizes: list[int]) -> list[str]:
+    """`finish` of many (A, B, byte length) at once (numpy's uint64 products wrap mod 2^64 as
+    `finish` masks them): a few microseconds for a model's tensors instead of a Python loop."""
+    import numpy as np
+
+    if not len(lanes):
+        return []
+    with np.errstate(over="ignore"):
+        ab = np.asarray(lanes).astype(np.uint64).reshape(-1, 2)
+        z = ab[:, 0] * np.uint64(0x9E3779B97F4A7C15) + ab[:, 1] * np.uint64(0xC2B2AE3D27D4EB4F)
+        z = z + np.array(sizes, dtype=np.uint64)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z = z ^ (z >> np.uint64(31))
+    return [f"{v:016x}" for v in z.tolist()]
 
 
 def _fmix32_np(x: Any) -> Any:
@@ -49,8 +70,9 @@ def _fmix32_np(x: Any) -> Any:
     return x ^ (x >> np.uint32(16))
 
 
-def host_lanes(raw: Any) -> tuple[int, int]:
-    """(A, B) of a flat uint8 numpy array, in chunks (bounded temporaries)."""
+def host_lanes(raw: Any, first: int = 0) -> tuple[int, int]:
+    """(A, B) of a flat uint8 numpy array whose first word has index `first`, in chunks (bounded
+    temporaries)."""
     import numpy as np
 
     n = raw.size
@@ -64,7 +86,7 @@ def host_lanes(raw: Any) -> tuple[int, int]:
             if chunk.size % 4:
                 chunk = np.concatenate([chunk, np.zeros(4 - chunk.size % 4, dtype=np.uint8)])
             w = chunk.view("<u4").astype(np.uint32)
-            i = np.arange(start, stop, dtype=np.uint64).astype(np.uint32)
+            i = np.arange(first + start, first + stop, dtype=np.uint64).astype(np.uint32)
             la = _fmix32_np(w ^ (i * np.uint32(K_A))) >> np.uint32(1)
             xb = (w ^ (i * np.uint32(K_B)) ^ np.uint32(SALT_B)) * np.uint32(M1)
             lb = (xb ^ (xb >> np.uint32(15))) >> np.uint32(1)
@@ -80,13 +102,47 @@ def host_digest(tensor: torch.Tensor) -> str:
     return finish(*host_lanes(raw), raw.size)
 
 
+MAX_ROW_WORDS = 1 << 28  # a longer piece is split (its programs index it with int32 offsets)
+
+
+def plan_rows(
+    pieces: list[tuple[int, int | None, int, int, int]], anchor: int
+) -> tuple[list[list[int]], list[list[int]]]:
+    """The kernel's work table, as pure data. A piece is (source address, destination address or
+    None, byte length, slot, index of its first word in the slot's tensor); addresses are 4-byte
+    aligned and, with a destination, the length is a whole number of words. Returns (aligned rows,
+    other rows), each row [source offset, destination offset, words, first index, slot]: aligned
+    rows count offsets and words in 16-byte units (the kernel then reads whole 16-byte vectors,
+    unmasked but at the end); a piece's misaligned start or its last 1-3 words go to the others,
+    in words. Offsets are from `anchor` (any 16-byte aligned address)."""
+    aligned: list[list[int]] = []
+    other: list[list[int]] = []
+    for src, dst, nbytes, slot, first in pieces:
+        words = (nbytes + 3) // 4
+        if dst is not None and nbytes % 4:
+            raise ValueError(f"a copy of {nbytes} bytes is not a whole number of words")
+        d = anchor if dst is None else dst
+        head = 0
+        if (src - anchor) % 16 == 0 and (d - anchor) % 16 == 0:
+            head = words // 4 * 4
+            for w0 in range(0, head, MAX_ROW_WORDS):
+                n = min(MAX_ROW_WORDS, head - w0)
+                aligned.append([(src - anchor) // 16 + w0 // 4, (d - anchor) // 16 + w0 // 4, n // 4, first + w0, slot])
+        for w0 in range(head, words, MAX_ROW_WORDS):
+            n = min(MAX_ROW_WORDS, words - w0)
+            other.append([(src - anchor) // 4 + w0, (d - anchor) // 4 + w0, n, first + w0, slot])
+    return aligned, other
+
+
 _KERNEL: Any = None
 
 
 def _kernel() -> Any:
-    """One launch hashes a whole batch: program p finds its tensor by binary search over the
-    programs' prefix sums, reads BLOCK words of it and adds its lane sums atomically into that
-    tensor's slot (integer adds: the order does not matter)."""
+    """One launch hashes (and, with COPY, copies) a whole table of pieces: program p finds its row
+    by binary search over the rows' first programs, reads BLOCK * ITERS words of it (with COPY,
+    writing each where the row says), and adds its lane sums atomically into the row's slot
+    (integer adds: the order does not matter). ALIGNED rows count in 16-byte units, so the compiler
+    knows every access is a whole 16-byte vector: the kernel runs at memory bandwidth."""
     global _KERNEL  # noqa: PLW0603 - compiled once per process
     if _KERNEL is not None:
         return _KERNEL
@@ -102,52 +158,108 @@ def _kernel() -> Any:
         return x ^ (x >> 16)
 
     @triton.jit
-    def wsum_kernel(addrs, words, starts, n_tensors, out, BLOCK: tl.constexpr, ITERS: tl.constexpr):  # noqa: ANN001, ANN202
-        pid = tl.program_id(0).to(tl.int64)
+    def wsum_kernel(  # noqa: ANN202
+        src_base, dst_base, table, starts, n_rows, out,  # noqa: ANN001
+        BLOCK: tl.constexpr, ITERS: tl.constexpr, COPY: tl.constexpr, ALIGNED: tl.constexpr,
+    ):  # fmt: skip
+        pid = tl.program_id(0)
         lo = 0
-        hi = n_tensors - 1
-        while lo < hi:  # the last tensor whose first program is at or before this one
+        hi = n_rows - 1
+        while lo < hi:  # the last row whose first program is at or before this one
             mid = (lo + hi + 1) // 2
             if tl.load(starts + mid) <= pid:
                 lo = mid
             else:
                 hi = mid - 1
-        base = tl.load(addrs + lo).to(tl.pointer_type(tl.int32))
-        n = tl.load(words + lo)
+        row = table + 5 * lo.to(tl.int64)
+        if ALIGNED:  # 16-byte units: the compiler can prove 16-byte alignment of every access
+            src = src_base + tl.load(row) * 4
+            dst = dst_base + tl.load(row + 1) * 4
+            n = tl.load(row + 2).to(tl.int32) * 4
+        else:
+            src = src_base + tl.load(row)
+            dst = dst_base + tl.load(row + 1)
+            n = tl.load(row + 2).to(tl.int32)
+        index0 = tl.load(row + 3).to(tl.uint32)  # the slot's word index of this row's first word, mod 2^32
+        slot = tl.load(row + 4)
         first = (pid - tl.load(starts + lo)) * (BLOCK * ITERS)
         sum_a = tl.sum(tl.zeros((1,), dtype=tl.int64), axis=0)
         sum_b = sum_a
         for k in tl.static_range(ITERS):
             offs = first + k * BLOCK + tl.arange(0, BLOCK)
             mask = offs < n
-            w = tl.load(base + offs, mask=mask, other=0).to(tl.uint32, bitcast=True)
-            i = offs.to(tl.uint32)  # the index mod 2^32
-            la = _fmix32(w ^ (i * 0x9E3779B1)) >> 1
-            xb = (w ^ (i * 0x85EBCA77) ^ 0xA7D4EB2F) * 0x85EBCA6B
+            w = tl.load(src + offs, mask=mask, other=0)
+            if COPY:
+                tl.store(dst + offs, w, mask=mask)
+            u = w.to(tl.uint32, bitcast=True)
+            i = offs.to(tl.uint32) + index0
+            la = _fmix32(u ^ (i * 0x9E3779B1)) >> 1
+            xb = (u ^ (i * 0x85EBCA77) ^ 0xA7D4EB2F) * 0x85EBCA6B
             lb = (xb ^ (xb >> 15)) >> 1
+            # each step's sums reduced at once: per-thread int64 accumulators cost registers, and
+            # the occupancy they take made the kernel 1.7x slower (benchmarks/wsum_tune.py)
             sum_a += tl.sum(tl.where(mask, la, 0).to(tl.int64), axis=0)
             sum_b += tl.sum(tl.where(mask, lb, 0).to(tl.int64), axis=0)
-        tl.atomic_add(out + 2 * lo, sum_a)
-        tl.atomic_add(out + 2 * lo + 1, sum_b)
+        tl.atomic_add(out + 2 * slot, sum_a)
+        tl.atomic_add(out + 2 * slot + 1, sum_b)
 
     _KERNEL = wsum_kernel
     return _KERNEL
 
 
+_ANCHORS: dict[Any, Any] = {}
+
+
+def _anchor(device: Any) -> torch.Tensor:
+    """A small int32 tensor per device whose address the kernel's offsets count from."""
+    import torch
+
+    t = _ANCHORS.get(device)
+    if t is None:
+        t = _ANCHORS[device] = torch.zeros(4, dtype=torch.int32, device=device)
+    return t
+
+
+def launch(pieces: list[tuple[int, int | None, int, int, int]], out: torch.Tensor, *, copy: bool) -> Any:
+    """Queue the kernel over `pieces` (see `plan_rows`), adding lane sums into `out` ([slots, 2]
+    int64 on the device the addresses are on); with `copy`, every piece is also copied to its
+    destination. Two launches at most, no host sync (the table goes up from pinned memory)."""
+    import torch
+
+    device = out.device
+    anchor = _anchor(device)
+    aligned, other = plan_rows(pieces, anchor.data_ptr())
+    compiled = None
+    for rows, is_aligned in ((aligned, True), (other, False)):
+        if not rows:
+            continue
+        units = 4 if is_aligned else 1
+        starts, total = [], 0
+        for r in rows:
+            starts.append(total)
+            total += (r[2] * units + BLOCK * ITERS - 1) // (BLOCK * ITERS)
+        host = torch.tensor([v for r in rows for v in r] + starts, dtype=torch.int64, pin_memory=True)
+        table = host.to(device, non_blocking=True)  # the caching host allocator keeps `host` until it is copied
+        compiled = _kernel()[(total,)](
+            anchor, anchor, table, table[5 * len(rows) :], len(rows), out,
+            BLOCK=BLOCK, ITERS=ITERS, COPY=copy, ALIGNED=is_aligned, num_warps=WARPS,
+        )  # fmt: skip
+    return compiled
+
+
 def _words(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor's bytes as int32 words (an aligned, zero-padded copy when they are not)."""
+    """The tensor's bytes, contiguous and 4-byte aligned (an aligned, zero-padded copy when they are not)."""
     import torch
 
     t = tensor.detach()
     if not t.is_contiguous():
         t = t.contiguous()
     raw = t.reshape(-1).view(torch.uint8)
-    n = raw.numel()
-    if n % 4 or raw.data_ptr() % 4:  # rare: odd-sized or oddly placed
-        padded = torch.zeros((n + 3) // 4 * 4, dtype=torch.uint8, device=t.device)
-        padded[:n].copy_(raw)
+    if raw.data_ptr() % 4 or raw.numel() % 4:  # rare: oddly placed or sized
+        padded = torch.zeros((raw.numel() + 3) // 4 * 4, dtype=torch.uint8, device=t.device)
+        padded[: raw.numel()].copy_(raw)
         raw = padded
-    return raw.view(torch.int32)
+    return raw
 
 
 def gpu_lanes(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -156,28 +268,37 @@ def gpu_lanes(tensors: list[torch.Tensor]) -> torch.Tensor:
     caller holds them, or frees them in stream order)."""
     import torch
 
-    device = tensors[0].device
-    out = torch.zeros((len(tensors), 2), dtype=torch.int64, device=device)
-    words = [_words(t) for t in tensors]
-    counts = [w.numel() for w in words]
-    programs = [(c + BLOCK * ITERS - 1) // (BLOCK * ITERS) for c in counts]
-    starts, total = [], 0
-    for p in programs:
-        starts.append(total)
-        total += p
-    live = [i for i, c in enumerate(counts) if c]  # empty tensors add nothing (their lanes stay 0)
-    if not live:
-        return out
-    table = torch.tensor(
-        [[words[i].data_ptr() for i in live], [counts[i] for i in live], [starts[i] for i in live]], dtype=torch.int64
-    ).to(device)
-    slots = torch.zeros((len(live), 2), dtype=torch.int64, device=device)
-    _kernel()[(total,)](
-        table[0], table[1], table[2] - starts[live[0]], len(live), slots, BLOCK=BLOCK, ITERS=ITERS, num_warps=8
-    )
-    out[torch.tensor(live, device=device)] = slots
-    del words  # (the padded copies are freed in stream order, after the kernel)
+    out = torch.zeros((len(tensors), 2), dtype=torch.int64, device=tensors[0].device)
+    raws = [_words(t) for t in tensors]  # a partial last word is read from a zero-padded copy
+    pieces: list[tuple[int, int | None, int, int, int]] = [
+        (r.data_ptr(), None, r.numel(), slot, 0) for slot, r in enumerate(raws) if r.numel()
+    ]  # an empty tensor adds nothing (its lanes stay 0)
+    if pieces:
+        launch(pieces, out, copy=False)
+    del raws  # (the aligned copies are freed in stream order, after the kernel)
     return out
+
+
+def copy_lanes(pairs: list[tuple[torch.Tensor, torch.Tensor, int, int]], out: torch.Tensor) -> list[int]:
+    """Copy each (dst, src, slot, first word index) and add the lanes of the bytes written into
+    `out[slot]`, in one pass over memory (the digest fused into the copy). Pairs it cannot copy as words (not both
+    contiguous and 4-byte aligned, or not a whole number of words) are left alone: their positions
+    in `pairs` are returned, for the caller to copy (and hash) another way."""
+    pieces: list[tuple[int, int | None, int, int, int]] = []
+    left = []
+    for k, (dst, src, slot, first) in enumerate(pairs):
+        nbytes = dst.numel() * dst.element_size()
+        ok = (
+            dst.is_contiguous() and src.is_contiguous() and dst.dtype == src.dtype and dst.shape == src.shape
+            and nbytes % 4 == 0 and dst.data_ptr() % 4 == 0 and src.data_ptr() % 4 == 0
+        )  # fmt: skip
+        if not ok:
+            left.append(k)
+        elif nbytes:
+            pieces.append((src.data_ptr(), dst.data_ptr(), nbytes, slot, first))
+    if pieces:
+        launch(pieces, out, copy=True)
+    return left
 
 
 class Batch:
@@ -218,8 +339,102 @@ class Batch:
         self.flush()
         blocks = {id(x[0]): x[0] for x in self.lanes if isinstance(x[0], torch.Tensor)}
         host = {k: v.cpu().tolist() for k, v in blocks.items()}  # one sync for the lot
-        out = {}
-        for name, lane, size in zip(self.names, self.lanes, self.sizes, strict=True):
-            a, b = host[id(lane[0])][lane[1]] if isinstance(lane[0], torch.Tensor) else lane
-            out[name] = finish(a, b, size)
-        return out
+        lanes = [host[id(x[0])][x[1]] if isinstance(x[0], torch.Tensor) else x for x in self.lanes]
+        return dict(zip(self.names, finish_all(lanes, self.sizes), strict=True))
+
+
+class Written:
+    """The lanes of the bytes written into named regions of memory (an engine's served tensors)
+    during one update, computed as they are copied: `copy` copies (dst, src) pairs and credits
+    each write to the region its destination lies in, found by address (a write into the wrong
+    place is credited to that place, at its offset there). `results` gives the digest of each
+    region written whole and exactly once; every other region (never written, partly written, or
+    written by another path: `missed`) is left for the caller to hash from memory. On CUDA the
+    copy and the hash are one kernel pass (`copy_lanes`); on the host, a copy then `host_lanes`."""
+
+    def __init__(self, regions: dict[str, torch.Tensor]) -> None:
+        import bisect
+
+        import torch
+
+        self._bisect = bisect.bisect_right
+        self.names = list(regions)
+        self.sizes = [t.numel() * t.element_size() for t in regions.values()]
+        tensors = list(regions.values())
+        spans = sorted(
+            (t.data_ptr(), t.data_ptr() + size, slot)
+            for slot, (t, size) in enumerate(zip(tensors, self.sizes, strict=True))
+            if size and t.is_contiguous()
+        )
+        self._starts = [s for s, _, _ in spans]
+        self._spans = spans
+        device = next(iter(regions.values())).device if regions else torch.device("cpu")
+        self.cuda = device.type == "cuda"
+        self.lanes: Any = (
+            torch.zeros((len(self.names), 2), dtype=torch.int64, device=device)
+            if self.cuda
+            else [[0, 0] for _ in self.names]
+        )
+        self.credited = [0] * len(self.names)  # bytes written into each region; -1: it must be read back
+
+    def _place(self, dst: torch.Tensor) -> tuple[int, int] | None:
+        """(slot, index of the first word) of the region `dst` lies wholly in, or None."""
+        ptr = dst.data_ptr()
+        k = self._bisect(self._starts, ptr) - 1
+        if k < 0:
+            return None
+        start, end, slot = self._spans[k]
+        nbytes = dst.numel() * dst.element_size()
+        if ptr + nbytes > end or (ptr - start) % 4:
+            return None
+        return slot, (ptr - start) // 4
+
+    def _touched(self, dst: torch.Tensor) -> None:
+        """A write not hashed: every region it overlaps must be read back."""
+        ptr = dst.data_ptr()
+        end = ptr + dst.numel() * dst.element_size()
+        for start, stop, slot in self._spans:
+            if start < end and ptr < stop:
+                self.credited[slot] = -1
+
+    def copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Copy each (dst, src) pair (same shape and dtype), hashing what is written."""
+        hashed: list[tuple[torch.Tensor, torch.Tensor, int, int]] = []
+        plain: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for dst, src in pairs:
+            place = self._place(dst) if dst.is_contiguous() else None
+            if place is None:
+                plain.append((dst, src))
+            else:
+                hashed.append((dst, src, *place))
+        if self.cuda and hashed:
+            left = copy_lanes(hashed, self.lanes)
+            plain += [hashed[k][:2] for k in left]
+            hashed = [h for k, h in enumerate(hashed) if k not in set(left)]
+        elif hashed:
+            from refit.buckets import _raw
+
+            for dst, src, slot, first in hashed:
+                dst.copy_(src)
+                a, b = host_lanes(_raw(dst), first)
+                self.lanes[slot][0] += a
+                self.lanes[slot][1] += b
+        for dst, _src, slot, _first in hashed:
+            if self.credited[slot] >= 0:
+                self.credited[slot] += dst.numel() * dst.element_size()
+        for dst, src in plain:
+            dst.copy_(src)
+            self._touched(dst)
+
+    def missed(self) -> list[str]:
+        """The regions whose digest `results` cannot give: read them back."""
+        return [n for n, c, size in zip(self.names, self.credited, self.sizes, strict=True) if c != size]
+
+    def results(self) -> dict[str, str]:
+        """The digest of every region written whole (one host sync on CUDA)."""
+        import numpy as np
+
+        lanes = self.lanes.cpu().numpy() if self.cuda else np.array(self.lanes, dtype=np.uint64).reshape(-1, 2)
+        whole = [k for k, (c, size) in enumerate(zip(self.credited, self.sizes, strict=True)) if c == size]
+        digests = finish_all(lanes[whole], [self.sizes[k] for k in whole])
+        return {self.names[k]: d for k, d in zip(whole, digests, strict=True)}

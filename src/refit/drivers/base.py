@@ -445,8 +445,9 @@ class EngineDriver(ABC):
     unknown, `begin` leaves the weights unusable until a complete update finishes: vLLM's layerwise
     reload moves them to the meta device; the runner then never continues the engine without one);
     `digest_kinds` (the `refit.verify` digest kinds its `verify` reports; empty: it cannot report
-    what it serves, so a run that verifies by digest refuses it); `probes` (its `verify` answers a
-    probe, even while paused).
+    what it serves, so a run that verifies by digest refuses it); `written_digests` (kinds it can
+    hash as it writes: `begin(plan, kind)` asks it to, and its `verify` then reads back only what
+    was not written whole); `probes` (its `verify` answers a probe, even while paused).
     """
 
     supports_in_place_pause: ClassVar[bool] = False
@@ -455,6 +456,7 @@ class EngineDriver(ABC):
     transports: ClassVar[frozenset[str]] = frozenset()
     memory_tags: ClassVar[frozenset[str]] = frozenset({"weights", "kv_cache"})
     digest_kinds: ClassVar[frozenset[str]] = frozenset()
+    written_digests: ClassVar[frozenset[str]] = frozenset()
     probes: ClassVar[bool] = False
 
     name: str
@@ -494,7 +496,9 @@ class EngineDriver(ABC):
     def flush(self, *, timeout: float) -> None: ...
 
     @abstractmethod
-    def begin(self, plan: Sequence[BucketManifest], *, timeout: float) -> None: ...
+    def begin(self, plan: Sequence[BucketManifest], *, timeout: float) -> None:
+        """Validate `plan` and open the session. A driver with `written_digests` also takes the
+        digest kind to compute while writing: `begin(plan, kind, *, timeout)`."""
 
     @abstractmethod
     def load(self, payload: Payload, *, timeout: float) -> None: ...

@@ -58,6 +58,7 @@ class ReferenceEngine(EngineDriver):
     pause_modes = frozenset({"abort", "retract", "in_place"})
     transports = frozenset({"shm", "broadcast", "ipc", "sglang_tensor"})
     digest_kinds = frozenset({"xxh3", "wsum"})
+    written_digests = frozenset({"wsum"})  # a one-rank engine fuses it into its copies (TP ranks read back)
     probes = True
 
     def __init__(self, client: EngineClient) -> None:
@@ -197,8 +198,8 @@ class ReferenceEngine(EngineDriver):
     def flush(self, *, timeout: float) -> None:
         self.client.call("flush", timeout=timeout)
 
-    def begin(self, plan: Sequence[BucketManifest], *, timeout: float) -> None:
-        self.client.call("begin", list(plan), timeout=timeout)
+    def begin(self, plan: Sequence[BucketManifest], digest: str | None = None, *, timeout: float) -> None:
+        self.client.call("begin", list(plan), digest, timeout=timeout)
 
     def load(self, payload: Payload, *, timeout: float) -> None:
         self.client.call("load", payload, timeout=timeout)

@@ -119,6 +119,11 @@ class RefitContext:
         log-probabilities on each engine against the trainer's model (the source must score:
         `Source.logprobs`), within a tolerance by dtype; "both"; "off" trusts the engine's finalize.
     probe_prompts: the probe's prompts (token ids); default: four fixed 12-token prompts.
+    digest_point: where an engine's digest is taken (docs/verify.md). "written": as the engine
+        writes each byte (the digest fused into its copy, nearly free), reading back only what it
+        did not write whole; proves every byte written this refit, not that nothing changed them
+        after. "served": read back from memory after finalize (one more pass over the weights).
+        "auto" (default): "written" where the engine can (`EngineDriver.written_digests`).
     """
 
     source: Source | None
@@ -139,6 +144,7 @@ class RefitContext:
     check_invariants: bool = True
     verify: str = "digest"
     probe_prompts: Sequence[Sequence[int]] | None = None
+    digest_point: str = "auto"
     clock: Callable[[], float] = time.monotonic
     session: Session = field(init=False, repr=False)  # what lasts across this context's runs
     recorder: TraceRecorder = field(init=False, repr=False)
@@ -183,10 +189,12 @@ class RefitContext:
             raise ConfigError(f"retries must be an integer >= 0, got {self.retries!r}")
         if isinstance(self.version, bool) or not isinstance(self.version, int) or self.version < 0:
             raise ConfigError(f"version must be an integer >= 0, got {self.version!r}")
-        from refit.verify import VERIFY_MODES
+        from refit.verify import DIGEST_POINTS, VERIFY_MODES
 
         if self.verify not in VERIFY_MODES:
             raise ConfigError(f"verify must be one of {VERIFY_MODES}, got {self.verify!r}")
+        if self.digest_point not in DIGEST_POINTS:
+            raise ConfigError(f"digest_point must be one of {DIGEST_POINTS}, got {self.digest_point!r}")
         if not isinstance(self.transport.slots, int) or self.transport.slots < 1:
             raise ConfigError(f"transport.slots must be an integer >= 1, got {self.transport.slots!r}")
 
@@ -219,6 +227,15 @@ class RefitContext:
                     f"engine {e.name} ({type(e).__name__}) cannot report digests of the weights it serves, so "
                     f"verify={self.verify!r} cannot check it before it publishes; pass verify='off' to trust its "
                     "finalize" + (", or verify='probe' to check what it computes" if e.probes else "")
+                )
+            if (
+                self.digest_point == "written"
+                and self.verify in ("digest", "both")
+                and self.transport.digest_kind not in e.written_digests
+            ):
+                raise ConfigError(
+                    f"engine {e.name} ({type(e).__name__}) cannot hash the {self.transport.digest_kind!r} digest as it "
+                    f"writes its weights (it can for {sorted(e.written_digests) or 'none'}); use digest_point='served'"
                 )
             if self.verify in ("probe", "both") and not e.probes:
                 can = (
@@ -266,6 +283,7 @@ class RefitContext:
             "cleanup_grace_s": self.cleanup_grace_s,
             "retries": self.retries,
             "verify": self.verify,
+            "digest_point": self.digest_point,
             "call_timeout_s": self.call_timeout_s,
             "slots": self.transport.slots,
             "version": self.version,

@@ -193,10 +193,13 @@ class Ledger:
         verdict = judge(value, kind, self.expected, self.probe if asked_probe else None)
         seconds = value.get("seconds") if isinstance(value, dict) else None
         problems = verdict.pop("problems")
+        read_back = value.get("read_back") if isinstance(value, dict) else None  # tensors hashed from memory
         e.verdict = {**verdict, "seconds": seconds if isinstance(seconds, int | float) else None}
         fields = {"engine": e.name, "ok": verdict["ok"], "digest": kind, "attempt": max(e.attempt, 0)}
         if kind is not None:
             fields["compared"] = verdict["compared"]
+            if isinstance(read_back, int) and not isinstance(read_back, bool):
+                e.verdict["read_back"] = fields["read_back"] = read_back
         if "probe" in verdict:
             fields["probe"] = verdict["probe"]
         if verdict["ok"]:

@@ -215,7 +215,7 @@ class Participant:
             close = getattr(stream, "close", None)
             if close is not None:
                 close()
-        batch.flush()
+        batch.results()  # read back now, before the pause (a GPU's: one sync), not in VERIFYING's stall
         self._early = (kind, batch, ids)
 
     def _hashed(self, tensors: LazyTensors, kind: str, manifest: BucketManifest) -> LazyTensors:

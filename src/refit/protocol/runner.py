@@ -114,6 +114,10 @@ class _Run(Recording):
         self.verifying = ctx.verify != "off"
         self.probe: list[tuple[list[int], list[int]]] | None = None  # verify="probe": (prompt, token ids)
         self.digest_kind = ctx.transport.digest_kind if digests_of(ctx.verify) else None
+        self.written_kind = [  # per engine: the digest its begin asks it to compute while writing, if any
+            self.digest_kind if ctx.digest_point != "served" and self.digest_kind in d.written_digests else None
+            for d in ctx.engines
+        ]
         self.lock_taken: int | None = None  # the lock's acquisition count once this run took it
         self.error: RefitError | None = None
 
@@ -132,11 +136,10 @@ class _Run(Recording):
         head = [Step("probe", state, (self.version,))]
         if ctx.colocated:
             head.append(Step("resume_memory", state, (["weights"],)))
-        tail = [
-            Step("pause", "PAUSING", (ctx.pause_mode,)),
-            Step("flush", "INVALIDATING"),
-            Step("begin", "INVALIDATING", (self.plan,)),
-        ]
+
+        def tail(e: Engine) -> list[Step]:
+            return [Step("pause", "PAUSING", (ctx.pause_mode,)), Step("flush", "INVALIDATING"), self.begin_step(e)]
+
         members = self.engines
         self.topology = self.session.topology
         if self.needs_connect(members):
@@ -147,12 +150,12 @@ class _Run(Recording):
                 self.enter(T.CONNECT)
             self.connect([e for e in members if e.active], "CONNECTING")
             self.require_engines("attached to the transport")
-            self.wave({e: list(tail) for e in members if e.active})
+            self.wave({e: tail(e) for e in members if e.active})
         elif self.first_bucket_can_ride(members):
-            self.ride_first_bucket(members, head + tail)
+            self.ride_first_bucket({e: head + tail(e) for e in members})
             self.check_probes()
         else:
-            self.wave({e: head + tail for e in members})
+            self.wave({e: head + tail(e) for e in members})
             self.check_probes()
         self.require_engines("paused, flushed and in an update session")
         opened = [e for e in self.engines if e.active and e.state == E.OPEN]
@@ -168,11 +171,16 @@ class _Run(Recording):
                 self.enter(T.RECONNECT)
                 self.connect(retry, "RECONNECTING")
             self.enter(T.RETRY)
-            again = [Step("flush", "INVALIDATING"), Step("begin", "INVALIDATING", (self.plan,))]
-            self.wave({e: list(again) for e in retry if e.active})
+            self.wave({e: [Step("flush", "INVALIDATING"), self.begin_step(e)] for e in retry if e.active})
             self.stream([e for e in retry if e.active and e.state == E.OPEN])
         self.commit()
         self.enter(T.FINISH)
+
+    def begin_step(self, e: Engine) -> Step:
+        """INVALIDATING's `begin(plan)`; with the digest kind as well where the engine hashes what
+        it writes (`written_digests`) and the run verifies at the write (`digest_point`)."""
+        kind = self.written_kind[e.index]
+        return Step("begin", "INVALIDATING", (self.plan,) if kind is None else (self.plan, kind))
 
     def group_differs(self, engines: list[Engine]) -> bool:
         """A collective group is all-or-nothing per bucket: an attempt streams through it only when
@@ -327,7 +335,7 @@ class _Run(Recording):
                 return False
         return True
 
-    def ride_first_bucket(self, members: list[Engine], steps: list[Step]) -> None:
+    def ride_first_bucket(self, steps: dict[Engine, list[Step]]) -> None:
         """Steady state, every engine where this context left it (`first_bucket_can_ride`): bucket
         0 is packed before any engine pauses and each engine's pause wave carries its load (and
         the finalize, for a one-bucket plan): the engines stall for one round trip less. The
@@ -337,7 +345,8 @@ class _Run(Recording):
         manifest = self.plan[0]
         step = RankStep("pack", "TRANSFERRING", (0, self.attempt, self.digest_kind), 0)
         pack = self.waves.rank_start(step, manifest=manifest.summary())
-        plan = {e: list(steps) for e in members}
+        members = list(steps)
+        plan = {e: list(s) for e, s in steps.items()}
         if self.waves.rank_settle(pack):
             assert self.topology is not None
             payloads = self.transport.payloads(manifest, pack.future.result(), self.topology)
@@ -659,7 +668,7 @@ def _lead(ctx: RefitContext) -> RefitResult:
         incarnations=[e.incarnation for e in r.engines], engine_tp=[e.tp for e in r.engines], mode=ctx.mode,
         pause_mode=ctx.pause_mode, bucket_bytes=ctx.bucket_bytes, deadline_s=ctx.deadline_s,
         cleanup_grace_s=ctx.cleanup_grace_s, retries=ctx.retries, call_timeout_s=ctx.call_timeout_s, verify=ctx.verify,
-        digest=r.digest_kind,
+        digest=r.digest_kind, digest_point=ctx.digest_point,
         ranks=ctx.ranks.world if ctx.ranks else 1, transport=ctx.transport.kind, collective=ctx.transport.collective,
         shares_storages=ctx.transport.shares_storages or None,
     )  # fmt: skip

@@ -53,6 +53,8 @@ SILENT_FAULTS = {
     "skip": "load: the bucket's first tensor is never written",
     "swap_tp": "load: this TP rank keeps the next rank's shard (shards landed on the wrong rank)",
     "stale_head": "finalize: post-processing forgets to rebuild the serving copy of the output head",
+    "late_copy": "load: the engine acks before copying, keeping views of the transport's buffer, and copies them at "
+    "finalize (a reference kept past its ack: the buffer may hold a later bucket by then)",
 }
 MEMORY_TAGS = ("weights", "kv_cache")
 ENGINE_DTYPE = "float32"  # the default ModelConfig.dtype: every tensor's but an auxiliary one's
@@ -228,6 +230,8 @@ class _Session:
     plan: dict[int, BucketManifest] | None  # None: no plan (SGLang's sessions carry none)
     loaded: set[int] = field(default_factory=set)
     broken: str | None = None  # why a bucket was refused: every later bucket is refused too
+    written: Any = None  # `refit.wsum.Written`: the served tensors hashed as they are written (begin's digest)
+    deferred: list[tuple[str, torch.Tensor]] = field(default_factory=list)  # late_copy: views copied at finalize
 
 
 class EngineCore:
@@ -261,6 +265,7 @@ class EngineCore:
         self.head_serving = self._head()
         self.version = version
         self.weights_epoch = 0
+        self._written: tuple[Any, int] | None = None  # the last finalized session's Written, and the epoch it hashed
         self.dirty = False  # weights differ from what `version` names
         self.ready_to_publish = False  # last session completed and post-processed
         self.session: _Session | None = None
@@ -343,10 +348,12 @@ class EngineCore:
         if self.weights_released:
             raise EngineError("weights_released", "weight memory is released; resume it first")
 
-    def begin(self, plan: Sequence[BucketManifest] | None) -> None:
+    def begin(self, plan: Sequence[BucketManifest] | None, digest: str | None = None) -> None:
         """Open a weight-update session for `plan`, validated whole against the model first. With
         `plan=None` (an engine API whose session names no plan, as SGLang's begin_weight_update),
-        each bucket is validated on arrival and finalize cannot check completeness."""
+        each bucket is validated on arrival and finalize cannot check completeness. `digest="wsum"`
+        (a single-rank engine): every served tensor is hashed as the session writes it, the digest
+        fused into the copy, so `verify` reads back only what was not written whole."""
         if self.session is not None:
             raise EngineError("session_open", "a weight-update session is already open; finalize it first")
         self._require_weights()
@@ -388,6 +395,11 @@ class EngineCore:
             shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
             raise EngineError("bad_manifest", shown)
         self.session = _Session(plan={m.index: m for m in plan})
+        self._written = None
+        if digest == "wsum" and self.comm.size == 1:
+            from refit.wsum import Written
+
+            self.session.written = Written(self._served_regions())
         self.sessions += 1
         self.ready_to_publish = False
 
@@ -474,8 +486,15 @@ class EngineCore:
             self._copy_events = [torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)]
             self._copy_events[0].record()
         with torch.no_grad():
-            if expected is None:
-                self._write_all([(n, t) for n, t in tensors if n not in self.layout.tied])  # a tied head: checked
+            written = self.session is not None and self.session.written is not None
+            if self.mangle == "late_copy":  # acked now, copied (from whatever the buffer holds then) at finalize
+                assert self.session is not None
+                self.session.deferred += [(n, t) for n, t in tensors if n not in self.layout.tied]
+                expected = None
+            elif expected is None or written:  # a tied head: checked, not written
+                if expected is not None:  # the checksum of the bytes as received, then the hashed copy
+                    digests = [d for _, t in tensors for d in chunk_digests(t)]
+                self._write_all([(n, t) for n, t in tensors if n not in self.layout.tied], self.session)
             else:
                 run: list[tuple[torch.Tensor, torch.Tensor]] = []  # digests stay in bucket order
                 for name, tensor in tensors:
@@ -487,8 +506,10 @@ class EngineCore:
                         run.append((self._target(name), tensor))
                 digests += copy_digests(run) if run else []
         assert self.session is not None
-        if self.mangle is not None:
-            self._mangle_loaded(tensors, kept)
+        if self.mangle == "late_copy":
+            pass
+        elif self.mangle is not None and ((expected is not None and not written) or self.mangle in ("flip", "swap_tp")):
+            self._mangle_loaded(tensors, kept)  # (the others were committed by the copy itself: `_mangled`)
         self.weights_epoch += 1
         self.dirty = True
         if expected is not None and combine(digests) != expected:
@@ -501,6 +522,29 @@ class EngineCore:
         self.session.loaded.add(manifest.index)
 
     # ---- silent faults (injected for tests: the engine acks and serves wrong weights) -------------
+
+    def _mangled(self, named: list[tuple[str, torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The bucket's (name, destination, source) copies as a buggy loader makes them: skip
+        drops the first; downcast rounds every source through a narrower dtype; swap_qk writes q's
+        first rows where k goes and k where those rows go (whichever buckets q and k come in)."""
+        kind = self.mangle
+        if kind == "skip":
+            return [(d, s) for _, d, s in named[1:]]
+        if kind == "downcast":
+            f8 = torch.float8_e4m3fn
+            narrow = {torch.float32: torch.bfloat16, torch.bfloat16: f8, torch.float16: f8}
+            return [(d, s.to(narrow[s.dtype]).to(s.dtype) if s.dtype in narrow else s) for _, d, s in named]
+        assert kind == "swap_qk" and self.config.head_dim is not None
+        kn = self.config.num_kv_heads * self.config.head_dim // self.comm.size
+        out = []
+        for name, dst, src in named:
+            if name.endswith("self_attn.q_proj.weight"):
+                out += [(dst[kn:], src[kn:]), (self._dst_view(name.replace("q_proj", "k_proj")), src[:kn])]
+            elif name.endswith("self_attn.k_proj.weight"):
+                out.append((self._dst_view(name.replace("k_proj", "q_proj"))[:kn], src))
+            else:
+                out.append((dst, src))
+        return out
 
     def _keep_for_skip(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> tuple[str, torch.Tensor] | None:
         name = next((n for n, _ in tensors if n not in self.layout.tied), None)
@@ -577,22 +621,38 @@ class EngineCore:
             kept = self._dst_views[name] = (param, param.narrow(dim, dst, n))
         return kept[1]
 
-    def _write_all(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+    def _write_all(self, tensors: Sequence[tuple[str, torch.Tensor]], session: _Session | None = None) -> None:
         """Keep this rank's shard of each tensor: one batched copy (`torch._foreach_copy_`) for the
-        bucket, queued on the current stream without a host sync when on a GPU. The destination
-        views are kept per tensor while its parameter is the same object (building views costs
-        microseconds each on a GPU: a bucket of many small tensors is bound by them)."""
-        dsts, srcs = [], []
+        bucket, queued on the current stream without a host sync when on a GPU; in a session that
+        hashes what it writes, one fused copy-and-hash pass instead (`Written.copy`). The
+        destination views are kept per tensor while its parameter is the same object (building
+        views costs microseconds each on a GPU: a bucket of many small tensors is bound by them)."""
+        named = []
         for name, tensor in tensors:
             _target, dim, src, _dst, n = self.layout.targets[name]
             block = self._dst_view(name)
             if tensor is block:  # the receiver wrote it in place (direct_targets)
                 self.direct_tensors += 1
+                if session is not None and session.written is not None:
+                    session.written._touched(block)  # not hashed on its way in: read back at verify
                 continue
-            dsts.append(block)
-            srcs.append(tensor if src == 0 and n == tensor.shape[dim] else tensor.narrow(dim, src, n))
-        if dsts:
-            torch._foreach_copy_(dsts, srcs)
+            named.append((name, block, tensor if src == 0 and n == tensor.shape[dim] else tensor.narrow(dim, src, n)))
+        if self.mangle in ("skip", "downcast", "swap_qk"):
+            pairs = self._mangled(named)
+        else:
+            pairs = [(d, s) for _, d, s in named]
+        if session is not None and session.written is not None:
+            session.written.copy(pairs)
+        elif pairs:
+            torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
+
+    def _served_regions(self) -> dict[str, torch.Tensor]:
+        """Where each served tensor lives (HF names; the head under its name, as its serving copy)."""
+        from refit.verify import SERVED_HEAD
+
+        regions = {name: self._dst_view(name) for name in self.layout.targets if name != SERVED_HEAD}
+        regions[SERVED_HEAD] = self.head_serving
+        return regions
 
     def _target(self, hf_name: str) -> torch.Tensor:
         """Where a whole HF tensor lands on a single-rank engine (a contiguous block of rows)."""
@@ -651,6 +711,10 @@ class EngineCore:
                 "incomplete",
                 f"finalize after {len(session.loaded)} of {len(session.plan)} buckets; missing {missing}",
             )
+        if session.deferred:  # (late_copy) the copies an engine acked before making
+            with torch.no_grad():
+                self._write_all(session.deferred, session)
+            session.deferred = []
         t0 = time.perf_counter()
         if self.device.type == "cuda":  # the buckets' queued copies have landed (once per session)
             torch.cuda.synchronize(self.device)  # every stream: a receiver may copy out on its own
@@ -659,15 +723,23 @@ class EngineCore:
                 self._copy_events[1].synchronize()
                 self.copy_span_s = self._copy_events[0].elapsed_time(self._copy_events[1]) / 1e3
                 self._copy_events = []
-        landed = time.perf_counter() - t0
-        self.copies_landed_at = time.monotonic()
         loaded = self._head_weights()
+        written = session.written
         if self.mangle == "stale_head":
             pass  # injected: post-processing forgets the serving head
-        elif self.head_serving.shape == loaded.shape:
-            self.head_serving.copy_(loaded)  # into the serving copy it already holds: no allocation
+        elif self.head_serving.shape == loaded.shape:  # into the serving copy it already holds: no allocation
+            if written is not None:
+                written.copy([(self.head_serving, loaded)])
+            else:
+                self.head_serving.copy_(loaded)
         else:
             self.head_serving = loaded.clone()
+            written = None  # a new serving copy: not a region the session hashed
+        if self.device.type == "cuda":  # the serving head has landed too: finalize's answer means every byte did
+            torch.cuda.current_stream(self.device).synchronize()
+        landed = time.perf_counter() - t0
+        self.copies_landed_at = time.monotonic()
+        self._written = None if written is None else (written, self.weights_epoch)
         self.ready_to_publish = True
         return {"post_processed": True, "copies_landed_s": round(landed, 6)}
 
@@ -922,7 +994,7 @@ class EngineCore:
         t0 = time.perf_counter()
         out: dict[str, Any] = {"kind": kind}
         if kind is not None:
-            out["digests"] = self._digests(kind)
+            out["digests"], out["read_back"] = self._digests(kind)
         if probe is not None:
             answers = []
             for prompt, ids in probe:
@@ -932,9 +1004,22 @@ class EngineCore:
         out["seconds"] = round(time.perf_counter() - t0, 6)
         return out
 
-    def _digests(self, kind: str) -> dict[str, str]:
+    def _digests(self, kind: str) -> tuple[dict[str, str], int]:
+        """Each served tensor's digest, and how many were read back from memory (the rest were
+        hashed as this session wrote them)."""
         from refit.verify import SERVED_HEAD, Digests
 
+        kept = self._written
+        if kind == "wsum" and kept is not None and kept[1] == self.weights_epoch:
+            # hashed as they were written (nothing wrote the weights since): read back only the rest
+            written = kept[0]
+            done = written.results()
+            regions = self._served_regions()
+            batch = Digests(kind)
+            missed = written.missed()
+            for name in missed:
+                batch.add(name, regions[name])
+            return {**done, **batch.results()}, len(missed)
         if self.comm.size > 1:
             state = self.hf_state_dict()
         else:  # views into the parameters: nothing copied but what a digest reads
@@ -945,7 +1030,7 @@ class EngineCore:
         batch = Digests(kind)  # on a GPU: queued, read back with one sync
         for name, t in state.items():
             batch.add(name, t)
-        return batch.results()
+        return batch.results(), len(state)
 
     def digests(self) -> dict[str, int]:
         """Each HF tensor's xxHash3 digest of its bytes as this engine holds them, unfused (a
