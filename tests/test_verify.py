@@ -406,9 +406,10 @@ def test_a_wsum_refit_hashes_what_it_writes_or_reads_it_back(point: str) -> None
 @pytest.mark.parametrize("kind", ["swap_qk", "downcast", "skip", "stale_head", "swap_tp", "late_copy"])
 def test_a_fault_in_what_the_engine_writes_is_caught_where_it_is_hashed(kind: str) -> None:
     """The faults a loader commits while writing (a wrong place, a narrower dtype, a tensor never
-    written, a head never rebuilt) are caught by the digests taken as it writes: each write is
-    credited to the place it lands in, and what was not written whole is read back. On TP ranks
-    (swap_tp) nothing is hashed at the write: every tensor is read back."""
+    written, a head never rebuilt, a copy made after the ack) are caught by the digests taken as it
+    writes: each write is credited to the place it lands in, and what was not written whole is
+    read back. TP ranks (swap_tp) hash nothing as they write: "written" is refused for them, and
+    "auto" reads every tensor back."""
     tp = 2 if kind == "swap_tp" else 1
     names = ["w0", "w1"]
     if tp > 1:
@@ -420,9 +421,12 @@ def test_a_fault_in_what_the_engine_writes_is_caught_where_it_is_hashed(kind: st
     plan = protocol.FaultPlan().fail_at(
         "post_processing" if at_finalize else "transferring", engine=0, bucket=None if at_finalize else 1, kind=kind
     )
+    if tp > 1:  # TP ranks cannot hash as they write: "written" is refused, "auto" reads back
+        with pytest.raises(ConfigError, match=r"TP 2.*cannot hash the 'wsum' digest as it writes"):
+            protocol.RefitContext(TorchSource(model), WsumShm(), engines, digest_point="written")
     ctx = protocol.RefitContext(
         TorchSource(model), WsumShm(), engines, bucket_bytes=SMALL_BUCKET, retries=0, faults=plan,
-        digest_point="written", deadline_s=30.0,
+        digest_point="written" if tp == 1 else "auto", deadline_s=30.0,
     )  # fmt: skip
     try:
         result = protocol.run(ctx)
@@ -441,6 +445,81 @@ def test_a_fault_in_what_the_engine_writes_is_caught_where_it_is_hashed(kind: st
         else:
             assert good.verify["read_back"] == 0 and bad.verify["read_back"] == (kind in ("skip", "stale_head"))
         assert invariants.check_trace(ctx.recorder.events, open_ok=True) == []
+    finally:
+        ctx.close()
+        for e in engines:
+            e.close()
+
+
+def test_written_credits_only_whole_single_writes_and_reads_back_the_rest() -> None:
+    """`refit.wsum.Written` on its own: a strided write it does not hash sends every region its
+    bytes reach to be read back; a region written half twice and half never is not whole; two
+    served names over one memory are refused (a write could be credited to one of them only)."""
+    from refit.wsum import Written, host_digest
+
+    w, src = torch.zeros(4, 4), torch.randn(4, 4)
+    written = Written({"top": w[0:2], "bottom": w[2:4]})
+    written.copy([(w[0:2], src[0:2]), (w[2:4], src[2:4])])
+    assert written.missed() == [] and written.results()["bottom"] == host_digest(src[2:4])
+    written.copy([(w[:, 0], torch.full((4,), 7.0))])  # a column: reaches both regions
+    assert written.missed() == ["top", "bottom"] and written.results() == {}
+    t, want = torch.zeros(8), torch.arange(8, dtype=torch.float32)
+    t[4:] = want[4:]
+    written = Written({"t": t})
+    written.copy([(t[0:4], want[0:4]), (t[0:4], want[0:4])])  # the same half twice, the other never
+    assert written.missed() == ["t"] and written.results() == {}
+    embed = torch.zeros(16, 4)
+    with pytest.raises(ValueError, match="overlap"):
+        Written({"embed": embed, "head": embed[8:]})
+
+
+def test_weights_released_mid_session_are_read_back_not_trusted() -> None:
+    """Weights released and resumed while an update session is open (a colocated memory manager
+    acting on its own): what the session hashed as it wrote is gone, so verify reads every tensor
+    back and names the ones that now hold zeros, as `served` would."""
+    from refit.buckets import TensorMeta, plan_buckets
+    from refit.reference.engine import EngineCore
+    from refit.verify import Digests
+
+    state = {k: v.detach().clone() for k, v in perturbed(TinyLlama(CONFIG, seed=0), seed=9).state_dict().items()}
+    plan = plan_buckets([TensorMeta.of(n, t) for n, t in state.items()], SMALL_BUCKET)
+    core = EngineCore(CONFIG, seed=0)
+    core.pause("abort")
+    core.begin(plan, "wsum")
+    for m in plan[:-1]:
+        core.load(m, [(e.meta.name, state[e.meta.name].clone()) for e in m.entries])
+    core.release_memory(["weights"])
+    core.resume_memory(["weights"])  # zeros: no CPU backup
+    core.load(plan[-1], [(e.meta.name, state[e.meta.name].clone()) for e in plan[-1].entries])
+    core.finalize()
+    report = core.verify("wsum")
+    trainer = Digests("wsum")
+    for n, t in state.items():
+        trainer.add(n, t)
+    verdict = compare(trainer.results(), report["digests"])
+    zeroed = {e.meta.name for m in plan[:-1] for e in m.entries}
+    assert report["read_back"] == len(report["digests"]) and set(verdict.mismatched) == zeroed
+
+
+def test_digest_point_is_checked_again_at_each_run_and_the_trace_names_who_hashed_as_it_wrote() -> None:
+    class KeepsOldBegin(ReferenceEngine):  # an override with the signature before `written_digests`
+        def begin(self, plan: Any, *, timeout: float) -> None:  # type: ignore[override]
+            super().begin(plan, timeout=timeout)
+
+    engines = [ReferenceEngine.in_thread("w0", CONFIG, seed=0), KeepsOldBegin.in_thread("w1", CONFIG, seed=0)]
+    model = perturbed(TinyLlama(CONFIG, seed=0), seed=4)
+    ctx = protocol.RefitContext(TorchSource(model), WsumShm(), engines, bucket_bytes=SMALL_BUCKET)
+    try:
+        result = protocol.run(ctx)
+        assert result.ok and [result.engines[n].verify["read_back"] for n in ("w0", "w1")] == [0, 21]
+        start = next(e for e in ctx.recorder.events if e.get("event") == "start")
+        assert start["digest_point"] == "auto" and start["digest_written"] == ["w0"]
+        ctx.digest_point = "written"  # w1 cannot: refused before anything moves
+        with pytest.raises(ConfigError, match=r"w1 .*cannot hash the 'wsum' digest as it writes"):
+            protocol.run(ctx)
+        ctx.digest_point = "bogus"
+        with pytest.raises(ConfigError, match="digest_point must be one of"):
+            protocol.run(ctx)
     finally:
         ctx.close()
         for e in engines:

@@ -60,6 +60,7 @@ SHAPES: dict[str, ModelConfig] = {
     ),
 }  # fmt: skip
 PATHS = ("floor", "seed", "flattened", "ipc", "ipc_512")
+STALL_PARTS = ("stall", "pre", "transfer", "post")  # refit_times' keys a per-mode breakdown gives
 
 
 class SeedStyleTransport(SGLangTensorTransport):
@@ -203,6 +204,7 @@ def run_path(
         bucket_bytes=bucket_mb << 20, deadline_s=300.0, verify=settings.get(modes[0], (modes[0],))[0],
     )  # fmt: skip
     read_back: dict[str, list[int]] = {m: [] for m in modes}
+    parts: dict[str, list[dict[str, float]]] = {m: [] for m in modes}  # per mode: each refit's refit_times
     stalls, transfers, phases, pre, post, spans = [], [], [], [], [], []
     by_mode: dict[str, list[float]] = {m: [] for m in modes}
     alarms = 0
@@ -227,6 +229,7 @@ def run_path(
                 continue
             times = refit_times(engine, since)
             by_mode[mode].append(times["stall"])
+            parts[mode].append(times)
             stalls.append(times["stall"])
             transfers.append(times["transfer"])
             pre.append(times["pre"])
@@ -276,6 +279,11 @@ def run_path(
                     statistics.median(by_mode["served"]) / statistics.median(by_mode["off"]), 3
                 ),
                 "refits_per_mode": {m: len(v) for m, v in by_mode.items()},
+                "per_mode_ms": {  # where each mode's stall goes: pause -> first load, transfer, landed -> continued
+                    m: {k: round(statistics.median(t[k] for t in v) * 1e3, 3) for k in STALL_PARTS}
+                    for m, v in parts.items()
+                    if v
+                },
                 "read_back_max": {m: max(v, default=None) for m, v in read_back.items() if m != "off"},
             }
             if verify == "alternate"

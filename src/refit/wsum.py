@@ -208,6 +208,8 @@ def _kernel() -> Any:
 
 
 _ANCHORS: dict[Any, Any] = {}
+_TABLES: dict[tuple[Any, ...], Any] = {}  # work tables already on a device, by content (a refit repeats its buckets')
+TABLES_KEPT = 1024
 
 
 def _anchor(device: Any) -> torch.Tensor:
@@ -238,8 +240,14 @@ def launch(pieces: list[tuple[int, int | None, int, int, int]], out: torch.Tenso
         for r in rows:
             starts.append(total)
             total += (r[2] * units + BLOCK * ITERS - 1) // (BLOCK * ITERS)
-        host = torch.tensor([v for r in rows for v in r] + starts, dtype=torch.int64, pin_memory=True)
-        table = host.to(device, non_blocking=True)  # the caching host allocator keeps `host` until it is copied
+        flat = [v for r in rows for v in r] + starts
+        key = (device, BLOCK, ITERS, *flat)
+        table = _TABLES.get(key)
+        if table is None:  # (the caching host allocator keeps the pinned copy until it has been read)
+            if len(_TABLES) >= TABLES_KEPT:
+                _TABLES.clear()
+            host = torch.tensor(flat, dtype=torch.int64, pin_memory=True)
+            table = _TABLES[key] = host.to(device, non_blocking=True)
         compiled = _kernel()[(total,)](
             anchor, anchor, table, table[5 * len(rows) :], len(rows), out,
             BLOCK=BLOCK, ITERS=ITERS, COPY=copy, ALIGNED=is_aligned, num_warps=WARPS,
@@ -289,7 +297,8 @@ def copy_lanes(pairs: list[tuple[torch.Tensor, torch.Tensor, int, int]], out: to
     for k, (dst, src, slot, first) in enumerate(pairs):
         nbytes = dst.numel() * dst.element_size()
         ok = (
-            dst.is_contiguous() and src.is_contiguous() and dst.dtype == src.dtype and dst.shape == src.shape
+            dst.is_cuda and src.device == dst.device  # (a host source: torch copies it)
+            and dst.is_contiguous() and src.is_contiguous() and dst.dtype == src.dtype and dst.shape == src.shape
             and nbytes % 4 == 0 and dst.data_ptr() % 4 == 0 and src.data_ptr() % 4 == 0
         )  # fmt: skip
         if not ok:
@@ -343,6 +352,28 @@ class Batch:
         return dict(zip(self.names, finish_all(lanes, self.sizes), strict=True))
 
 
+class Regions:
+    """Named regions of memory (an engine's served tensors) indexed by address, built once while
+    the tensors stay where they are: what `Written` credits each write to."""
+
+    def __init__(self, regions: dict[str, torch.Tensor]) -> None:
+        import torch
+
+        self.names = list(regions)
+        self.sizes = [t.numel() * t.element_size() for t in regions.values()]
+        tensors = list(regions.values())
+        self.spans = sorted(
+            (t.data_ptr(), t.data_ptr() + size, slot)
+            for slot, (t, size) in enumerate(zip(tensors, self.sizes, strict=True))
+            if size and t.is_contiguous()
+        )
+        self.starts = [s for s, _, _ in self.spans]
+        self.device = tensors[0].device if tensors else torch.device("cpu")
+        for (_, end, a), (start, _, b) in zip(self.spans, self.spans[1:], strict=False):
+            if start < end:  # a write must be credited to one place only
+                raise ValueError(f"regions {self.names[a]!r} and {self.names[b]!r} overlap")
+
+
 class Written:
     """The lanes of the bytes written into named regions of memory (an engine's served tensors)
     during one update, computed as they are copied: `copy` copies (dst, src) pairs and credits
@@ -352,30 +383,24 @@ class Written:
     written by another path: `missed`) is left for the caller to hash from memory. On CUDA the
     copy and the hash are one kernel pass (`copy_lanes`); on the host, a copy then `host_lanes`."""
 
-    def __init__(self, regions: dict[str, torch.Tensor]) -> None:
+    def __init__(self, regions: Regions | dict[str, torch.Tensor]) -> None:
         import bisect
 
         import torch
 
+        index = regions if isinstance(regions, Regions) else Regions(regions)
         self._bisect = bisect.bisect_right
-        self.names = list(regions)
-        self.sizes = [t.numel() * t.element_size() for t in regions.values()]
-        tensors = list(regions.values())
-        spans = sorted(
-            (t.data_ptr(), t.data_ptr() + size, slot)
-            for slot, (t, size) in enumerate(zip(tensors, self.sizes, strict=True))
-            if size and t.is_contiguous()
-        )
-        self._starts = [s for s, _, _ in spans]
-        self._spans = spans
-        device = next(iter(regions.values())).device if regions else torch.device("cpu")
+        self.names, self.sizes = index.names, index.sizes
+        self._starts, self._spans = index.starts, index.spans
+        device = index.device
         self.cuda = device.type == "cuda"
         self.lanes: Any = (
             torch.zeros((len(self.names), 2), dtype=torch.int64, device=device)
             if self.cuda
             else [[0, 0] for _ in self.names]
         )
-        self.credited = [0] * len(self.names)  # bytes written into each region; -1: it must be read back
+        # per region, the (byte offset, length) of each write credited to it; None: it must be read back
+        self.pieces: list[list[tuple[int, int]] | None] = [[] for _ in self.names]
 
     def _place(self, dst: torch.Tensor) -> tuple[int, int] | None:
         """(slot, index of the first word) of the region `dst` lies wholly in, or None."""
@@ -390,12 +415,17 @@ class Written:
         return slot, (ptr - start) // 4
 
     def _touched(self, dst: torch.Tensor) -> None:
-        """A write not hashed: every region it overlaps must be read back."""
-        ptr = dst.data_ptr()
-        end = ptr + dst.numel() * dst.element_size()
-        for start, stop, slot in self._spans:
-            if start < end and ptr < stop:
-                self.credited[slot] = -1
+        """A write not hashed: every region its bytes (strided or not) reach must be read back."""
+        if not dst.numel():
+            return
+        lo = dst.data_ptr()
+        hi = lo + (sum((n - 1) * st for n, st in zip(dst.shape, dst.stride(), strict=True)) + 1) * dst.element_size()
+        k = max(self._bisect(self._starts, lo) - 1, 0)
+        while k < len(self._spans) and self._spans[k][0] < hi:
+            _, stop, slot = self._spans[k]
+            if lo < stop:
+                self.pieces[slot] = None
+            k += 1
 
     def copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Copy each (dst, src) pair (same shape and dtype), hashing what is written."""
@@ -419,22 +449,35 @@ class Written:
                 a, b = host_lanes(_raw(dst), first)
                 self.lanes[slot][0] += a
                 self.lanes[slot][1] += b
-        for dst, _src, slot, _first in hashed:
-            if self.credited[slot] >= 0:
-                self.credited[slot] += dst.numel() * dst.element_size()
+        for dst, _src, slot, first in hashed:
+            kept = self.pieces[slot]
+            if kept is not None:
+                kept.append((first * 4, dst.numel() * dst.element_size()))
         for dst, src in plain:
             dst.copy_(src)
             self._touched(dst)
 
+    def _whole(self, slot: int) -> bool:
+        """Whether the writes credited to a region cover it exactly once: no gap, no overlap."""
+        pieces = self.pieces[slot]
+        if pieces is None:
+            return False
+        at = 0
+        for offset, n in sorted(pieces):
+            if offset != at:
+                return False
+            at += n
+        return at == self.sizes[slot]
+
     def missed(self) -> list[str]:
         """The regions whose digest `results` cannot give: read them back."""
-        return [n for n, c, size in zip(self.names, self.credited, self.sizes, strict=True) if c != size]
+        return [n for k, n in enumerate(self.names) if not self._whole(k)]
 
     def results(self) -> dict[str, str]:
         """The digest of every region written whole (one host sync on CUDA)."""
         import numpy as np
 
         lanes = self.lanes.cpu().numpy() if self.cuda else np.array(self.lanes, dtype=np.uint64).reshape(-1, 2)
-        whole = [k for k, (c, size) in enumerate(zip(self.credited, self.sizes, strict=True)) if c == size]
+        whole = [k for k in range(len(self.names)) if self._whole(k)]
         digests = finish_all(lanes[whole], [self.sizes[k] for k in whole])
         return {self.names[k]: d for k, d in zip(whole, digests, strict=True)}

@@ -19,6 +19,7 @@ round trip overrides `run_steps_async` (sending them at once and handing back it
 
 from __future__ import annotations
 
+import inspect
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
@@ -404,6 +405,19 @@ class Receiver(ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Detach from the transport's buffers."""
+
+
+def hashes_writes(driver: EngineDriver, kind: str | None) -> bool:
+    """Whether `driver` can hash the `kind` digest as it writes (`written_digests`), and its
+    `begin` takes the kind (a subclass whose override does not is treated as one that cannot)."""
+    if kind is None or kind not in driver.written_digests:
+        return False
+    try:
+        params = inspect.signature(driver.begin).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) >= 2 or any(p.kind == p.VAR_POSITIONAL for p in params)
 
 
 class EngineDriver(ABC):

@@ -58,7 +58,6 @@ class ReferenceEngine(EngineDriver):
     pause_modes = frozenset({"abort", "retract", "in_place"})
     transports = frozenset({"shm", "broadcast", "ipc", "sglang_tensor"})
     digest_kinds = frozenset({"xxh3", "wsum"})
-    written_digests = frozenset({"wsum"})  # a one-rank engine fuses it into its copies (TP ranks read back)
     probes = True
 
     def __init__(self, client: EngineClient) -> None:
@@ -132,6 +131,11 @@ class ReferenceEngine(EngineDriver):
     @property
     def tp_size(self) -> int:
         return self.client.tp
+
+    @property
+    def written_digests(self) -> frozenset[str]:  # type: ignore[override]
+        """wsum on one TP rank: it fuses the digest into its copies (TP ranks read back)."""
+        return frozenset({"wsum"}) if self.tp_size == 1 else frozenset()
 
     @property
     def alive(self) -> bool:

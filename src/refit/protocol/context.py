@@ -198,6 +198,25 @@ class RefitContext:
         if not isinstance(self.transport.slots, int) or self.transport.slots < 1:
             raise ConfigError(f"transport.slots must be an integer >= 1, got {self.transport.slots!r}")
 
+    def check_digest_point(self) -> None:
+        """`digest_point` against the engines (when the context is made, and again at each run's
+        start: it may be changed between runs)."""
+        from refit.drivers.base import hashes_writes
+        from refit.verify import DIGEST_POINTS
+
+        if self.digest_point not in DIGEST_POINTS:
+            raise ConfigError(f"digest_point must be one of {DIGEST_POINTS}, got {self.digest_point!r}")
+        kind = self.transport.digest_kind
+        if self.digest_point != "written" or self.verify not in ("digest", "both"):
+            return
+        for e in self.engines:
+            if not hashes_writes(e, kind):
+                raise ConfigError(
+                    f"engine {e.name} ({type(e).__name__}, TP {e.tp_size}) cannot hash the {kind!r} digest as it "
+                    f"writes its weights (it can for {sorted(e.written_digests) or 'none'}); use digest_point='served' "
+                    "or 'auto'"
+                )
+
     def validate_engines(self) -> None:
         """The leader's checks of the engine set."""
         if not self.engines:
@@ -228,15 +247,6 @@ class RefitContext:
                     f"verify={self.verify!r} cannot check it before it publishes; pass verify='off' to trust its "
                     "finalize" + (", or verify='probe' to check what it computes" if e.probes else "")
                 )
-            if (
-                self.digest_point == "written"
-                and self.verify in ("digest", "both")
-                and self.transport.digest_kind not in e.written_digests
-            ):
-                raise ConfigError(
-                    f"engine {e.name} ({type(e).__name__}) cannot hash the {self.transport.digest_kind!r} digest as it "
-                    f"writes its weights (it can for {sorted(e.written_digests) or 'none'}); use digest_point='served'"
-                )
             if self.verify in ("probe", "both") and not e.probes:
                 can = (
                     "'digest' or 'off'"
@@ -250,6 +260,7 @@ class RefitContext:
             tp = e.tp_size
             if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
                 raise ConfigError(f"engine {e.name} reports tp_size {tp!r}; it must be an integer >= 1")
+        self.check_digest_point()
 
     @property
     def leader(self) -> bool:

@@ -37,7 +37,7 @@ from typing import Any
 
 from refit import invariants
 from refit.buckets import BucketManifest
-from refit.drivers.base import Step, StepResult, Topology
+from refit.drivers.base import Step, StepResult, Topology, hashes_writes
 from refit.errors import DeadlineExceeded, DriverCallError, EngineError, InvariantViolation, RefitError
 from refit.protocol import faults
 from refit.protocol.answers import wrap_error
@@ -114,8 +114,9 @@ class _Run(Recording):
         self.verifying = ctx.verify != "off"
         self.probe: list[tuple[list[int], list[int]]] | None = None  # verify="probe": (prompt, token ids)
         self.digest_kind = ctx.transport.digest_kind if digests_of(ctx.verify) else None
+        ctx.check_digest_point()  # (it may have changed since the context was made)
         self.written_kind = [  # per engine: the digest its begin asks it to compute while writing, if any
-            self.digest_kind if ctx.digest_point != "served" and self.digest_kind in d.written_digests else None
+            self.digest_kind if ctx.digest_point != "served" and hashes_writes(d, self.digest_kind) else None
             for d in ctx.engines
         ]
         self.lock_taken: int | None = None  # the lock's acquisition count once this run took it
@@ -669,6 +670,7 @@ def _lead(ctx: RefitContext) -> RefitResult:
         pause_mode=ctx.pause_mode, bucket_bytes=ctx.bucket_bytes, deadline_s=ctx.deadline_s,
         cleanup_grace_s=ctx.cleanup_grace_s, retries=ctx.retries, call_timeout_s=ctx.call_timeout_s, verify=ctx.verify,
         digest=r.digest_kind, digest_point=ctx.digest_point,
+        digest_written=[e.name for e, k in zip(r.engines, r.written_kind, strict=True) if k],
         ranks=ctx.ranks.world if ctx.ranks else 1, transport=ctx.transport.kind, collective=ctx.transport.collective,
         shares_storages=ctx.transport.shares_storages or None,
     )  # fmt: skip

@@ -266,6 +266,7 @@ class EngineCore:
         self.version = version
         self.weights_epoch = 0
         self._written: tuple[Any, int] | None = None  # the last finalized session's Written, and the epoch it hashed
+        self._regions: tuple[Any, Any, Any] | None = None  # (params, serving head, their `wsum.Regions`)
         self.dirty = False  # weights differ from what `version` names
         self.ready_to_publish = False  # last session completed and post-processed
         self.session: _Session | None = None
@@ -397,9 +398,12 @@ class EngineCore:
         self.session = _Session(plan={m.index: m for m in plan})
         self._written = None
         if digest == "wsum" and self.comm.size == 1:
-            from refit.wsum import Written
+            from refit.wsum import Regions, Written
 
-            self.session.written = Written(self._served_regions())
+            kept = self._regions
+            if kept is None or kept[0] is not self.params or kept[1] is not self.head_serving:  # built once per place
+                self._regions = kept = (self.params, self.head_serving, Regions(self._served_regions()))
+            self.session.written = Written(kept[2])
         self.sessions += 1
         self.ready_to_publish = False
 
@@ -791,9 +795,12 @@ class EngineCore:
             self.cache.clear()
             self.kv_released = True
         if "weights" in tags and not self.weights_released:
+            if self.session is not None:  # what the session hashed as it wrote is gone: read back at verify
+                self.session.written = None
             self._backup = {k: v.to("cpu", copy=True) for k, v in self.params.items()} if cpu_backup else None
             self.params = {k: torch.empty(0) for k in self.params}
             self._dst_views = {}  # they hold the released parameters
+            self._regions = self._written = None  # so do these
             self.head_serving = torch.empty(0)
             self.weights_released = True
 
