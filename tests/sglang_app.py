@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import contextvars
 import copy
+import hashlib
 import json
 import socket
 import threading
@@ -154,6 +155,17 @@ class TokenizerShim:
     async def update_weights_from_tensor(self, obj: Any, request: Any = None) -> tuple[bool, str]:
         obj.serialized_named_tensors = sglang_http().normalize(obj.serialized_named_tensors)  # SGLang's own step
         return await self._op("op_update_weights_from_tensor", obj)
+
+    async def check_weights(self, obj: Any, request: Any = None) -> tuple[bool, str, Any, Any]:
+        """tokenizer_control_mixin.py `check_weights`: the scheduler's per-rank payload, and the
+        engine checksum SGLang's tokenizer manager makes of it (sha256 over each rank's)."""
+        success, message, ranks = await self._op("op_check_weights", obj)
+        if not ranks:
+            return success, message, None, None
+        overall = hashlib.sha256()
+        for info in ranks:
+            overall.update(info["per_gpu_checksum"].encode())
+        return success, message, ranks, overall.hexdigest()
 
     async def update_weights_from_distributed(self, obj: Any, request: Any = None) -> tuple[bool, str]:
         return await self._op("op_update_weights_from_distributed", obj)

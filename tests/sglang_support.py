@@ -58,6 +58,7 @@ ROUTE_TYPES = {
     "/release_memory_occupation": "ReleaseMemoryOccupationReqInput",
     "/resume_memory_occupation": "ResumeMemoryOccupationReqInput",
     "/generate": "GenerateReqInput",
+    "/weights_checker": "CheckWeightsReqInput",
 }
 
 

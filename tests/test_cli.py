@@ -186,9 +186,10 @@ def test_an_unknown_option_through_the_real_command() -> None:
         (["--engines", "4", "--fail-at", "pausing:engine=4"], "engine=4 but there are 4 engines"),
         (["--fail-at", "transferring:call=nope"], "call=nope is not a driver call (engine calls: probe"),
         (
-            ["--engine", "sglang", "--verify", "digest"],
+            ["--engine", "vllm", "--verify", "digest"],
             "reports no digests or probe yet (docs/verify.md); use --verify off",
         ),
+        (["--engine", "sglang", "--verify", "probe"], "sglang driver answers no probe; use --verify digest or off"),
         (
             ["--fail-at", "transferring:kind=boom"],
             "fault kind 'boom'; known ('raise', 'hang', 'kill', 'corrupt', 'flip'",

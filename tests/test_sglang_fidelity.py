@@ -64,6 +64,11 @@ CORPUS: list[tuple[str, str, Any]] = [
     ("POST", "/release_memory_occupation", {"tags": ["kv_cache"]}),
     ("POST", "/resume_memory_occupation", {"tags": ["kv_cache"]}),
     ("POST", "/generate", {"input_ids": [3, 1, 4], "sampling_params": {"max_new_tokens": 3, "temperature": 0}}),
+    ("POST", "/weights_checker", {"action": "checksum"}),  # every rank's checksums of the weights
+    ("GET", "/weights_checker", None),  # no body: the default request
+    ("POST", "/weights_checker", {"action": "checksum", "selector": "draft"}),  # no draft model: no payload
+    ("POST", "/weights_checker", {"action": "checksum", "selector": "sideways"}),
+    ("POST", "/weights_checker", {"action": "spin"}),
     ("POST", "/no_such_route", {}),
 ]
 

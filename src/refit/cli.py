@@ -364,7 +364,7 @@ def _demo_problem(args: argparse.Namespace) -> str | None:
     if args.engine != "reference" and args.ranks > 1:
         return f"--engine {args.engine} runs with one trainer rank here; drop --ranks"
     if args.verify not in (None, "off"):
-        from refit.demo import driver_class, unverifiable
+        from refit.demo import driver_class, reports_digests, unverifiable
 
         cls = driver_class(args)
         if unverifiable(args):
@@ -372,7 +372,7 @@ def _demo_problem(args: argparse.Namespace) -> str | None:
                 f"--verify {args.verify}: refit's {args.engine} driver reports no digests or probe yet "
                 "(docs/verify.md); use --verify off"
             )
-        if args.verify in ("digest", "both") and "xxh3" not in cls.digest_kinds:
+        if args.verify in ("digest", "both") and not reports_digests(cls):
             return f"--verify {args.verify}: refit's {args.engine} driver reports no digests; use --verify probe or off"
         if args.verify in ("probe", "both") and not cls.probes:
             return f"--verify {args.verify}: refit's {args.engine} driver answers no probe; use --verify digest or off"

@@ -14,6 +14,10 @@ Kinds (`DIGEST_KINDS`; the transport names the one its runs use, `Transport.dige
   wsum   `refit.wsum`: a GPU reads each byte once (a Triton kernel; the result stays on the
          device until a batch is read back with one sync); the host computes the same value.
          The GPU transports' kind (CUDA IPC, NCCL broadcast).
+  sglang/tp<N>  an engine's kind, not a transport's: SGLang's own checksums (its /weights_checker)
+         of each parameter of its fused, TP-sharded layout on N ranks, keyed "<param>@tp<rank>"
+         (`refit.drivers.sglang_checksums`); the trainer computes the same from what it packs.
+         A run uses it when every engine reports it and none reports the transport's kind.
 
 Modes (`VERIFY_MODES`, `RefitContext(verify=...)`):
   digest  every finalized engine reports its digests; an engine publishes only when each tensor
@@ -48,6 +52,25 @@ CONFLICT = "conflict"  # the trainer's ranks disagree on a tensor's digest: no r
 LISTED = 50  # names a verdict lists per kind of problem (the count is always whole)
 
 
+def is_kind(kind: Any) -> bool:
+    """A digest kind: one of `DIGEST_KINDS`, or an engine layout's ("sglang/tp<N>")."""
+    from refit.drivers.sglang_checksums import tp_of
+
+    return isinstance(kind, str) and (kind in DIGEST_KINDS or (tp_of(kind) or 0) >= 1)
+
+
+def uncovered(kind: str, sums: Mapping[str, str], planned: list[str]) -> list[str]:
+    """The planned tensors the trainer's digests do not cover (per tensor, or per the layout's
+    parameters on every rank)."""
+    from refit.drivers.sglang_checksums import tp_of
+    from refit.drivers.sglang_checksums import uncovered as layout_uncovered
+
+    tp = tp_of(kind)
+    if tp is not None:
+        return layout_uncovered(sums, planned, tp)
+    return [n for n in planned if n not in sums]
+
+
 def digest(tensor: torch.Tensor, kind: str = "xxh3") -> str:
     """One tensor's digest as 16 hex digits (for many tensors on a GPU, `Digests` syncs once)."""
     if kind == "wsum":
@@ -66,11 +89,15 @@ class Digests:
     read back together, with one host sync)."""
 
     def __init__(self, kind: str) -> None:
-        if kind not in DIGEST_KINDS:
-            raise ValueError(f"digest kind {kind!r}; known {DIGEST_KINDS}")
+        if not is_kind(kind):
+            raise ValueError(f"digest kind {kind!r}; known {DIGEST_KINDS} and 'sglang/tp<N>'")
         self.kind = kind
         self._done: dict[str, str] = {}
         self._wsum: Any = None
+        if kind not in DIGEST_KINDS:  # an engine layout's: whole parameters, not tensors
+            from refit.drivers.sglang_checksums import LayoutDigests
+
+            self._wsum = LayoutDigests(kind)
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         if self.kind == "xxh3":

@@ -41,6 +41,11 @@ Lifecycle, per state (each step is one HTTP call; SGLang has no batch route):
                           loses its connection and the engine is lost (EngineDied), never continued.
   POST_PROCESSING         finalize(): POST /end_weight_update {}; refused as `incomplete` unless
                           every planned bucket was acknowledged.
+  VERIFYING (verify on)   verify("sglang/tp<N>"): POST /weights_checker {"action": "checksum",
+                          "selector": "target"}: SGLang's own checksum of each parameter of its
+                          fused layout on every TP rank (`refit.drivers.sglang_checksums`), for the
+                          trainer's to match; only from a server on the host (`digest_kinds`: on
+                          CUDA SGLang hashes with a Triton kernel refit does not reproduce).
   CONTINUING              publish(v): refused here unless the session acked every bucket and
                           finalized (SGLang's label checks nothing), then POST
                           /update_weight_version {"new_version", "abort_all_requests": false}
@@ -238,6 +243,7 @@ class SGLangEngine(HttpEngineDriver):
         self._unsure: str | None = None  # why which memory is released is not known (set_released clears it)
         self._restarted_since_attach = False
         self._server_tp: Any = None  # the server's tp_size, as its /server_info reports it
+        self._server_device: Any = None  # its device ("cpu", "cuda", ...), as /server_info reports it
         self._attached: ConnectInfo | None = None
         self._released: set[str] = set(self._server_tags(released))
         self._read_capabilities(5.0)
@@ -250,6 +256,18 @@ class SGLangEngine(HttpEngineDriver):
             self._read_server_info(timeout)
 
     # ---- capabilities -------------------------------------------------------------------------
+
+    @property
+    def digest_kinds(self) -> frozenset[str]:  # type: ignore[override]
+        """SGLang's own checksums ("sglang/tp<N>", `refit.drivers.sglang_checksums`), from a server
+        on the host (0.5.23+, whose /weights_checker the mapping was read from): on CUDA SGLang
+        hashes with a Triton kernel refit does not reproduce, so a GPU server reports nothing here."""
+        caps = self.capabilities
+        if caps is None or self._server_device != "cpu" or (version_tuple(caps.version) or (0, 5, 23)) < (0, 5, 23):
+            return frozenset()
+        from refit.drivers.sglang_checksums import kind_for
+
+        return frozenset({kind_for(self._tp)})
 
     @property
     def pause_modes(self) -> frozenset[str]:  # type: ignore[override]
@@ -365,6 +383,7 @@ class SGLangEngine(HttpEngineDriver):
             raise self._error("GET", "/server_info", "probe", status, info, update=False)
         self.capabilities = self._supported(Capabilities.of(info.get("version")))
         self._server_tp = info.get("tp_size")
+        self._server_device = info.get("device")
 
     def _check_tp(self) -> None:
         """One payload entry per TP rank: a driver built with fewer than the server has makes a rank
@@ -523,6 +542,27 @@ class SGLangEngine(HttpEngineDriver):
             route = "/update_weights_from_distributed"
         self._call("POST", route, "load", timeout=timeout, body=body, update=True)
         self._ledger.ack(manifest.index)
+
+    def verify(self, kind: str | None, probe: Sequence[Any] | None = None, *, timeout: float) -> dict[str, Any]:
+        """VERIFYING: POST /weights_checker {"action": "checksum", "selector": "target"}, SGLang's
+        checksum of every parameter on every TP rank, as {"<param>@tp<rank>": checksum}."""
+        from refit.drivers import sglang_checksums
+
+        if probe is not None:
+            raise EngineError("unsupported", f"engine {self.name}: SGLang cannot be probed while paused")
+        if kind is None:
+            return {"kind": None}
+        if kind not in self.digest_kinds:
+            raise EngineError("unsupported", f"engine {self.name}: no {kind!r} digests from this server")
+        t0 = time.monotonic()
+        body = self._call(
+            "POST", "/weights_checker", "verify", timeout=timeout, body={"action": "checksum", "selector": "target"}
+        )
+        try:
+            digests = sglang_checksums.reported(body)
+        except ValueError as exc:
+            raise EngineError("bad_answer", f"engine {self.name}: POST /weights_checker (verify): {exc}") from None
+        return {"kind": kind, "digests": digests, "read_back": len(digests), "seconds": round(time.monotonic() - t0, 6)}
 
     def finalize(self, *, timeout: float) -> None:
         plan = self._ledger.close()

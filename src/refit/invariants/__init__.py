@@ -216,6 +216,7 @@ def _verification(events: Sequence[Event], name: str, attempt: int, *, after: in
     finalize must have answered, and its answer, judged again here (`refit.verify.judge`) against
     the trainer's digests and reference log-probabilities recorded before it, must pass."""
     from refit.verify import digests_of, judge, merge, probes_of
+    from refit.verify import uncovered as verify_uncovered
 
     mode = _start(events).get("verify") or "digest"
     calls = [c for c in _calls(events, "verify", engine=name, attempt=attempt) if c["seq"] > after]
@@ -234,7 +235,7 @@ def _verification(events: Sequence[Event], name: str, attempt: int, *, after: in
         kind, expected = merge(list(reports[-1].get("per_rank") or []))
         plan = _first(events, "plan", "buckets") or {}
         planned = [n for m in plan.get("manifests") or [] for n in m.get("names", [])]
-        uncovered = [n for n in planned if n not in expected]
+        uncovered = verify_uncovered(kind, expected, planned) if isinstance(kind, str) else planned
         if uncovered or not planned:
             return (
                 f"engine {name}: the trainer's digests do not cover the plan ({len(uncovered)} planned tensors missing)"

@@ -206,7 +206,7 @@ class RefitContext:
 
         if self.digest_point not in DIGEST_POINTS:
             raise ConfigError(f"digest_point must be one of {DIGEST_POINTS}, got {self.digest_point!r}")
-        kind = self.transport.digest_kind
+        kind = self.digest_kind
         if self.digest_point != "written" or self.verify not in ("digest", "both"):
             return
         for e in self.engines:
@@ -241,18 +241,14 @@ class RefitContext:
                     f"engine {e.name} ({type(e).__name__}) cannot receive the {self.transport.kind!r} transport "
                     f"({type(self.transport).__name__}); it receives {sorted(e.transports)}"
                 )
-            if self.verify in ("digest", "both") and self.transport.digest_kind not in e.digest_kinds:
+            if self.verify in ("digest", "both") and self.digest_kind not in e.digest_kinds:
                 raise ConfigError(
                     f"engine {e.name} ({type(e).__name__}) cannot report digests of the weights it serves, so "
                     f"verify={self.verify!r} cannot check it before it publishes; pass verify='off' to trust its "
                     "finalize" + (", or verify='probe' to check what it computes" if e.probes else "")
                 )
             if self.verify in ("probe", "both") and not e.probes:
-                can = (
-                    "'digest' or 'off'"
-                    if self.transport.digest_kind in e.digest_kinds
-                    else "'off' to trust its finalize"
-                )
+                can = "'digest' or 'off'" if self.digest_kind in e.digest_kinds else "'off' to trust its finalize"
                 raise ConfigError(
                     f"engine {e.name} ({type(e).__name__}) cannot answer a probe, so verify={self.verify!r} cannot "
                     f"check it; use verify={can}"
@@ -272,6 +268,12 @@ class RefitContext:
         they live elsewhere, this process's transport otherwise."""
         remote = self.ranks.connected if self.ranks is not None else None
         return self.transport.connected if remote is None else remote
+
+    @property
+    def digest_kind(self) -> str:
+        """The digest kind a run verifies with (`digest_kind_for`; the transport's when no kind
+        suits every engine: the engines' checks then name the one that cannot)."""
+        return digest_kind_for(self.transport.digest_kind, self.engines) or self.transport.digest_kind
 
     @property
     def colocated(self) -> bool:
@@ -354,6 +356,16 @@ def in_place_refusal(engines: str) -> str:
         f"pause_mode 'in_place' keeps requests' KV across the update, and {engines} cannot make that KV fresh "
         "(their flush refuses while requests hold KV); use 'retract' or 'abort'"
     )
+
+
+def digest_kind_for(transport_kind: str, engines: Sequence[EngineDriver]) -> str | None:
+    """The digest kind runs over these engines verify with: the transport's (`Transport.
+    digest_kind`) when every engine reports it, else the one other kind every engine reports (an
+    engine layout's, such as SGLang's checksums: "sglang/tp<N>"), else None."""
+    if all(transport_kind in e.digest_kinds for e in engines):
+        return transport_kind
+    common = set.intersection(*(set(e.digest_kinds) for e in engines)) if engines else set()
+    return next(iter(common)) if len(common) == 1 else None
 
 
 def _positive(name: str, value: Any, *, integer: bool = False, zero_ok: bool = False) -> None:

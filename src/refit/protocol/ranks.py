@@ -239,7 +239,7 @@ class Participant:
                 self._from_early.add(name)  # hashed before the pause, unchanged since
                 continue
             packed = self.transport.tensor_digests  # the transport hashed it while packing: not read again
-            if packed and name in packed:
+            if packed and name in packed and kind == "xxh3":
                 self._digests.put(name, f"{packed[name]:016x}")
                 continue
             want = torch_dtype(dtypes[name]) if name in dtypes else full.dtype

@@ -61,7 +61,7 @@ from refit.states import (
     TrainerEvent,
     Trigger,
 )
-from refit.verify import PROBE_TOP, default_prompts, digests_of, merge, probe_tolerance, probes_of
+from refit.verify import PROBE_TOP, default_prompts, digests_of, merge, probe_tolerance, probes_of, uncovered
 
 S, T, E, CE, M = RefitState, Trigger, EngineState, ConnectionEvent, Memory
 
@@ -113,7 +113,7 @@ class _Run(Recording):
         self.rode = 0  # 1: bucket 0 rode the pause wave (`ride_first_bucket`)
         self.verifying = ctx.verify != "off"
         self.probe: list[tuple[list[int], list[int]]] | None = None  # verify="probe": (prompt, token ids)
-        self.digest_kind = ctx.transport.digest_kind if digests_of(ctx.verify) else None
+        self.digest_kind = ctx.digest_kind if digests_of(ctx.verify) else None
         ctx.check_digest_point()  # (it may have changed since the context was made)
         self.written_kind = [  # per engine: the digest its begin asks it to compute while writing, if any
             self.digest_kind if ctx.digest_point != "served" and hashes_writes(d, self.digest_kind) else None
@@ -504,7 +504,7 @@ class _Run(Recording):
         if self.digest_kind is None:
             return
         kind, expected = merge(self.rank_call(RankStep("digests", "VERIFYING")))
-        missing = [n for m in self.plan for n in m.names if n not in expected]
+        missing = uncovered(self.digest_kind, expected, [n for m in self.plan for n in m.names])
         if kind != self.digest_kind or missing:
             what = f"the trainer ranks report no {self.digest_kind} digests of {len(missing)} tensors they sent"
             raise RefitError(f"{what} ({', '.join(missing[:3])}...)", state="VERIFYING")

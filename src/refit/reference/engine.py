@@ -328,6 +328,18 @@ class EngineCore:
         target, dim, src, dst, n = self.layout.targets[hf_name]
         self.params[target].narrow(dim, dst, n).copy_(tensor.narrow(dim, src, n))
 
+    def served_state_dict(self) -> dict[str, torch.Tensor]:
+        """`hf_state_dict` with an untied head as it serves it (its serving copy, every rank's rows):
+        the weights as a server without a separate serving copy would hold them (a tied head is
+        the embedding: not listed)."""
+        from refit.verify import SERVED_HEAD
+
+        state = self.hf_state_dict()
+        head = self.comm.all_gather_cat(self.head_serving, dim=0)  # (every rank takes part)
+        if SERVED_HEAD not in self.layout.tied:
+            state[SERVED_HEAD] = head
+        return state
+
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """The weights read back and unfused, in HF names (what a refit's check compares); every TP
         rank contributes its shards."""

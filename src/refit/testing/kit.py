@@ -78,6 +78,7 @@ from refit import invariants, protocol
 from refit.buckets import plan_buckets
 from refit.drivers.base import EngineDriver, Transport
 from refit.errors import RefitBusyError
+from refit.protocol.context import digest_kind_for
 from refit.protocol.faults import LOUD_KINDS, SILENT_CALLS, SILENT_KINDS, Fault
 from refit.states import ACTIVE_STATES, RETRY_STATES
 
@@ -182,7 +183,7 @@ class DriverStateMachine(RuleBasedStateMachine):
             call_timeout_s=type(self).call_timeout_s,
             version=0,
             # a driver that reports digests is verified before every publish, as users get it by default
-            verify="digest" if all(transport.digest_kind in e.digest_kinds for e in self.engines) else "off",
+            verify="digest" if digest_kind_for(transport.digest_kind, self.engines) else "off",
         )
         _note(f"{n} engines, {mode}, pause {pause_mode}, verify {self.ctx.verify}")
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import hashlib
 import secrets
 import threading
 import time
@@ -91,6 +92,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "/release_memory_occupation": {"tags": None},
     "/resume_memory_occupation": {"tags": None},
     "/generate": {"input_ids": None, "sampling_params": None},
+    "/weights_checker": {"action": "checksum", "allow_quant_error": False, "skip_tensor_list": None, "selector": "all"},
 }  # fmt: skip
 REQUIRED = {
     "/update_weights_from_tensor": ("serialized_named_tensors",),
@@ -104,7 +106,7 @@ ADMIN_ROUTES = frozenset({
     "/pause_generation", "/continue_generation", "/flush_cache", "/begin_weight_update", "/end_weight_update",
     "/update_weights_from_tensor", "/update_weights_from_distributed", "/init_weights_update_group",
     "/destroy_weights_update_group", "/update_weight_version", "/release_memory_occupation",
-    "/resume_memory_occupation",
+    "/resume_memory_occupation", "/weights_checker",
 })  # fmt: skip
 ABORT_POLL_S = 1.0  # TokenizerManager.pause_generation(abort): re-aborts every second until the model lock is free
 
@@ -534,6 +536,45 @@ class EmulatedSGLang(EmulatedServer):
             if self.memory_saver:
                 self._scheduler("resume_memory", [t for t in tags if t in MEMORY_TAGS])
 
+    def op_check_weights(self, obj: Any) -> tuple[bool, str, list[dict[str, Any]]]:
+        """scheduler_components/weight_updater.py `check_weights` over utils/weight_checker.py
+        `WeightChecker.handle`: "checksum" only (snapshot, reset_tensors and compare are SGLang's
+        debugging actions, not emulated: refused as an unsupported action is). Per TP rank, each
+        parameter of SGLang's layout (`refit.drivers.sglang_checksums`) built from the engine's
+        weights as it serves them, hashed as SGLang hashes on the host; no draft model. Any error
+        is `success: false` with its text, as SGLang's catch-all makes it."""
+        from refit.drivers import sglang_checksums as sc
+
+        try:
+            if obj.selector not in ("all", "target", "draft"):
+                raise ValueError(f"invalid selector {obj.selector!r}; expected 'target', 'draft', or 'all'")
+            if obj.action in ("snapshot", "reset_tensors", "compare"):  # SGLang's, not emulated
+                raise ValueError(f"action={obj.action!r} is not emulated (refit's SGLang emulator computes checksums)")
+            if obj.action != "checksum":
+                raise ValueError(f"Unsupported action={obj.action!r}")  # WeightChecker.handle's text
+            if obj.selector == "draft":  # no draft runner: nothing answers, no payload
+                return True, "Success.", []
+            state = self.engine.client.call("served_state_dict", timeout=60.0)  # a tied head: the embedding
+            skip = tuple(obj.skip_tensor_list or ())
+            per_rank: list[dict[str, str]] = [{} for _ in range(self.tp)]
+            for key, pieces in sc.sglang_params(state, self.tp):
+                name, _, rank = key.rpartition("@tp")
+                if skip and any(p in name for p in skip):
+                    continue
+                per_rank[int(rank)][name] = sc.pieces_checksum(pieces)
+        except Exception as exc:  # SGLang answers any error as success: false
+            return False, str(exc), []
+        ranks = []
+        for r, sums in enumerate(per_rank):
+            overall = hashlib.sha256()
+            for name in sorted(sums):
+                overall.update(name.encode())
+                overall.update(sums[name].encode())
+            par = {"role": "target", "tp_rank": r, "tp_size": self.tp, "dp_rank": 0, "dp_size": 1, "pp_rank": 0,
+                   "pp_size": 1, "rank": r, "size": self.tp}  # fmt: skip
+            ranks.append({"checksums": sums, "per_gpu_checksum": overall.hexdigest(), "parallelism_info": [par]})
+        return True, "Success.", ranks
+
     def op_generate(self, obj: Any) -> dict[str, Any]:
         """A request waits while paused, then holds the model's reader lock for its whole life."""
         params = obj.sampling_params or {}
@@ -564,7 +605,7 @@ class EmulatedSGLang(EmulatedServer):
             "version": self.version, "startup_time": self.startup_durations, "internal_states": [{}],
             "tp_size": self.tp, "dp_size": 1, "pp_size": 1, "enable_dp_attention": False,
             "enable_memory_saver": self.memory_saver, "enable_weights_cpu_backup": self.weights_cpu_backup,
-            "weight_cache_mode": "off", "weight_version": "default", "frontend": "python",
+            "weight_cache_mode": "off", "weight_version": "default", "frontend": "python", "device": "cpu",
         }  # fmt: skip
 
     # ---- the HTTP front (entrypoints/http_server.py routes) -----------------------------------
@@ -673,6 +714,24 @@ class EmulatedSGLang(EmulatedServer):
 
     def r_generate(self, method: str, query: Any, body: Any, call: str | None) -> Any:
         return self.op_generate(self._req(body, "/generate"))
+
+    def r_weights_checker(self, method: str, query: Any, body: Any, call: str | None) -> Any:
+        """entrypoints/http_server.py `check_weights` (GET or POST, the body optional): 200 with
+        {"success", "message", "ranks", "per_engine_checksum"}, or 400 {"success": false, "message"}."""
+        if method not in ("GET", "POST"):
+            raise _Reply(405, {"detail": "Method Not Allowed"})
+        obj = self._req({} if body is None else body, "/weights_checker")
+        if obj.selector not in ("all", "target", "draft"):  # CheckWeightsReqInput.selector is a Literal
+            raise self.invalid("selector: Input should be 'target', 'draft' or 'all'")
+        success, message, ranks = self.op_check_weights(obj)
+        if not success:
+            raise _Reply(400, {"success": False, "message": message})
+        if not ranks:  # no runner answered (a draft selector without a draft model): no payload
+            return {"success": True, "message": message}
+        per_engine = hashlib.sha256()
+        for info in ranks:
+            per_engine.update(info["per_gpu_checksum"].encode())
+        return {"success": True, "message": message, "ranks": ranks, "per_engine_checksum": per_engine.hexdigest()}
 
     def r__refit__info(self, method: str, query: Any, body: Any, call: str | None) -> Any:
         return {**super().r__refit__info(method, query, body, call), "session_open": self.session_open,

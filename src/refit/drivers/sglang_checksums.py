@@ -1,0 +1,253 @@
+"""SGLang's own weight checksums (`/weights_checker`, action "checksum"), mapped onto refit's
+verification: what SGLang 0.5.23 hashes, and the same hashes computed from a trainer's HF tensors.
+
+What SGLang computes (read in its source):
+  * entrypoints/http_server.py `check_weights` answers {"success", "message", "ranks": [one
+    ChecksumInfo per TP rank], "per_engine_checksum"}; managers/scheduler_components/
+    weight_updater.py `check_weights` gathers one ChecksumInfo per TP rank over the TP group.
+  * utils/weight_checker.py `WeightChecker._compute_checksum`: for every parameter and buffer of
+    the model (`named_parameters()` then `named_buffers()`: a tied head is the embedding, listed
+    once), except the non-persistent buffers (`_NON_PERSISTENT_BUFFER_PATTERNS`: cos_sin_cache,
+    inv_freq, ...), `_hash_tensor`: `mm_utils.tensor_hash` as 16 hex digits. On the host that is
+    sha256 of the tensor's raw bytes, its first 8 bytes read big-endian; on CUDA a Triton hash
+    (`gpu_tensor_hash`), which this module does not reproduce.
+  * The parameters are SGLang's, per TP rank: q/k/v fused into `qkv_proj` (this rank's q rows,
+    then its k rows, then its v rows; QKVParallelLinear), gate/up into `gate_up_proj` (this rank's
+    gate rows, then its up rows; MergedColumnParallelLinear), o_proj and down_proj split by
+    columns (RowParallelLinear), the embedding and an untied head split by vocabulary rows padded
+    to a multiple of 64 (or of 64 x TP when that does not divide; the padding rows zero:
+    layers/vocab_parallel_embedding.py `pad_vocab_size`, `_get_indices`, `weight_loader`), norms
+    whole on every rank.
+
+`expected(state, tp)` gives the checksums SGLang would report for `state` (HF names, the dtypes
+sent), keyed "<SGLang parameter>@tp<rank>", the key `reported(body)` gives SGLang's answer.
+Llama-family layouts only (the ones refit's reference engine and emulator serve), with the KV heads
+divisible by TP (SGLang replicates KV heads when there are fewer than TP ranks: not mapped).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+KIND_PREFIX = "sglang/tp"  # the digest kind, with the engine's TP size: "sglang/tp2"
+VOCAB_PADDING = 64  # layers/vocab_parallel_embedding.py DEFAULT_VOCAB_PADDING_SIZE
+FUSED = {  # HF suffix -> (SGLang parameter suffix, position in it)
+    "self_attn.q_proj.weight": ("self_attn.qkv_proj.weight", 0),
+    "self_attn.k_proj.weight": ("self_attn.qkv_proj.weight", 1),
+    "self_attn.v_proj.weight": ("self_attn.qkv_proj.weight", 2),
+    "self_attn.q_proj.bias": ("self_attn.qkv_proj.bias", 0),
+    "self_attn.k_proj.bias": ("self_attn.qkv_proj.bias", 1),
+    "self_attn.v_proj.bias": ("self_attn.qkv_proj.bias", 2),
+    "mlp.gate_proj.weight": ("mlp.gate_up_proj.weight", 0),
+    "mlp.up_proj.weight": ("mlp.gate_up_proj.weight", 1),
+}
+BY_COLUMNS = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
+EMBEDDING, HEAD = "model.embed_tokens.weight", "lm_head.weight"
+BY_VOCAB = (EMBEDDING, HEAD)
+
+
+def kind_for(tp: int) -> str:
+    return f"{KIND_PREFIX}{tp}"
+
+
+def tp_of(kind: str) -> int | None:
+    """The TP size a "sglang/tpN" kind names, or None for another kind."""
+    if not kind.startswith(KIND_PREFIX) or not kind[len(KIND_PREFIX) :].isdigit():
+        return None
+    return int(kind[len(KIND_PREFIX) :])
+
+
+def checksum(tensor: torch.Tensor) -> str:
+    """SGLang's host checksum of one tensor (mm_utils.tensor_hash, weight_checker._hash_tensor)."""
+    return pieces_checksum([tensor])
+
+
+def vocab_rows(vocab: int, tp: int, rank: int) -> tuple[int, int, int]:
+    """(first row, rows taken from the tensor, rows on this rank) of a vocabulary-split tensor."""
+    pad = VOCAB_PADDING
+    if -(-vocab // pad) * pad % tp:
+        pad *= tp
+    per_rank = -(-vocab // pad) * pad // tp
+    start = min(rank * per_rank, vocab)
+    return start, min(start + per_rank, vocab) - start, per_rank
+
+
+def _split(n: int, tp: int, what: str) -> int:
+    if n % tp:
+        raise ValueError(f"{what}: {n} rows or columns do not split over TP {tp}")
+    return n // tp
+
+
+def sglang_params(state: Mapping[str, torch.Tensor], tp: int) -> Iterator[tuple[str, list[torch.Tensor]]]:
+    """Each SGLang parameter of every TP rank, as "<name>@tp<rank>" and the pieces whose bytes,
+    in order, are its bytes (zeros where SGLang pads the vocabulary)."""
+    import torch
+
+    fused: dict[str, dict[int, torch.Tensor]] = {}
+    for name, tensor in state.items():
+        prefix, _, rest = name.partition("layers.")
+        layer, _, suffix = rest.partition(".")
+        if prefix and suffix in FUSED:
+            target, position = FUSED[suffix]
+            fused.setdefault(f"{prefix}layers.{layer}.{target}", {})[position] = tensor
+    for name, tensor in state.items():
+        prefix, _, rest = name.partition("layers.")
+        layer, _, suffix = rest.partition(".")
+        if prefix and suffix in FUSED:
+            target, position = FUSED[suffix]
+            full = f"{prefix}layers.{layer}.{target}"
+            parts = fused[full]
+            if position != min(parts):
+                continue  # the fused parameter is given once, at its first part
+            if sorted(parts) != list(range(len(parts))) or len(parts) < (3 if "qkv" in target else 2):
+                raise ValueError(f"{full}: the trainer sent only parts {sorted(parts)} of it")
+            for r in range(tp):
+                yield (
+                    f"{full}@tp{r}",
+                    [
+                        p.narrow(0, r * _split(p.shape[0], tp, full), _split(p.shape[0], tp, full))
+                        for _, p in sorted(parts.items())
+                    ],
+                )
+        elif suffix in BY_COLUMNS:
+            for r in range(tp):
+                n = _split(tensor.shape[1], tp, name)
+                yield f"{name}@tp{r}", [tensor.narrow(1, r * n, n).contiguous()]
+        elif name in BY_VOCAB:
+            for r in range(tp):
+                start, taken, per_rank = vocab_rows(tensor.shape[0], tp, r)
+                pad = torch.zeros((per_rank - taken, *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+                yield f"{name}@tp{r}", [tensor.narrow(0, start, taken), pad]
+        else:
+            for r in range(tp):
+                yield f"{name}@tp{r}", [tensor]
+
+
+def pieces_checksum(pieces: list[torch.Tensor]) -> str:
+    """`checksum` of the tensor whose bytes are these pieces' bytes in order."""
+    from refit.buckets import _raw
+
+    h = hashlib.sha256()
+    for piece in pieces:
+        t = piece.detach()
+        h.update(memoryview(_raw(t.cpu() if t.device.type != "cpu" else t)))
+    return f"{int.from_bytes(h.digest()[:8], 'big'):016x}"
+
+
+def with_head(sums: dict[str, str]) -> dict[str, str]:
+    """`sums` with the head each rank serves under "lm_head.weight@tp<rank>": a server that ties
+    it to the embedding lists the embedding only, and serves it as the head (SGLang's Llama and
+    Qwen2 skip a checkpoint's lm_head.weight when tied), so a trainer whose head differs from its
+    embedding is caught there."""
+    out = dict(sums)
+    for key, value in sums.items():
+        name, _, rank = key.rpartition("@tp")
+        if name == EMBEDDING and f"{HEAD}@tp{rank}" not in sums:
+            out[f"{HEAD}@tp{rank}"] = value
+    return out
+
+
+def expected(state: Mapping[str, torch.Tensor], tp: int) -> dict[str, str]:
+    """The checksums SGLang would report for `state` (HF names, in the dtypes sent) on `tp` ranks,
+    with each rank's head (`with_head`)."""
+    return with_head({key: pieces_checksum(pieces) for key, pieces in sglang_params(state, tp)})
+
+
+def reported(body: Any) -> dict[str, str]:
+    """SGLang's /weights_checker answer as {"<parameter>@tp<rank>": checksum}, the target model's
+    only (a draft runner's keys are prefixed with its role: weight_updater.py
+    `_merge_checksum_payloads`); raises ValueError naming what is malformed."""
+    if not isinstance(body, dict) or body.get("success") is not True:
+        raise ValueError(f"the checksum was not computed: {str(body)[:200]}")
+    ranks = body.get("ranks")
+    if not isinstance(ranks, list) or not ranks:
+        raise ValueError("the answer has no per-rank checksums ('ranks')")
+    out: dict[str, str] = {}
+    for info in ranks:
+        roles = info.get("parallelism_info") if isinstance(info, dict) else None
+        sums = info.get("checksums") if isinstance(info, dict) else None
+        if not isinstance(roles, list) or not roles or not isinstance(sums, dict):
+            raise ValueError(f"a rank's entry is not a ChecksumInfo: {str(info)[:200]}")
+        rank = roles[0].get("tp_rank") if isinstance(roles[0], dict) else None
+        if not isinstance(rank, int):
+            raise ValueError(f"a rank's entry names no tp_rank: {str(roles)[:200]}")
+        drafts = tuple(f"{r['role']}." for r in roles if isinstance(r, dict) and r.get("role") != "target")
+        for name, value in sums.items():
+            if drafts and name.startswith(drafts):
+                continue
+            out[f"{name}@tp{rank}"] = str(value)
+    return with_head(out)
+
+
+def param_of(name: str) -> str:
+    """The SGLang parameter an HF tensor loads into."""
+    prefix, _, rest = name.partition("layers.")
+    layer, _, suffix = rest.partition(".")
+    if prefix and suffix in FUSED:
+        return f"{prefix}layers.{layer}.{FUSED[suffix][0]}"
+    return name
+
+
+def uncovered(sums: Mapping[str, str], planned: list[str], tp: int) -> list[str]:
+    """The planned HF tensors whose SGLang parameter has no checksum on some rank."""
+    return [n for n in planned if any(f"{param_of(n)}@tp{r}" not in sums for r in range(tp))]
+
+
+class LayoutDigests:
+    """SGLang's checksums of a trainer's tensors taken as they are packed, one at a time (the same
+    values as `expected` over the whole state): each parameter's sha256 is fed its pieces in
+    order, and a fused part that comes before the parts it follows waits, copied, until they came."""
+
+    def __init__(self, kind: str) -> None:
+        tp = tp_of(kind)
+        if tp is None or tp < 1:
+            raise ValueError(f"digest kind {kind!r} is not 'sglang/tp<N>'")
+        self.kind, self.tp = kind, tp
+        self._open: dict[str, tuple[Any, int, dict[int, list[bytes]]]] = {}  # key -> (sha256, next part, waiting)
+        self._parts: dict[str, int] = {}  # fused parameter -> how many parts it has
+        self._done: dict[str, str] = {}
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        from refit.buckets import _raw
+
+        t = tensor.detach()
+        t = t.cpu() if t.device.type != "cpu" else t
+        prefix, _, rest = name.partition("layers.")
+        suffix = rest.partition(".")[2]
+        fused = FUSED.get(suffix) if prefix else None
+        for key, pieces in sglang_params({name: t}, self.tp) if fused is None else self._fused_pieces(name, t):
+            if fused is None:
+                self._done[key] = pieces_checksum(pieces)
+                continue
+            h, at, waiting = self._open.setdefault(key, (hashlib.sha256(), 0, {}))
+            waiting[fused[1]] = [bytes(_raw(p.contiguous())) for p in pieces]
+            while at in waiting:
+                for chunk in waiting.pop(at):
+                    h.update(chunk)
+                at += 1
+            self._open[key] = (h, at, waiting)
+            if at == self._parts[key.rpartition("@tp")[0]]:
+                self._done[key] = f"{int.from_bytes(h.digest()[:8], 'big'):016x}"
+                del self._open[key]
+
+    def _fused_pieces(self, name: str, t: torch.Tensor) -> Iterator[tuple[str, list[torch.Tensor]]]:
+        target = param_of(name)
+        self._parts[target] = 3 if "qkv_proj" in target else 2
+        n = _split(t.shape[0], self.tp, target)
+        for r in range(self.tp):
+            yield f"{target}@tp{r}", [t.narrow(0, r * n, n)]
+
+    def put(self, name: str, value: str) -> None:
+        raise ValueError(f"{self.kind} digests are computed from the tensors, not taken from a transport")
+
+    def flush(self) -> None:
+        pass
+
+    def results(self) -> dict[str, str]:
+        """Every parameter's checksum; a fused parameter missing a part is left out (not covered)."""
+        return with_head(dict(self._done))

@@ -1,0 +1,171 @@
+"""Verification of SGLang engines by SGLang's own checksums (`/weights_checker`, action "checksum"):
+the hash and the vocabulary split are checked against SGLang 0.5.23's own code (imported without a
+GPU, tests/sglang_support.py), the emulator's answer against SGLang's wire types, and refits into
+emulated SGLang servers are verified with it: clean ones pass, silent faults injected in the engine
+behind the emulator are caught and named at SGLang's parameter and TP rank."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+import torch
+
+from refit import invariants, protocol
+from refit.drivers import sglang_checksums as sc
+from refit.drivers.sglang_transport import SGLangTensorTransport
+from refit.drivers.torch_source import TorchSource
+from refit.errors import ConfigError
+from refit.reference.model import ModelConfig, TinyLlama
+from refit.testing.sglang_server import EmulatedSGLangEngine
+
+from .sglang_support import sglang, validate_body
+
+
+def _sglang_module(name: str) -> Any:
+    import importlib
+
+    sglang()  # the shim for SGLang's CUDA-only imports
+    return importlib.import_module(name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int8])
+def test_the_checksum_is_sglangs_own_on_the_host(dtype: torch.dtype) -> None:
+    checker = _sglang_module("sglang.srt.utils.weight_checker")
+    g = torch.Generator().manual_seed(0)
+    for shape in [(7,), (33, 17), (0,)]:
+        t = (torch.randn(shape, generator=g) * 50).to(dtype)
+        assert sc.checksum(t) == checker._hash_tensor(t)
+        pieces = [t[: len(t) // 2], t[len(t) // 2 :]] if t.dim() else [t]
+        assert sc.pieces_checksum(pieces) == checker._hash_tensor(t)
+
+
+@pytest.mark.parametrize(("vocab", "tp"), [(250, 1), (250, 2), (256, 4), (151936, 8), (32001, 3), (100, 7)])
+def test_the_vocabulary_split_is_sglangs(vocab: int, tp: int) -> None:
+    """Each rank's rows and padding, against VocabParallelEmbedding._get_indices (the padded sizes
+    as its constructor computes them: padding 64, times TP when that does not divide)."""
+    vpe = _sglang_module("sglang.srt.layers.vocab_parallel_embedding")
+    pad = 64 * (tp if vpe.pad_vocab_size(vocab, 64) % tp else 1)
+    padded = vpe.pad_vocab_size(vocab, pad)
+    for rank in range(tp):
+        idx = vpe.VocabParallelEmbedding._get_indices(padded, padded, vocab, vocab, rank, tp)
+        start, taken, per_rank = sc.vocab_rows(vocab, tp, rank)
+        assert (start, start + taken) == (idx.org_vocab_start_index, idx.org_vocab_end_index)
+        assert per_rank == padded // tp
+
+
+def _engines(n: int, *, tp: int, tied: bool = False) -> tuple[list[EmulatedSGLangEngine], ModelConfig]:
+    config = ModelConfig(tie_word_embeddings=tied, vocab_size=250)
+    return [EmulatedSGLangEngine.start(f"s{i}", config=config, tp=tp, validate=validate_body) for i in range(n)], config
+
+
+def _trained(config: ModelConfig) -> TinyLlama:
+    model = TinyLlama(config, seed=0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    return model
+
+
+def test_the_emulators_answer_is_sglangs_wire_shape_and_the_trainers_expectation() -> None:
+    io_struct = sglang().io_struct
+    checker = _sglang_module("sglang.srt.utils.weight_checker")
+    (engine,), _ = _engines(1, tp=2)
+    try:
+        headers = {"Authorization": f"Bearer {engine.server.admin_api_key}"} if engine.server.admin_api_key else {}
+        body = httpx.post(f"{engine.url}/weights_checker", json={"action": "checksum"}, headers=headers).json()
+        assert body["success"] is True and len(body["ranks"]) == 2
+        for rank, info in enumerate(body["ranks"]):
+            wire = __import__("msgspec").convert(info, io_struct.ChecksumInfo)
+            assert wire.parallelism_info[0].tp_rank == rank and wire.parallelism_info[0].role == "target"
+            assert info["per_gpu_checksum"] == checker.overall_checksum(info["checksums"])
+        state = engine.server.engine.client.call("served_state_dict", timeout=30)
+        assert sc.reported(body) == sc.expected(state, 2)  # the engine's own weights, as SGLang lays them out
+        assert sc.reported(httpx.get(f"{engine.url}/weights_checker", headers=headers).json()) == sc.reported(body)
+        bad = httpx.post(f"{engine.url}/weights_checker", json={"action": "snapshot"}, headers=headers)
+        assert bad.status_code == 400 and bad.json()["success"] is False and "snapshot" in bad.json()["message"]
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize(("tp", "tied"), [(1, False), (2, False), (2, True)])
+def test_refits_into_sglang_verify_by_its_checksums(tp: int, tied: bool) -> None:
+    engines, config = _engines(2, tp=tp, tied=tied)
+    model = _trained(config)
+    ctx = protocol.RefitContext(TorchSource(model), SGLangTensorTransport(), engines, mode="colocated")
+    try:
+        assert ctx.digest_kind == f"sglang/tp{tp}"
+        for _ in range(2):
+            result = protocol.run(ctx)
+            assert result.ok, result.error
+            for outcome in result.engines.values():
+                assert outcome.verify["ok"] and outcome.verify["compared"] > 0
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.mul_(1.01)
+        start = next(e for e in ctx.recorder.events if e.get("event") == "start")
+        assert start["digest"] == f"sglang/tp{tp}"
+        assert invariants.check_trace(ctx.recorder.events, open_ok=True) == []
+    finally:
+        ctx.close()
+        for e in engines:
+            e.close()
+
+
+@pytest.mark.parametrize(
+    ("kind", "tp", "bucket", "named"),
+    [
+        ("swap_qk", 1, 1, ["model.layers.0.self_attn.qkv_proj.weight@tp0"]),
+        ("flip", 1, 2, ["model.layers.0.mlp.gate_up_proj.weight@tp0"]),
+        (
+            "swap_tp",
+            2,
+            1,
+            ["model.layers.0.self_attn.o_proj.weight@tp0", "model.layers.0.self_attn.qkv_proj.weight@tp0"],
+        ),
+        ("stale_head", 1, None, ["lm_head.weight@tp0"]),
+    ],
+)
+def test_a_silent_fault_behind_sglang_is_caught_and_named(
+    kind: str, tp: int, bucket: int | None, named: list[str]
+) -> None:
+    """The fault is armed in the reference engine behind the emulator (the SGLang driver has no
+    `arm_fault`): it acks and would serve wrong weights; SGLang's checksums name the parameter."""
+    engines, config = _engines(2, tp=tp)
+    model = _trained(config)
+    call = "finalize" if kind == "stale_head" else "load"
+    engines[0].server.engine.client.call("arm_fault", kind, call, bucket, 0.0, timeout=5)
+    ctx = protocol.RefitContext(
+        TorchSource(model), SGLangTensorTransport(), engines, mode="colocated", retries=0, bucket_bytes=64 << 10
+    )
+    try:
+        result = protocol.run(ctx)
+        bad, good = result.engines["s0"], result.engines["s1"]
+        assert good.status == "updated" and good.verify["ok"]
+        assert bad.status == "quarantined" and bad.verify["mismatched"] == named
+        assert "unverified" in (bad.error or "")
+        assert invariants.check_trace(ctx.recorder.events, open_ok=True) == []
+    finally:
+        ctx.close()
+        for e in engines:
+            e.close()
+
+
+def test_a_malformed_answer_or_a_gpu_server_is_refused_clearly() -> None:
+    with pytest.raises(ValueError, match="not computed"):
+        sc.reported({"success": False, "message": "boom"})
+    with pytest.raises(ValueError, match="no per-rank checksums"):
+        sc.reported({"success": True, "message": "Success."})
+    with pytest.raises(ValueError, match="not a ChecksumInfo"):
+        sc.reported({"success": True, "ranks": [{"checksums": {}}]})
+    draft = {"success": True, "ranks": [{"checksums": {"a": "01", "draft.a": "02"}, "per_gpu_checksum": "x",
+             "parallelism_info": [{"role": "target", "tp_rank": 0}, {"role": "draft", "tp_rank": 0}]}]}  # fmt: skip
+    assert sc.reported(draft) == {"a@tp0": "01"}  # a draft model's weights are not the trainer's
+    (engine,), config = _engines(1, tp=1)
+    try:
+        engine._server_device = "cuda"  # SGLang on a GPU hashes with a Triton kernel refit does not reproduce
+        with pytest.raises(ConfigError, match="cannot report digests"):
+            protocol.RefitContext(TorchSource(_trained(config)), SGLangTensorTransport(), [engine], mode="colocated")
+    finally:
+        engine.close()
