@@ -165,7 +165,41 @@ def test_a_malformed_answer_or_a_gpu_server_is_refused_clearly() -> None:
     (engine,), config = _engines(1, tp=1)
     try:
         engine._server_device = "cuda"  # SGLang on a GPU hashes with a Triton kernel refit does not reproduce
-        with pytest.raises(ConfigError, match="cannot report digests"):
+        with pytest.raises(ConfigError, match=r"cannot report digests .*runs on 'cuda': SGLang hashes there"):
+            protocol.RefitContext(TorchSource(_trained(config)), SGLangTensorTransport(), [engine], mode="colocated")
+        engine._server_device, engine.checksums = "cpu", False  # a real server's driver: only when asked
+        with pytest.raises(ConfigError, match=r"SGLangEngine\(\.\.\., checksums=True\)"):
             protocol.RefitContext(TorchSource(_trained(config)), SGLangTensorTransport(), [engine], mode="colocated")
     finally:
         engine.close()
+
+
+def test_rotary_buffers_a_trainer_sends_are_not_sglang_parameters() -> None:
+    state = dict(TinyLlama(ModelConfig(), seed=0).state_dict())
+    state["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.arange(4.0)
+    sums = sc.expected(state, 2)
+    assert not any("rotary" in k for k in sums) and sc.uncovered(sums, list(state), 2) == []
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_checksums_taken_as_tensors_are_packed_equal_the_whole_states_in_any_order(tp: int) -> None:
+    import random
+
+    state = dict(_trained(ModelConfig(vocab_size=250)).state_dict())
+    want = sc.expected(state, tp)
+    for seed in range(4):
+        items = list(state.items())
+        random.Random(seed).shuffle(items)  # a fused part may come before the parts it follows
+        digests = sc.LayoutDigests(sc.kind_for(tp))
+        for name, tensor in items:
+            digests.add(name, tensor)
+        assert digests.results() == want
+    partial = sc.LayoutDigests(sc.kind_for(tp))
+    for name, tensor in state.items():
+        if not name.endswith("layers.0.self_attn.v_proj.weight"):
+            partial.add(name, tensor)
+    assert sc.uncovered(partial.results(), list(state), tp) == [
+        n
+        for n in state
+        if n.startswith("model.layers.0.self_attn.") and n.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight"))
+    ]

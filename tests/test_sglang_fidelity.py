@@ -69,6 +69,10 @@ CORPUS: list[tuple[str, str, Any]] = [
     ("POST", "/weights_checker", {"action": "checksum", "selector": "draft"}),  # no draft model: no payload
     ("POST", "/weights_checker", {"action": "checksum", "selector": "sideways"}),
     ("POST", "/weights_checker", {"action": "spin"}),
+    ("POST", "/weights_checker", {"action": "spin", "selector": "draft"}),  # no draft runner: nothing checks it
+    ("POST", "/weights_checker", {"action": 5}),
+    ("POST", "/weights_checker", {"skip_tensor_list": "model"}),
+    ("POST", "/weights_checker", {"action": "checksum", "skip_tensor_list": ["mlp"]}),
     ("POST", "/no_such_route", {}),
 ]
 

@@ -472,6 +472,7 @@ class EngineDriver(ABC):
     digest_kinds: ClassVar[frozenset[str]] = frozenset()
     written_digests: ClassVar[frozenset[str]] = frozenset()
     probes: ClassVar[bool] = False
+    no_digests: ClassVar[str | None] = None  # why `digest_kinds` is empty, for the refusal (optional)
 
     name: str
 

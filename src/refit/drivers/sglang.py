@@ -225,6 +225,7 @@ class SGLangEngine(HttpEngineDriver):
         tp: int = 1,
         weights_cpu_backup: bool = False,
         released: Sequence[str] = (),
+        checksums: bool = False,
         transport: httpx.BaseTransport | None = None,
     ) -> None:
         """`url`: the server's base URL. `api_key`: the server's --api-key, if it set one (sent on
@@ -233,7 +234,11 @@ class SGLangEngine(HttpEngineDriver):
         TP rank). `weights_cpu_backup`: the server runs with --enable-weights-cpu-backup (released
         weights come back intact). `released`: memory tags already released on the server when
         refit takes it (release through `release_memory` instead, and the driver knows): SGLang
-        dies resuming a tag not released."""
+        dies resuming a tag not released. `checksums`: verify by SGLang's own /weights_checker
+        checksums (`digest_kinds`), for a server that keeps the weights as it loaded them: on the
+        host (not CUDA), without AMX weight packing (an Intel CPU with AMX repacks linear weights
+        after loading), heads and intermediate size dividing by its TP size (a CPU server pads
+        them otherwise), in the dtype the trainer sends; anything else fails every verification."""
         super().__init__(name, url, api_key=api_key, tp=tp, transport=transport)
         self.weights_cpu_backup = weights_cpu_backup
         self._admin = {"Authorization": f"Bearer {admin_api_key}"} if admin_api_key else None
@@ -244,6 +249,7 @@ class SGLangEngine(HttpEngineDriver):
         self._restarted_since_attach = False
         self._server_tp: Any = None  # the server's tp_size, as its /server_info reports it
         self._server_device: Any = None  # its device ("cpu", "cuda", ...), as /server_info reports it
+        self.checksums = checksums
         self._attached: ConnectInfo | None = None
         self._released: set[str] = set(self._server_tags(released))
         self._read_capabilities(5.0)
@@ -262,12 +268,26 @@ class SGLangEngine(HttpEngineDriver):
         """SGLang's own checksums ("sglang/tp<N>", `refit.drivers.sglang_checksums`), from a server
         on the host (0.5.23+, whose /weights_checker the mapping was read from): on CUDA SGLang
         hashes with a Triton kernel refit does not reproduce, so a GPU server reports nothing here."""
-        caps = self.capabilities
-        if caps is None or self._server_device != "cpu" or (version_tuple(caps.version) or (0, 5, 23)) < (0, 5, 23):
+        if self.no_digests is not None:
             return frozenset()
         from refit.drivers.sglang_checksums import kind_for
 
         return frozenset({kind_for(self._tp)})
+
+    @property
+    def no_digests(self) -> str | None:
+        """Why this driver reports no digests (None: it does)."""
+        caps = self.capabilities
+        if not self.checksums:
+            return "SGLang's checksums are used only when asked: SGLangEngine(..., checksums=True), see its docstring"
+        if caps is None:
+            return f"the server at {self.url} has not answered /server_info yet"
+        if (version_tuple(caps.version) or (0, 5, 23)) < (0, 5, 23):
+            return f"SGLang {caps.version}: /weights_checker as refit maps it is 0.5.23's"
+        if self._server_device != "cpu":
+            where = self._server_device
+            return f"the server runs on {where!r}: SGLang hashes there with a Triton kernel refit does not reproduce"
+        return None
 
     @property
     def pause_modes(self) -> frozenset[str]:  # type: ignore[override]

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
+NOT_PARAMETERS = ("rotary_emb.inv_freq", "cos_sin_cache", "cos_cache", "sin_cache", "freqs_cis")
 KIND_PREFIX = "sglang/tp"  # the digest kind, with the engine's TP size: "sglang/tp2"
 VOCAB_PADDING = 64  # layers/vocab_parallel_embedding.py DEFAULT_VOCAB_PADDING_SIZE
 FUSED = {  # HF suffix -> (SGLang parameter suffix, position in it)
@@ -85,9 +86,11 @@ def _split(n: int, tp: int, what: str) -> int:
 
 def sglang_params(state: Mapping[str, torch.Tensor], tp: int) -> Iterator[tuple[str, list[torch.Tensor]]]:
     """Each SGLang parameter of every TP rank, as "<name>@tp<rank>" and the pieces whose bytes,
-    in order, are its bytes (zeros where SGLang pads the vocabulary)."""
+    in order, are its bytes (zeros where SGLang pads the vocabulary). Rotary buffers a trainer may
+    send are not SGLang's parameters (its loaders drop them; its checker skips such buffers)."""
     import torch
 
+    state = {k: v for k, v in state.items() if not any(p in k for p in NOT_PARAMETERS)}
     fused: dict[str, dict[int, torch.Tensor]] = {}
     for name, tensor in state.items():
         prefix, _, rest = name.partition("layers.")
@@ -195,7 +198,10 @@ def param_of(name: str) -> str:
 
 def uncovered(sums: Mapping[str, str], planned: list[str], tp: int) -> list[str]:
     """The planned HF tensors whose SGLang parameter has no checksum on some rank."""
-    return [n for n in planned if any(f"{param_of(n)}@tp{r}" not in sums for r in range(tp))]
+    return [
+        n for n in planned
+        if not any(p in n for p in NOT_PARAMETERS) and any(f"{param_of(n)}@tp{r}" not in sums for r in range(tp))
+    ]  # fmt: skip
 
 
 class LayoutDigests:
@@ -225,7 +231,12 @@ class LayoutDigests:
                 self._done[key] = pieces_checksum(pieces)
                 continue
             h, at, waiting = self._open.setdefault(key, (hashlib.sha256(), 0, {}))
-            waiting[fused[1]] = [bytes(_raw(p.contiguous())) for p in pieces]
+            if fused[1] == at:  # its turn: hashed from the tensor (hashlib releases the GIL on big buffers)
+                for p in pieces:
+                    h.update(memoryview(_raw(p.contiguous())))
+                at += 1
+            else:  # early: a copy waits for the parts before it
+                waiting[fused[1]] = [bytes(_raw(p.contiguous())) for p in pieces]
             while at in waiting:
                 for chunk in waiting.pop(at):
                     h.update(chunk)

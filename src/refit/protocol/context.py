@@ -243,9 +243,10 @@ class RefitContext:
                 )
             if self.verify in ("digest", "both") and self.digest_kind not in e.digest_kinds:
                 raise ConfigError(
-                    f"engine {e.name} ({type(e).__name__}) cannot report digests of the weights it serves, so "
-                    f"verify={self.verify!r} cannot check it before it publishes; pass verify='off' to trust its "
-                    "finalize" + (", or verify='probe' to check what it computes" if e.probes else "")
+                    f"engine {e.name} ({type(e).__name__}) cannot report digests of the weights it serves"
+                    + (f" ({e.no_digests})" if getattr(e, "no_digests", None) else "")
+                    + f", so verify={self.verify!r} cannot check it before it publishes; pass verify='off' to trust "
+                    "its finalize" + (", or verify='probe' to check what it computes" if e.probes else "")
                 )
             if self.verify in ("probe", "both") and not e.probes:
                 can = "'digest' or 'off'" if self.digest_kind in e.digest_kinds else "'off' to trust its finalize"

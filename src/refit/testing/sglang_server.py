@@ -548,13 +548,14 @@ class EmulatedSGLang(EmulatedServer):
         try:
             if obj.selector not in ("all", "target", "draft"):
                 raise ValueError(f"invalid selector {obj.selector!r}; expected 'target', 'draft', or 'all'")
+            if obj.selector == "draft":  # no draft runner: nothing runs the action, no payload
+                return True, "Success.", []
             if obj.action in ("snapshot", "reset_tensors", "compare"):  # SGLang's, not emulated
                 raise ValueError(f"action={obj.action!r} is not emulated (refit's SGLang emulator computes checksums)")
             if obj.action != "checksum":
                 raise ValueError(f"Unsupported action={obj.action!r}")  # WeightChecker.handle's text
-            if obj.selector == "draft":  # no draft runner: nothing answers, no payload
-                return True, "Success.", []
-            state = self.engine.client.call("served_state_dict", timeout=60.0)  # a tied head: the embedding
+            with self._lock:  # SGLang's scheduler runs it between loads, never inside one
+                state = self.engine.client.call("served_state_dict", timeout=60.0)  # a tied head: the embedding
             skip = tuple(obj.skip_tensor_list or ())
             per_rank: list[dict[str, str]] = [{} for _ in range(self.tp)]
             for key, pieces in sc.sglang_params(state, self.tp):
@@ -721,8 +722,15 @@ class EmulatedSGLang(EmulatedServer):
         if method not in ("GET", "POST"):
             raise _Reply(405, {"detail": "Method Not Allowed"})
         obj = self._req({} if body is None else body, "/weights_checker")
-        if obj.selector not in ("all", "target", "draft"):  # CheckWeightsReqInput.selector is a Literal
+        if obj.selector not in ("all", "target", "draft"):  # CheckWeightsReqInput's field types
             raise self.invalid("selector: Input should be 'target', 'draft' or 'all'")
+        if not isinstance(obj.action, str):
+            raise self.invalid("action: Input should be a valid string")
+        if not isinstance(obj.allow_quant_error, bool):
+            raise self.invalid("allow_quant_error: Input should be a valid boolean")
+        skip = obj.skip_tensor_list
+        if skip is not None and not (isinstance(skip, list) and all(isinstance(p, str) for p in skip)):
+            raise self.invalid("skip_tensor_list: Input should be a valid list of strings")
         success, message, ranks = self.op_check_weights(obj)
         if not success:
             raise _Reply(400, {"success": False, "message": message})
@@ -747,6 +755,7 @@ class EmulatedSGLangEngine(EmulatorClient, SGLangEngine):
         self._bucket = threading.local()
         kwargs.setdefault("api_key", server.api_key)
         kwargs.setdefault("admin_api_key", server.admin_api_key)
+        kwargs.setdefault("checksums", True)  # the emulator keeps the weights as it loaded them
         super().__init__(name, server.url, tp=server.tp, **kwargs)
 
     @classmethod
