@@ -55,9 +55,14 @@ def test_the_vocabulary_split_is_sglangs(vocab: int, tp: int) -> None:
         assert per_rank == padded // tp
 
 
-def _engines(n: int, *, tp: int, tied: bool = False) -> tuple[list[EmulatedSGLangEngine], ModelConfig]:
+def _engines(
+    n: int, *, tp: int, tied: bool = False, prefix: str = "s"
+) -> tuple[list[EmulatedSGLangEngine], ModelConfig]:
     config = ModelConfig(tie_word_embeddings=tied, vocab_size=250)
-    return [EmulatedSGLangEngine.start(f"s{i}", config=config, tp=tp, validate=validate_body) for i in range(n)], config
+    engines = [
+        EmulatedSGLangEngine.start(f"{prefix}{i}", config=config, tp=tp, validate=validate_body) for i in range(n)
+    ]
+    return engines, config
 
 
 def _trained(config: ModelConfig) -> TinyLlama:
@@ -203,3 +208,40 @@ def test_checksums_taken_as_tensors_are_packed_equal_the_whole_states_in_any_ord
         for n in state
         if n.startswith("model.layers.0.self_attn.") and n.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight"))
     ]
+
+
+def test_engines_of_different_kinds_are_refused_naming_the_kinds() -> None:
+    one, config = _engines(1, tp=1)
+    two, _ = _engines(1, tp=2, prefix="t")
+    try:
+        with pytest.raises(ConfigError, match=r"different kinds.*'sglang/tp1'.*'sglang/tp2'"):
+            protocol.RefitContext(
+                TorchSource(_trained(config)), SGLangTensorTransport(), [*one, *two], mode="colocated"
+            )
+    finally:
+        for e in [*one, *two]:
+            e.close()
+    with pytest.raises(ValueError, match="names no role"):
+        sc.reported({"success": True, "ranks": [{"checksums": {}, "parallelism_info": [{"tp_rank": 0}]}]})
+
+
+def test_a_verify_that_hangs_in_sglang_is_dropped_inside_its_budget() -> None:
+    """A hang armed for the verify call really holds /weights_checker (the emulator runs the armed
+    fault there too): that engine fails on its own call's budget, the other publishes."""
+    sglang()  # SGLang's request types, imported once (seconds) before any budgeted call validates with them
+    engines, config = _engines(2, tp=1)
+    plan = protocol.FaultPlan().fail_at("verifying", engine=0, call="verify", kind="hang")
+    ctx = protocol.RefitContext(
+        TorchSource(_trained(config)), SGLangTensorTransport(), engines, mode="colocated", pause_mode="abort",
+        retries=0, faults=plan, call_timeout_s=5.0, deadline_s=60.0,
+    )  # fmt: skip
+    try:
+        result = protocol.run(ctx)
+        hung, good = result.engines["s0"], result.engines["s1"]
+        assert good.status == "updated" and good.verify["ok"]
+        assert hung.status != "updated" and "/weights_checker" in (hung.error or "")
+        assert invariants.check_trace(ctx.recorder.events, open_ok=True) == []
+    finally:
+        ctx.close()
+        for e in engines:
+            e.close()

@@ -179,7 +179,9 @@ def reported(body: Any) -> dict[str, str]:
         rank = roles[0].get("tp_rank") if isinstance(roles[0], dict) else None
         if not isinstance(rank, int):
             raise ValueError(f"a rank's entry names no tp_rank: {str(roles)[:200]}")
-        drafts = tuple(f"{r['role']}." for r in roles if isinstance(r, dict) and r.get("role") != "target")
+        if not all(isinstance(r, dict) and isinstance(r.get("role"), str) for r in roles):
+            raise ValueError(f"a rank's parallelism_info names no role: {str(roles)[:200]}")
+        drafts = tuple(f"{r['role']}." for r in roles if r["role"] != "target")
         for name, value in sums.items():
             if drafts and name.startswith(drafts):
                 continue

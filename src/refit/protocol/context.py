@@ -241,6 +241,13 @@ class RefitContext:
                     f"engine {e.name} ({type(e).__name__}) cannot receive the {self.transport.kind!r} transport "
                     f"({type(self.transport).__name__}); it receives {sorted(e.transports)}"
                 )
+            if self.verify in ("digest", "both") and e.digest_kinds and self.digest_kind not in e.digest_kinds:
+                kinds = {x.name: sorted(x.digest_kinds) for x in self.engines}
+                raise ConfigError(
+                    f"the engines report digests of different kinds, none common to all ({kinds}) and the transport's "
+                    f"is {self.transport.digest_kind!r}: one run verifies every engine with one kind; run them in "
+                    "separate contexts, or pass verify='off'"
+                )
             if self.verify in ("digest", "both") and self.digest_kind not in e.digest_kinds:
                 raise ConfigError(
                     f"engine {e.name} ({type(e).__name__}) cannot report digests of the weights it serves"

@@ -545,6 +545,8 @@ class EmulatedSGLang(EmulatedServer):
         is `success: false` with its text, as SGLang's catch-all makes it."""
         from refit.drivers import sglang_checksums as sc
 
+        self._fault()  # a hang or kill armed for the driver's verify call
+
         try:
             if obj.selector not in ("all", "target", "draft"):
                 raise ValueError(f"invalid selector {obj.selector!r}; expected 'target', 'draft', or 'all'")
