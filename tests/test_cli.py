@@ -191,6 +191,10 @@ def test_an_unknown_option_through_the_real_command() -> None:
         ),
         (["--engine", "sglang", "--verify", "probe"], "sglang driver answers no probe; use --verify digest or off"),
         (
+            ["--engine", "sglang", "--fail-at", "transferring:engine=0:bucket=1:kind=swap_qk"],
+            "kind=swap_qk is a silent fault, injected inside the reference engine; refit's sglang driver cannot host",
+        ),
+        (
             ["--fail-at", "transferring:kind=boom"],
             "fault kind 'boom'; known ('raise', 'hang', 'kill', 'corrupt', 'flip'",
         ),

@@ -343,14 +343,19 @@ def _diagram(args: argparse.Namespace) -> int:
 def _demo_problem(args: argparse.Namespace) -> str | None:
     """What is wrong with the demo's options, found before any engine starts (None: nothing)."""
     from refit.drivers.base import ENGINE_CALLS
-    from refit.protocol.faults import FaultPlan
+    from refit.protocol.faults import SILENT_KINDS, FaultPlan
 
     if args.fail_at:
         try:
             plan = FaultPlan.parse(args.fail_at, engines=args.engines)
         except ValueError as exc:
             return f"--fail-at: {exc}"
-        call = plan.faults[0].call
+        call, kind = plan.faults[0].call, plan.faults[0].kind
+        if kind in SILENT_KINDS and getattr(args, "engine", "reference") != "reference":
+            return (
+                f"--fail-at: kind={kind} is a silent fault, injected inside the reference engine; refit's "
+                f"{args.engine} driver cannot host one (its engine's weights are the server's): use --engine reference"
+            )
         if call is not None and call not in (*ENGINE_CALLS, *TRAINER_CALLS):
             return (
                 f"--fail-at: fault spec {args.fail_at!r}: call={call} is not a driver call (engine calls: "
@@ -458,9 +463,9 @@ def _demo_arguments(p: argparse.ArgumentParser) -> None:
         "--verify",
         choices=("digest", "probe", "both", "off"),
         default=None,
-        help="check each engine before it publishes: digest (its weights, bit for bit), probe (its next-token "
-        "log-probabilities against the trainer's), both, or off (default: digest; off for --engine sglang/vllm, "
-        "whose drivers report neither yet)",
+        help="check each engine before it publishes: digest (its weights, bit for bit; --engine sglang: SGLang's "
+        "own checksums), probe (its next-token log-probabilities against the trainer's), both, or off (default: "
+        "digest; off for --engine vllm, whose driver reports neither yet)",
     )
     p.add_argument("--in-thread", action="store_true", help="run engines on threads instead of processes")
     p.add_argument(
