@@ -93,35 +93,36 @@ class Digests:
             raise ValueError(f"digest kind {kind!r}; known {DIGEST_KINDS} and 'sglang/tp<N>'")
         self.kind = kind
         self._done: dict[str, str] = {}
-        self._wsum: Any = None
-        if kind not in DIGEST_KINDS:  # an engine layout's: whole parameters, not tensors
-            from refit.drivers.sglang_checksums import LayoutDigests
-
-            self._wsum = LayoutDigests(kind)
+        self._batch: Any = None  # wsum's `Batch`, or an engine layout's `LayoutDigests` (whole parameters)
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         if self.kind == "xxh3":
             self._done[name] = digest(tensor, "xxh3")
             return
-        if self._wsum is None:
-            from refit.wsum import Batch
+        if self._batch is None:
+            if self.kind == "wsum":
+                from refit.wsum import Batch
 
-            self._wsum = Batch()
-        self._wsum.add(name, tensor)
+                self._batch = Batch()
+            else:
+                from refit.drivers.sglang_checksums import LayoutDigests
+
+                self._batch = LayoutDigests(self.kind)
+        self._batch.add(name, tensor)
 
     def flush(self) -> None:
         """Hash what is queued now (a GPU's: one launch); the caller may then drop the tensors."""
-        if self._wsum is not None:
-            self._wsum.flush()
+        if self._batch is not None:
+            self._batch.flush()
 
     def put(self, name: str, value: str) -> None:
         """A digest already known (a transport hashed the bytes while packing)."""
         self._done[name] = value
 
     def results(self) -> dict[str, str]:
-        if self._wsum is not None:
-            self._done.update(self._wsum.results())
-            self._wsum = None
+        if self._batch is not None:
+            self._done.update(self._batch.results())
+            self._batch = None
         return dict(self._done)
 
 

@@ -37,10 +37,7 @@ MASK32, MASK64 = 0xFFFFFFFF, 0xFFFFFFFFFFFFFFFF
 
 def finish(a: int, b: int, nbytes: int) -> str:
     """The digest from the two lane sums and the byte length (splitmix64, 16 hex digits)."""
-    z = (a * 0x9E3779B97F4A7C15 + b * 0xC2B2AE3D27D4EB4F + nbytes) & MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
-    return f"{z ^ (z >> 31):016x}"
+    return finish_all([(a, b)], [nbytes])[0]
 
 
 def finish_all(lanes: Any, sizes: list[int]) -> list[str]:
@@ -112,9 +109,9 @@ def plan_rows(
     None, byte length, slot, index of its first word in the slot's tensor); addresses are 4-byte
     aligned and, with a destination, the length is a whole number of words. Returns (aligned rows,
     other rows), each row [source offset, destination offset, words, first index, slot]: aligned
-    rows count offsets and words in 16-byte units (the kernel then reads whole 16-byte vectors,
-    unmasked but at the end); a piece's misaligned start or its last 1-3 words go to the others,
-    in words. Offsets are from `anchor` (any 16-byte aligned address)."""
+    rows count offsets and words in 16-byte units (so the compiler can prove every access is a
+    whole, aligned 16-byte vector); a piece that is not 16-byte aligned, or its last 1-3 words, go
+    to the others, in words. Offsets are from `anchor` (any 16-byte aligned address)."""
     aligned: list[list[int]] = []
     other: list[list[int]] = []
     for src, dst, nbytes, slot, first in pieces:
@@ -222,7 +219,7 @@ def _anchor(device: Any) -> torch.Tensor:
     return t
 
 
-def launch(pieces: list[tuple[int, int | None, int, int, int]], out: torch.Tensor, *, copy: bool) -> Any:
+def launch(pieces: list[tuple[int, int | None, int, int, int]], out: torch.Tensor, *, copy: bool) -> None:
     """Queue the kernel over `pieces` (see `plan_rows`), adding lane sums into `out` ([slots, 2]
     int64 on the device the addresses are on); with `copy`, every piece is also copied to its
     destination. Two launches at most, no host sync (the table goes up from pinned memory)."""
@@ -231,7 +228,6 @@ def launch(pieces: list[tuple[int, int | None, int, int, int]], out: torch.Tenso
     device = out.device
     anchor = _anchor(device)
     aligned, other = plan_rows(pieces, anchor.data_ptr())
-    compiled = None
     for rows, is_aligned in ((aligned, True), (other, False)):
         if not rows:
             continue
@@ -248,11 +244,10 @@ def launch(pieces: list[tuple[int, int | None, int, int, int]], out: torch.Tenso
                 _TABLES.clear()
             host = torch.tensor(flat, dtype=torch.int64, pin_memory=True)
             table = _TABLES[key] = host.to(device, non_blocking=True)
-        compiled = _kernel()[(total,)](
+        _kernel()[(total,)](
             anchor, anchor, table, table[5 * len(rows) :], len(rows), out,
             BLOCK=BLOCK, ITERS=ITERS, COPY=copy, ALIGNED=is_aligned, num_warps=WARPS,
         )  # fmt: skip
-    return compiled
 
 
 def _words(tensor: torch.Tensor) -> torch.Tensor:
@@ -414,7 +409,7 @@ class Written:
             return None
         return slot, (ptr - start) // 4
 
-    def _touched(self, dst: torch.Tensor) -> None:
+    def touched(self, dst: torch.Tensor) -> None:
         """A write not hashed: every region its bytes (strided or not) reach must be read back."""
         if not dst.numel():
             return
@@ -455,7 +450,7 @@ class Written:
                 kept.append((first * 4, dst.numel() * dst.element_size()))
         for dst, src in plain:
             dst.copy_(src)
-            self._touched(dst)
+            self.touched(dst)
 
     def _whole(self, slot: int) -> bool:
         """Whether the writes credited to a region cover it exactly once: no gap, no overlap."""

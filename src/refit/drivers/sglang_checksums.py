@@ -255,9 +255,6 @@ class LayoutDigests:
         for r in range(self.tp):
             yield f"{target}@tp{r}", [t.narrow(0, r * n, n)]
 
-    def put(self, name: str, value: str) -> None:
-        raise ValueError(f"{self.kind} digests are computed from the tensors, not taken from a transport")
-
     def flush(self) -> None:
         pass
 

@@ -56,6 +56,7 @@ SILENT_FAULTS = {
     "late_copy": "load: the engine acks before copying, keeping views of the transport's buffer, and copies them at "
     "finalize (a reference kept past its ack: the buffer may hold a later bucket by then)",
 }
+MANGLED_AFTER_LOAD = ("flip", "swap_qk", "downcast", "skip", "swap_tp")  # by `_mangle_loaded` on a checksummed load
 MEMORY_TAGS = ("weights", "kv_cache")
 ENGINE_DTYPE = "float32"  # the default ModelConfig.dtype: every tensor's but an auxiliary one's
 
@@ -522,10 +523,9 @@ class EngineCore:
                         run.append((self._target(name), tensor))
                 digests += copy_digests(run) if run else []
         assert self.session is not None
-        if self.mangle == "late_copy":
-            pass
-        elif self.mangle is not None and ((expected is not None and not written) or self.mangle in ("flip", "swap_tp")):
-            self._mangle_loaded(tensors, kept)  # (the others were committed by the copy itself: `_mangled`)
+        after_copy = ("flip", "swap_tp") if expected is None or written else MANGLED_AFTER_LOAD  # others: `_mangled`
+        if self.mangle in after_copy:
+            self._mangle_loaded(tensors, kept)
         self.weights_epoch += 1
         self.dirty = True
         if expected is not None and combine(digests) != expected:
@@ -650,7 +650,7 @@ class EngineCore:
             if tensor is block:  # the receiver wrote it in place (direct_targets)
                 self.direct_tensors += 1
                 if session is not None and session.written is not None:
-                    session.written._touched(block)  # not hashed on its way in: read back at verify
+                    session.written.touched(block)  # not hashed on its way in: read back at verify
                 continue
             named.append((name, block, tensor if src == 0 and n == tensor.shape[dim] else tensor.narrow(dim, src, n)))
         if self.mangle in ("skip", "downcast", "swap_qk"):
@@ -1032,13 +1032,12 @@ class EngineCore:
         if kind == "wsum" and kept is not None and kept[1] == self.weights_epoch:
             # hashed as they were written (nothing wrote the weights since): read back only the rest
             written = kept[0]
-            done = written.results()
-            regions = self._served_regions()
-            batch = Digests(kind)
             missed = written.missed()
+            regions = self._served_regions() if missed else {}
+            batch = Digests(kind)
             for name in missed:
                 batch.add(name, regions[name])
-            return {**done, **batch.results()}, len(missed)
+            return {**written.results(), **batch.results()}, len(missed)
         if self.comm.size > 1:
             state = self.hf_state_dict()
         else:  # views into the parameters: nothing copied but what a digest reads
