@@ -205,6 +205,8 @@ def run_path(
     )  # fmt: skip
     read_back: dict[str, list[int]] = {m: [] for m in modes}
     parts: dict[str, list[dict[str, float]]] = {m: [] for m in modes}  # per mode: each refit's refit_times
+    mode_phases: dict[str, list[dict[str, float]]] = {m: [] for m in modes}  # per mode: the runner's phase seconds
+    verify_s: dict[str, list[float]] = {m: [] for m in modes}  # per mode: the engine's own time to answer verify
     stalls, transfers, phases, pre, post, spans = [], [], [], [], [], []
     by_mode: dict[str, list[float]] = {m: [] for m in modes}
     alarms = 0
@@ -223,6 +225,7 @@ def run_path(
             verdicts = [o.verify for o in result.engines.values() if o.verify is not None]
             alarms += sum(not v["ok"] for v in verdicts)
             read_back[mode] += [v["read_back"] for v in verdicts if "read_back" in v]
+            verify_s[mode] += [v["seconds"] for v in verdicts if v.get("seconds") is not None]
             result.raise_for_error()
             tick(f"{path} refit {i + 1}/{refits + 1} (verify {mode})")
             if i == 0:
@@ -230,6 +233,7 @@ def run_path(
             times = refit_times(engine, since)
             by_mode[mode].append(times["stall"])
             parts[mode].append(times)
+            mode_phases[mode].append(result.phase_seconds)
             stalls.append(times["stall"])
             transfers.append(times["transfer"])
             pre.append(times["pre"])
@@ -285,6 +289,14 @@ def run_path(
                     if v
                 },
                 "read_back_max": {m: max(v, default=None) for m, v in read_back.items() if m != "off"},
+                "per_mode_runner_phase_ms": {
+                    m: {k: round(statistics.median(p.get(k, 0.0) for p in v) * 1e3, 3) for k in v[-1]}
+                    for m, v in mode_phases.items()
+                    if v
+                },
+                "per_mode_engine_verify_ms": {
+                    m: round(statistics.median(v) * 1e3, 3) for m, v in verify_s.items() if v
+                },
             }
             if verify == "alternate"
             else {}

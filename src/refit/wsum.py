@@ -457,6 +457,8 @@ class Written:
         pieces = self.pieces[slot]
         if pieces is None:
             return False
+        if len(pieces) == 1:  # the common case: one write of the whole region
+            return pieces[0] == (0, self.sizes[slot])
         at = 0
         for offset, n in sorted(pieces):
             if offset != at:
