@@ -179,3 +179,27 @@ def restart_before(engine: Any, call: str) -> None:
         return original(*a, **kw)
 
     setattr(engine, call, restart_first)
+
+
+def caught_behind_server(engines: list[Any], transport: Any, model: TinyLlama, kind: str, bucket: int | None) -> Any:
+    """Arm a silent fault in the reference engine behind the first emulated server (its driver has
+    no `arm_fault`), refit both engines colocated with no retry, and check that the other engine
+    published and that the trace holds; returns the faulted engine's outcome (closes everything)."""
+    from refit import invariants
+
+    call = "finalize" if kind == "stale_head" else "load"
+    engines[0].server.engine.client.call("arm_fault", kind, call, bucket, 0.0, timeout=5)
+    ctx = protocol.RefitContext(
+        TorchSource(model), transport, engines, mode="colocated", retries=0, bucket_bytes=64 << 10
+    )
+    try:
+        result = protocol.run(ctx)
+        bad, good = (result.engines[e.name] for e in engines)
+        assert good.status == "updated" and good.verify["ok"]
+        assert bad.status == "quarantined" and "unverified" in (bad.error or "")
+        assert invariants.check_trace(ctx.recorder.events, open_ok=True) == []
+        return bad
+    finally:
+        ctx.close()
+        for e in engines:
+            e.close()

@@ -20,6 +20,7 @@ from refit.errors import ConfigError
 from refit.reference.model import ModelConfig, TinyLlama
 from refit.testing.sglang_server import EmulatedSGLangEngine
 
+from .conftest import caught_behind_server
 from .sglang_support import sglang, validate_body
 
 
@@ -138,23 +139,8 @@ def test_a_silent_fault_behind_sglang_is_caught_and_named(
     """The fault is armed in the reference engine behind the emulator (the SGLang driver has no
     `arm_fault`): it acks and would serve wrong weights; SGLang's checksums name the parameter."""
     engines, config = _engines(2, tp=tp)
-    model = _trained(config)
-    call = "finalize" if kind == "stale_head" else "load"
-    engines[0].server.engine.client.call("arm_fault", kind, call, bucket, 0.0, timeout=5)
-    ctx = protocol.RefitContext(
-        TorchSource(model), SGLangTensorTransport(), engines, mode="colocated", retries=0, bucket_bytes=64 << 10
-    )
-    try:
-        result = protocol.run(ctx)
-        bad, good = result.engines["s0"], result.engines["s1"]
-        assert good.status == "updated" and good.verify["ok"]
-        assert bad.status == "quarantined" and bad.verify["mismatched"] == named
-        assert "unverified" in (bad.error or "")
-        assert invariants.check_trace(ctx.recorder.events, open_ok=True) == []
-    finally:
-        ctx.close()
-        for e in engines:
-            e.close()
+    bad = caught_behind_server(engines, SGLangTensorTransport(), _trained(config), kind, bucket)
+    assert bad.verify["mismatched"] == named
 
 
 def test_a_malformed_answer_or_a_gpu_server_is_refused_clearly() -> None:
@@ -241,6 +227,31 @@ def test_a_verify_that_hangs_in_sglang_is_dropped_inside_its_budget() -> None:
         assert good.status == "updated" and good.verify["ok"]
         assert hung.status != "updated" and "/weights_checker" in (hung.error or "")
         assert invariants.check_trace(ctx.recorder.events, open_ok=True) == []
+    finally:
+        ctx.close()
+        for e in engines:
+            e.close()
+
+
+def test_a_tied_server_drops_an_untied_head_as_sglang_does_and_the_checksums_name_it() -> None:
+    """SGLang's Llama and Qwen2 loaders skip a checkpoint's lm_head.weight when the model ties it
+    to the embedding, so a trainer whose head is its own is not refused: the server answers
+    success and serves the embedding as its head. Unverified, that refit publishes; verified by
+    SGLang's checksums, the engine is rejected naming the head."""
+    engines, config = _engines(1, tp=1, tied=True)
+    untied = ModelConfig(tie_word_embeddings=False, vocab_size=config.vocab_size)
+    model = _trained(untied)
+    assert not torch.equal(model.state_dict()["lm_head.weight"], model.state_dict()["model.embed_tokens.weight"])
+    ctx = protocol.RefitContext(TorchSource(model), SGLangTensorTransport(), engines, mode="colocated", retries=0)
+    try:
+        ctx.verify = "off"
+        assert protocol.run(ctx).ok  # SGLang took it: its loader never read the head
+        served = engines[0].server.engine.client.call("served_state_dict", timeout=30)
+        assert torch.equal(served["model.embed_tokens.weight"], model.state_dict()["model.embed_tokens.weight"])
+        ctx.verify = "digest"
+        result = protocol.run(ctx)
+        outcome = result.engines["s0"]
+        assert outcome.status == "quarantined" and outcome.verify["mismatched"] == ["lm_head.weight@tp0"]
     finally:
         ctx.close()
         for e in engines:

@@ -482,7 +482,12 @@ class EngineCore:
             self.session.broken = reason
 
     def load(
-        self, manifest: BucketManifest, tensors: Sequence[tuple[str, torch.Tensor]], *, expected: int | None = None
+        self,
+        manifest: BucketManifest,
+        tensors: Sequence[tuple[str, torch.Tensor]],
+        *,
+        expected: int | None = None,
+        tied_head: str = "check",
     ) -> None:
         """Apply one bucket in place (fused layout). Buckets apply in plan order; a refused one
         (validation, before any byte) makes the session refuse the rest, so an in-flight next
@@ -493,7 +498,8 @@ class EngineCore:
         self.check_load(manifest)
         try:
             self._check_tensors(manifest, tensors)
-            self._check_ties(tensors)
+            if tied_head == "check":  # "skip": a server whose loader drops a tied head unread (SGLang's)
+                self._check_ties(tensors)
         except EngineError as exc:
             self.break_session(f"bucket {manifest.index} was refused ({exc.kind})")
             raise

@@ -438,7 +438,10 @@ class EngineServer:
         stream = receiver.copy_stream
         try:
             with torch_stream(stream):
-                self.core.load(payload.manifest, tensors, expected=receiver.expected(payload) if fused else None)
+                self.core.load(
+                    payload.manifest, tensors, expected=receiver.expected(payload) if fused else None,
+                    tied_head=payload.fields.get("tied_head", "check"),
+                )  # fmt: skip
         except EngineError as exc:
             if into and exc.no_effect:  # refused after the receiver already wrote part of it into the weights
                 raise EngineError(

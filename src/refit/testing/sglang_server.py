@@ -73,6 +73,12 @@ FLUSHED = (
     "Cache flushed.\nPlease check backend logs for more details. "
     "(When there are running or waiting requests, the operation will not be performed.)\n"
 )
+# A head tied to the embedding is dropped unread by SGLang's loaders: models/llama.py
+# `LlamaForCausalLM.load_weights` skips "lm_head.weight" when tie_word_embeddings; models/qwen2.py
+# `Qwen2ForCausalLM.load_weights` finds no such parameter (its lm_head is the embedding module) and
+# skips it with a warning. So a trainer whose head differs from its embedding is not refused: the
+# server serves its embedding as the head (verification by its checksums names lm_head.weight).
+TIED_HEAD_DROPPED = {"tied_head": "skip"}
 
 # Request fields and defaults of SGLang 0.5.23's io_struct types (managers/io_struct.py) that the
 # emulator reads; a body's other keys are ignored, as SGLang ignores them.
@@ -418,7 +424,7 @@ class EmulatedSGLang(EmulatedServer):
         if len(raw) < self.tp:
             raise IndexError("list index out of range")
         manifest = manifest_from_metadata(index, peek_metadata(raw[0]))
-        return Payload("sglang_tensor", manifest, {}, tuple({"serialized": r} for r in raw[: self.tp]))
+        return Payload("sglang_tensor", manifest, TIED_HEAD_DROPPED, tuple({"serialized": r} for r in raw[: self.tp]))
 
     def op_update_weights_from_distributed(self, obj: Any) -> tuple[bool, str]:
         """Session check, then receive (a failure is answered: "Failed to receive weights") and load
@@ -468,7 +474,7 @@ class EmulatedSGLang(EmulatedServer):
         # SGLang receives every tensor the request names, then loads (weight_updater.py:
         # receive_weights_from_distributed, then load_weights_from_distributed): a refused load
         # has still taken the broadcast
-        fields = {"load_format": obj.load_format, "receive_first": True}
+        fields = {"load_format": obj.load_format, "receive_first": True, **TIED_HEAD_DROPPED}
         return Payload("sglang_broadcast", manifest, fields, ({},) * self.tp)
 
     def op_init_weights_update_group(self, obj: Any) -> tuple[bool, str]:
