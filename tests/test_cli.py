@@ -185,10 +185,7 @@ def test_an_unknown_option_through_the_real_command() -> None:
         (["--fail-at", "transferring:engine=2"], "engine=2 but there are 2 engines"),
         (["--engines", "4", "--fail-at", "pausing:engine=4"], "engine=4 but there are 4 engines"),
         (["--fail-at", "transferring:call=nope"], "call=nope is not a driver call (engine calls: probe"),
-        (
-            ["--engine", "vllm", "--verify", "digest"],
-            "reports no digests or probe yet (docs/verify.md); use --verify off",
-        ),
+        (["--engine", "vllm", "--verify", "both"], "vllm driver answers no probe; use --verify digest or off"),
         (["--engine", "sglang", "--verify", "probe"], "sglang driver answers no probe; use --verify digest or off"),
         (
             ["--engine", "sglang", "--fail-at", "transferring:engine=0:bucket=1:kind=swap_qk"],
@@ -432,6 +429,6 @@ def test_a_demo_whose_engine_served_wrong_weights_says_why_it_was_retried(capsys
     argv = [*FAST_DEMO, "--fail-at", "transferring:engine=0:bucket=1:kind=swap_qk"]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "| verify digest" in out
+    assert "| verify digest (digest xxh3)" in out  # the header names the digest kind the runs compare by
     assert "retried and caught up: engine-0 (verify failed: EngineError: unverified:" in out
     assert "model.layers.0.self_attn.k_proj.weight, model.layers.0.self_attn.q_proj.weight" in out

@@ -215,7 +215,7 @@ def vllm_ctx() -> Iterator[Callable[..., protocol.RefitContext]]:
             kw["transport"] = VLLMIPCTransport() if mode == "colocated" else VLLMBroadcastTransport()
         kw.setdefault("bucket_bytes", SMALL_BUCKET)
         kw.setdefault("deadline_s", 60.0)
-        kw.setdefault("verify", "off")  # the driver reports no digests yet (refit.verify)
+        kw.setdefault("verify", "off")  # these tests are of the transfer: verification is tests/test_vllm_checksums.py
         ctx = protocol.RefitContext(source=TorchSource(model), engines=engines, **kw)  # type: ignore[arg-type]
         made.append(ctx)
         return ctx

@@ -60,7 +60,7 @@ class RecordingEngineClient:
         async def method(*args: Any, **kwargs: Any) -> Any:
             self.calls.append((name, args, kwargs))
             return {"reset_prefix_cache": True, "wake_up": True, "is_sleeping": False, "get_weight_version": "default",
-                    "is_paused": False}.get(name)  # fmt: skip
+                    "is_paused": False, "compute_weight_checksums": []}.get(name)  # fmt: skip
 
         return method
 

@@ -275,7 +275,7 @@ def _run_one_trainer(args: argparse.Namespace) -> int:
         f"model: {n_params:,} fp32 params ({n_params * 4 / 2**20:.2f} MiB) | mode {args.mode} | pause "
         f"{args.pause_mode} | engine {args.engine} | transport {args.transport} | "
         f"bucket {args.bucket_bytes / 1024:.0f} KiB | "
-        f"deadline {args.deadline:g}s | verify {verify_mode(args)}"
+        f"deadline {args.deadline:g}s | verify {verify_mode(args)}{_digest_note(ctx)}"
         + (" (this driver reports no digests or probe yet)" if not args.verify and unverifiable(args) else "")
     )
     trainer = Trainer(lambda n: train(model, opt, gen, n, config.vocab_size), lambda: model)
@@ -288,6 +288,13 @@ def _run_one_trainer(args: argparse.Namespace) -> int:
             e.close()
     unfired = any(e.get("fault_unfired") for e in entries)
     return verdict(entries, args.refits, trace, unfired=unfired, temporary=temporary)
+
+
+def _digest_note(ctx: protocol.RefitContext) -> str:
+    """The digest kind the runs compare by, when they compare digests (" (digest xxh3)")."""
+    from refit.verify import digests_of
+
+    return f" (digest {ctx.digest_kind})" if digests_of(ctx.verify) else ""
 
 
 def _run_ranks(args: argparse.Namespace) -> int:

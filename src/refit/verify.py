@@ -18,6 +18,8 @@ Kinds (`DIGEST_KINDS`; the transport names the one its runs use, `Transport.dige
          of each parameter of its fused, TP-sharded layout on N ranks, keyed "<param>@tp<rank>"
          (`refit.drivers.sglang_checksums`); the trainer computes the same from what it packs.
          A run uses it when every engine reports it and none reports the transport's kind.
+  vllm/tp<N>  the same layout with vLLM's own checksums (its /weight_checker: sha256 hex per
+         parameter, `refit.drivers.vllm_checksums`).
 
 Modes (`VERIFY_MODES`, `RefitContext(verify=...)`):
   digest  every finalized engine reports its digests; an engine publishes only when each tensor
@@ -53,7 +55,7 @@ LISTED = 50  # names a verdict lists per kind of problem (the count is always wh
 
 
 def is_kind(kind: Any) -> bool:
-    """A digest kind: one of `DIGEST_KINDS`, or an engine layout's ("sglang/tp<N>")."""
+    """A digest kind: one of `DIGEST_KINDS`, or an engine layout's ("sglang/tp<N>", "vllm/tp<N>")."""
     from refit.drivers.sglang_checksums import tp_of
 
     return isinstance(kind, str) and (kind in DIGEST_KINDS or (tp_of(kind) or 0) >= 1)

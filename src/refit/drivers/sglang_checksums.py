@@ -23,6 +23,11 @@ What SGLang computes (read in its source):
 sent), keyed "<SGLang parameter>@tp<rank>", the key `reported(body)` gives SGLang's answer.
 Llama-family layouts only (the ones refit's reference engine and emulator serve), with the KV heads
 divisible by TP (SGLang replicates KV heads when there are fewer than TP ranks: not mapped).
+
+vLLM 0.33 lays these models out the same way (its QKVParallelLinear, MergedColumnParallelLinear,
+RowParallelLinear and VocabParallelEmbedding, the padding rows zero) and hashes each parameter with
+the whole sha256 hex digest: kind "vllm/tp<N>" selects that flavour here (`refit.drivers.
+vllm_checksums` reads its answer).
 """
 
 from __future__ import annotations
@@ -36,6 +41,9 @@ if TYPE_CHECKING:
 
 NOT_PARAMETERS = ("rotary_emb.inv_freq", "cos_sin_cache", "cos_cache", "sin_cache", "freqs_cis")
 KIND_PREFIX = "sglang/tp"  # the digest kind, with the engine's TP size: "sglang/tp2"
+# servers whose checksums this layout maps, by kind prefix: vLLM 0.33 lays the same models out the
+# same way and hashes differently (`refit.drivers.vllm_checksums`)
+FLAVOURS = {KIND_PREFIX: "sglang", "vllm/tp": "vllm"}
 VOCAB_PADDING = 64  # layers/vocab_parallel_embedding.py DEFAULT_VOCAB_PADDING_SIZE
 FUSED = {  # HF suffix -> (SGLang parameter suffix, position in it)
     "self_attn.q_proj.weight": ("self_attn.qkv_proj.weight", 0),
@@ -56,22 +64,41 @@ def kind_for(tp: int) -> str:
     return f"{KIND_PREFIX}{tp}"
 
 
+def _parse(kind: str) -> tuple[str, int] | None:
+    for prefix, flavour in FLAVOURS.items():
+        if kind.startswith(prefix) and kind[len(prefix) :].isdigit():
+            return flavour, int(kind[len(prefix) :])
+    return None
+
+
 def tp_of(kind: str) -> int | None:
-    """The TP size a "sglang/tpN" kind names, or None for another kind."""
-    if not kind.startswith(KIND_PREFIX) or not kind[len(KIND_PREFIX) :].isdigit():
-        return None
-    return int(kind[len(KIND_PREFIX) :])
+    """The TP size a layout kind ("sglang/tpN", "vllm/tpN") names, or None for another kind."""
+    parsed = _parse(kind)
+    return None if parsed is None else parsed[1]
 
 
-def checksum(tensor: torch.Tensor) -> str:
-    """SGLang's host checksum of one tensor (mm_utils.tensor_hash, weight_checker._hash_tensor)."""
-    return pieces_checksum([tensor])
+def flavour_of(kind: str) -> str:
+    """Whose checksums a layout kind names: "sglang" or "vllm"."""
+    parsed = _parse(kind)
+    if parsed is None:
+        raise ValueError(f"digest kind {kind!r} is not a server layout's ('sglang/tp<N>', 'vllm/tp<N>')")
+    return parsed[0]
 
 
-def vocab_rows(vocab: int, tp: int, rank: int) -> tuple[int, int, int]:
-    """(first row, rows taken from the tensor, rows on this rank) of a vocabulary-split tensor."""
+def checksum(tensor: torch.Tensor, flavour: str = "sglang") -> str:
+    """SGLang's host checksum of one tensor (mm_utils.tensor_hash, weight_checker._hash_tensor),
+    or vLLM's (`flavour="vllm"`)."""
+    return pieces_checksum([tensor], flavour)
+
+
+def vocab_rows(vocab: int, tp: int, rank: int, flavour: str = "sglang") -> tuple[int, int, int]:
+    """(first row, rows taken from the tensor, rows on this rank) of a vocabulary-split tensor.
+    SGLang pads to a multiple of 64 x TP when one of 64 does not split; vLLM cannot serve that
+    (its `divide` asserts) and neither is it mapped here."""
     pad = VOCAB_PADDING
     if -(-vocab // pad) * pad % tp:
+        if flavour == "vllm":
+            raise ValueError(f"vocabulary {vocab} padded to a multiple of {pad} does not split over TP {tp}")
         pad *= tp
     per_rank = -(-vocab // pad) * pad // tp
     start = min(rank * per_rank, vocab)
@@ -84,7 +111,9 @@ def _split(n: int, tp: int, what: str) -> int:
     return n // tp
 
 
-def sglang_params(state: Mapping[str, torch.Tensor], tp: int) -> Iterator[tuple[str, list[torch.Tensor]]]:
+def sglang_params(
+    state: Mapping[str, torch.Tensor], tp: int, flavour: str = "sglang"
+) -> Iterator[tuple[str, list[torch.Tensor]]]:
     """Each SGLang parameter of every TP rank, as "<name>@tp<rank>" and the pieces whose bytes,
     in order, are its bytes (zeros where SGLang pads the vocabulary). Rotary buffers a trainer may
     send are not SGLang's parameters (its loaders drop them; its checker skips such buffers)."""
@@ -123,7 +152,7 @@ def sglang_params(state: Mapping[str, torch.Tensor], tp: int) -> Iterator[tuple[
                 yield f"{name}@tp{r}", [tensor.narrow(1, r * n, n).contiguous()]
         elif name in BY_VOCAB:
             for r in range(tp):
-                start, taken, per_rank = vocab_rows(tensor.shape[0], tp, r)
+                start, taken, per_rank = vocab_rows(tensor.shape[0], tp, r, flavour)
                 pad = torch.zeros((per_rank - taken, *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
                 yield f"{name}@tp{r}", [tensor.narrow(0, start, taken), pad]
         else:
@@ -131,7 +160,7 @@ def sglang_params(state: Mapping[str, torch.Tensor], tp: int) -> Iterator[tuple[
                 yield f"{name}@tp{r}", [tensor]
 
 
-def pieces_checksum(pieces: list[torch.Tensor]) -> str:
+def pieces_checksum(pieces: list[torch.Tensor], flavour: str = "sglang") -> str:
     """`checksum` of the tensor whose bytes are these pieces' bytes in order."""
     from refit.buckets import _raw
 
@@ -139,7 +168,12 @@ def pieces_checksum(pieces: list[torch.Tensor]) -> str:
     for piece in pieces:
         t = piece.detach()
         h.update(memoryview(_raw(t.cpu() if t.device.type != "cpu" else t)))
-    return f"{int.from_bytes(h.digest()[:8], 'big'):016x}"
+    return _finish(h, flavour)
+
+
+def _finish(h: Any, flavour: str) -> str:
+    """SGLang keeps sha256's first 8 bytes, big-endian, as 16 hex digits; vLLM the whole hex digest."""
+    return h.hexdigest() if flavour == "vllm" else f"{int.from_bytes(h.digest()[:8], 'big'):016x}"
 
 
 def with_head(sums: dict[str, str]) -> dict[str, str]:
@@ -155,10 +189,10 @@ def with_head(sums: dict[str, str]) -> dict[str, str]:
     return out
 
 
-def expected(state: Mapping[str, torch.Tensor], tp: int) -> dict[str, str]:
-    """The checksums SGLang would report for `state` (HF names, in the dtypes sent) on `tp` ranks,
-    with each rank's head (`with_head`)."""
-    return with_head({key: pieces_checksum(pieces) for key, pieces in sglang_params(state, tp)})
+def expected(state: Mapping[str, torch.Tensor], tp: int, flavour: str = "sglang") -> dict[str, str]:
+    """The checksums SGLang (or vLLM) would report for `state` (HF names, in the dtypes sent) on
+    `tp` ranks, with each rank's head (`with_head`)."""
+    return with_head({key: pieces_checksum(pieces, flavour) for key, pieces in sglang_params(state, tp, flavour)})
 
 
 def reported(body: Any) -> dict[str, str]:
@@ -214,8 +248,8 @@ class LayoutDigests:
     def __init__(self, kind: str) -> None:
         tp = tp_of(kind)
         if tp is None or tp < 1:
-            raise ValueError(f"digest kind {kind!r} is not 'sglang/tp<N>'")
-        self.kind, self.tp = kind, tp
+            raise ValueError(f"digest kind {kind!r} is not 'sglang/tp<N>' or 'vllm/tp<N>'")
+        self.kind, self.tp, self.flavour = kind, tp, flavour_of(kind)
         self._open: dict[str, tuple[Any, int, dict[int, list[bytes]]]] = {}  # key -> (sha256, next part, waiting)
         self._parts: dict[str, int] = {}  # fused parameter -> how many parts it has
         self._done: dict[str, str] = {}
@@ -228,9 +262,10 @@ class LayoutDigests:
         prefix, _, rest = name.partition("layers.")
         suffix = rest.partition(".")[2]
         fused = FUSED.get(suffix) if prefix else None
-        for key, pieces in sglang_params({name: t}, self.tp) if fused is None else self._fused_pieces(name, t):
+        pairs = sglang_params({name: t}, self.tp, self.flavour) if fused is None else self._fused_pieces(name, t)
+        for key, pieces in pairs:
             if fused is None:
-                self._done[key] = pieces_checksum(pieces)
+                self._done[key] = pieces_checksum(pieces, self.flavour)
                 continue
             h, at, waiting = self._open.setdefault(key, (hashlib.sha256(), 0, {}))
             if fused[1] == at:  # its turn: hashed from the tensor (hashlib releases the GIL on big buffers)
@@ -245,7 +280,7 @@ class LayoutDigests:
                 at += 1
             self._open[key] = (h, at, waiting)
             if at == self._parts[key.rpartition("@tp")[0]]:
-                self._done[key] = f"{int.from_bytes(h.digest()[:8], 'big'):016x}"
+                self._done[key] = _finish(h, self.flavour)
                 del self._open[key]
 
     def _fused_pieces(self, name: str, t: torch.Tensor) -> Iterator[tuple[str, list[torch.Tensor]]]:

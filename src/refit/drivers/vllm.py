@@ -39,6 +39,10 @@ Lifecycle, per state (each step is one HTTP call; vLLM has no batch route):
                           failed load is `state_unknown` (quarantined, never continued).
   POST_PROCESSING         finalize(): POST /finish_weight_update {} (no version: publishing is its
                           own step); refused as `incomplete` unless every planned bucket was acked.
+  VERIFYING               verify(kind): POST /weight_checker {"action": "checksum"} (0.33+, with
+                          checksums=True): vLLM's sha256 of every parameter of its fused layout on
+                          every worker (`refit.drivers.vllm_checksums`), for the trainer's to match;
+                          answered while paused. No probe (a paused server answers 503).
   CONTINUING              publish(v): refused here unless the session acked every bucket and
                           finished, then POST /update_weight_version {"new_version"};
                           continue_generation(): POST /resume, after waking the KV memory if the
@@ -177,6 +181,7 @@ class VLLMEngine(HttpEngineDriver):
         model: str | None = None,
         weights_cpu_backup: bool = False,
         released: Sequence[str] = (),
+        checksums: bool = False,
         transport: httpx.BaseTransport | None = None,
     ) -> None:
         """`url`: the server's base URL (started with VLLM_SERVER_DEV_MODE=1 and a
@@ -184,7 +189,12 @@ class VLLMEngine(HttpEngineDriver):
         `model`: the served model name for /v1/completions (default: the first /v1/models entry).
         `weights_cpu_backup`: released weights are kept on the CPU (sleep level 1). `released`:
         memory tags already asleep when refit takes the server (release through `release_memory`
-        instead, and the driver knows): only what is asleep is woken."""
+        instead, and the driver knows): only what is asleep is woken. `checksums`: verify by vLLM's
+        own /weight_checker checksums (`digest_kinds`, vLLM 0.33+): each worker reads every
+        parameter to the host and hashes it with sha256 (seconds per refit for a 7B model, and the
+        trainer hashes what it sends the same way), for a server on a GPU (vLLM's CPU backend
+        repacks linear weights, which then hash empty: refused, naming why), one data-parallel
+        rank and one pipeline stage, serving the dtype the trainer sends."""
         super().__init__(name, url, api_key=api_key, tp=tp, transport=transport)
         self.model = model
         self.weights_cpu_backup = weights_cpu_backup
@@ -196,8 +206,30 @@ class VLLMEngine(HttpEngineDriver):
         self._attached: ConnectInfo | None = None
         self._session_unknown = False
         self._released: set[str] = {t for t in released if t in self.memory_tags}
+        self.checksums = checksums
         with contextlib.suppress(TimeoutError, EngineDied, EngineError):
             self._read_capabilities(5.0)
+
+    @property
+    def digest_kinds(self) -> frozenset[str]:  # type: ignore[override]
+        """vLLM's own checksums ("vllm/tp<N>", `refit.drivers.vllm_checksums`), when asked for."""
+        if self.no_digests is not None:
+            return frozenset()
+        from refit.drivers.vllm_checksums import kind_for
+
+        return frozenset({kind_for(self._tp)})
+
+    @property
+    def no_digests(self) -> str | None:  # type: ignore[override]
+        """Why this driver reports no digests (None: it does)."""
+        if not self.checksums:
+            return "vLLM's checksums are used only when asked: VLLMEngine(..., checksums=True), see its docstring"
+        caps = self.capabilities
+        if caps is None:
+            return f"the server at {self.url} has not answered /version yet"
+        if (version_tuple(caps.version) or (0, 33, 0)) < (0, 33, 0):
+            return f"vLLM {caps.version} has no /weight_checker (0.33.0 added it)"
+        return None
 
     def _read_capabilities(self, timeout: float) -> Capabilities:
         data = self._call("GET", "/version", "connect", timeout=timeout)
@@ -424,6 +456,26 @@ class VLLMEngine(HttpEngineDriver):
                 "began a layerwise reload that this failure did not finish): the engine needs a complete refit]",
             ) from exc
         self._ledger.ack(manifest.index)
+
+    def verify(self, kind: str | None, probe: Sequence[Any] | None = None, *, timeout: float) -> dict[str, Any]:
+        """VERIFYING: POST /weight_checker {"action": "checksum"}, vLLM's sha256 of every parameter
+        on every worker, as {"<param>@tp<rank>": digest} (`vllm_checksums.reported`). No probe: a
+        paused vLLM answers new requests 503."""
+        from refit.drivers import vllm_checksums
+
+        if probe is not None:
+            raise EngineError("unsupported", f"engine {self.name}: vLLM rejects requests while paused: no probe")
+        if kind is None:
+            return {"kind": None}
+        if kind not in self.digest_kinds:
+            raise EngineError("unsupported", f"engine {self.name}: no {kind!r} digests from this server")
+        t0 = time.monotonic()
+        body = self._call("POST", "/weight_checker", "verify", timeout=timeout, body={"action": "checksum"})
+        try:
+            digests = vllm_checksums.reported(body)
+        except ValueError as exc:
+            raise EngineError("bad_answer", f"engine {self.name}: POST /weight_checker (verify): {exc}") from None
+        return {"kind": kind, "digests": digests, "read_back": len(digests), "seconds": round(time.monotonic() - t0, 6)}
 
     def finalize(self, *, timeout: float) -> None:
         plan = self._ledger.close()

@@ -489,6 +489,43 @@ class EmulatedVLLM(EmulatedServer):
         self._fault(call)
         return {"weight_version": self.label}
 
+    def r_weight_checker(self, method: str, query: Any, body: Any, call: str | None) -> Any:
+        """entrypoints/rl/online/api_router.py `weight_checker` (POST): "checksum" answers
+        {"checksums"} merged over the workers (v1/worker/gpu_worker.py `compute_weight_checksums`:
+        "dp0:pp0:pcp0:tp<r>:<param>" -> sha256 hex of each parameter as laid out on worker r,
+        `refit.drivers.vllm_checksums.answer`); "compare" with a `baseline` answers {"match",
+        "mismatches"} (400 without one); "reset" (vLLM zeroes every parameter) is not emulated: 501.
+        Body validation errors are 400 (vLLM's validation handler). Nothing checks the pause: it
+        answers while paused."""
+        from refit.drivers import vllm_checksums
+
+        if method != "POST":  # only POST is registered; vLLM's HTTPException handler wraps the router's 405
+            raise _Reply(405, {"error": {"message": "Method Not Allowed", "type": "Method Not Allowed",
+                                         "param": None, "code": 405}})  # fmt: skip
+        obj = self._obj(body, "/weight_checker", ["action"])
+        action, baseline = obj["action"], obj.get("baseline")
+        if action not in ("checksum", "reset", "compare"):
+            raise _bad_request("Input should be 'checksum', 'reset' or 'compare'", "body.action")
+        if baseline is not None and not (
+            isinstance(baseline, dict) and all(isinstance(v, str) for v in baseline.values())
+        ):
+            raise _bad_request("Input should be a valid dictionary of strings", "body.baseline")
+        self._fault(call)  # a hang or kill armed for the driver's verify call
+        if action == "reset":  # vLLM zeroes every parameter and answers {"status": "reset"}; refit never asks
+            raise _Reply(501, {"error": {"message": "action=reset is not emulated", "code": 501}})
+        if action == "compare" and baseline is None:
+            raise _bad_request("action='compare' requires a 'baseline' object")
+        with self._lock:  # between engine steps, never inside a load
+            if self.meta:  # start_weight_update moved the layers to the meta device: .cpu() raises
+                raise _utility_error("compute_weight_checksums", "Cannot copy out of meta tensor; no data!")
+            state = self._engine("served_state_dict")
+        checksums = vllm_checksums.answer(state, self.tp)
+        if action == "checksum":
+            return {"checksums": checksums}
+        assert baseline is not None
+        mismatches = sorted(k for k in checksums.keys() | baseline.keys() if checksums.get(k) != baseline.get(k))
+        return {"match": not mismatches, "mismatches": mismatches}
+
     # ---- serving -------------------------------------------------------------------------------
 
     def r_v1__completions(self, method: str, query: Any, body: Any, call: str | None) -> Any:
@@ -538,6 +575,7 @@ class EmulatedVLLMEngine(EmulatorClient, VLLMEngine):
     def __init__(self, name: str, server: EmulatedVLLM, **kwargs: Any) -> None:
         self.server = server
         self._bucket = threading.local()
+        kwargs.setdefault("checksums", True)  # the emulator keeps the weights as it loaded them
         super().__init__(name, server.url, api_key=server.api_key, tp=server.tp, **kwargs)
 
     @classmethod
