@@ -179,7 +179,7 @@ def compare(expected: Mapping[str, str], reported: Mapping[str, str], tied: Mapp
             unexpected.append(name)
             continue
         compared += 1
-        if want == CONFLICT or str(got).lower() != str(want).lower():
+        if want == CONFLICT or (got != want and str(got).lower() != str(want).lower()):
             mismatched.append(name)
     missing = [n for n in expected if n not in reported]
     return Verdict(not (mismatched or missing or unexpected), compared, sorted(mismatched), sorted(missing),

@@ -468,13 +468,21 @@ class Written:
 
     def missed(self) -> list[str]:
         """The regions whose digest `results` cannot give: read them back."""
-        return [n for k, n in enumerate(self.names) if not self._whole(k)]
+        return self.report()[1]
 
     def results(self) -> dict[str, str]:
         """The digest of every region written whole (one host sync on CUDA)."""
+        return self.report()[0]
+
+    def report(self) -> tuple[dict[str, str], list[str]]:
+        """(`results`, `missed`) in one pass over the regions."""
         import numpy as np
 
+        whole, missed = [], []
+        for k in range(len(self.names)):
+            (whole if self._whole(k) else missed).append(k)
+        if not whole:
+            return {}, [self.names[k] for k in missed]
         lanes = self.lanes.cpu().numpy() if self.cuda else np.array(self.lanes, dtype=np.uint64).reshape(-1, 2)
-        whole = [k for k in range(len(self.names)) if self._whole(k)]
         digests = finish_all(lanes[whole], [self.sizes[k] for k in whole])
-        return {self.names[k]: d for k, d in zip(whole, digests, strict=True)}
+        return dict(zip([self.names[k] for k in whole], digests, strict=True)), [self.names[k] for k in missed]

@@ -1037,13 +1037,14 @@ class EngineCore:
         kept = self._written
         if kind == "wsum" and kept is not None and kept[1] == self.weights_epoch:
             # hashed as they were written (nothing wrote the weights since): read back only the rest
-            written = kept[0]
-            missed = written.missed()
-            regions = self._served_regions() if missed else {}
+            hashed, missed = kept[0].report()
+            if not missed:
+                return hashed, 0
+            regions = self._served_regions()
             batch = Digests(kind)
             for name in missed:
                 batch.add(name, regions[name])
-            return {**written.results(), **batch.results()}, len(missed)
+            return {**hashed, **batch.results()}, len(missed)
         if self.comm.size > 1:
             state = self.hf_state_dict()
         else:  # views into the parameters: nothing copied but what a digest reads
