@@ -143,6 +143,14 @@ def test_a_silent_fault_behind_sglang_is_caught_and_named(
     assert bad.verify["mismatched"] == named
 
 
+def test_a_stale_head_behind_a_tied_sglang_server_is_caught() -> None:
+    """A tied server whose engine serves a stale copy of the head (not its embedding): the
+    checksums cover what it serves, so it is not published."""
+    engines, config = _engines(2, tp=1, tied=True)
+    bad = caught_behind_server(engines, SGLangTensorTransport(), _trained(config), "stale_head", None)
+    assert bad.verify["mismatched"] == ["lm_head.weight@tp0"]
+
+
 def test_a_malformed_answer_or_a_gpu_server_is_refused_clearly() -> None:
     with pytest.raises(ValueError, match="not computed"):
         sc.reported({"success": False, "message": "boom"})

@@ -190,6 +190,16 @@ def test_a_silent_fault_behind_vllm_is_caught_and_named(
     assert bad.verify["mismatched"] == named
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_stale_head_behind_a_tied_vllm_server_is_caught(tp: int) -> None:
+    """The engine behind the emulator serves its output head from a copy; with a tied head a
+    stale copy is a head that is not the embedding, which vLLM would list as a parameter of its
+    own: the checksums must cover what it serves, or the engine publishes wrong logits."""
+    engines, config = _engines(2, tp=tp, tied=True)
+    bad = caught_behind_server(engines, VLLMIPCTransport(), _trained(config), "stale_head", None)
+    assert bad.verify["mismatched"] == ["lm_head.weight@tp0"]  # the fault is armed on the engine's rank 0
+
+
 def test_answers_vllm_cannot_verify_are_refused_clearly() -> None:
     with pytest.raises(ValueError, match="no checksums"):
         vc.reported({"checksums": {}})

@@ -332,12 +332,15 @@ class EngineCore:
     def served_state_dict(self) -> dict[str, torch.Tensor]:
         """`hf_state_dict` with an untied head as it serves it (its serving copy, every rank's rows):
         the weights as a server without a separate serving copy would hold them (a tied head is
-        the embedding: not listed)."""
+        the embedding: not listed). A tied head whose serving copy is not the embedding (a stale
+        copy) is listed: such a server serves a head of its own, and the emulators' checksums
+        must cover what is served, or a wrong head would verify."""
         from refit.verify import SERVED_HEAD
 
         state = self.hf_state_dict()
         head = self.comm.all_gather_cat(self.head_serving, dim=0)  # (every rank takes part)
-        if SERVED_HEAD not in self.layout.tied:
+        tied_to = self.layout.tied.get(SERVED_HEAD)
+        if tied_to is None or not torch.equal(head, state[tied_to]):
             state[SERVED_HEAD] = head
         return state
 
