@@ -221,3 +221,16 @@ def test_answers_vllm_cannot_verify_are_refused_clearly() -> None:
             protocol.RefitContext(TorchSource(_trained(config)), VLLMIPCTransport(), [engine], mode="colocated")
     finally:
         engine.close()
+
+
+def test_a_fleet_with_one_engine_not_asked_for_checksums_names_that_engine() -> None:
+    """One vLLM engine with checksums, one without: the refusal names the one that reports no
+    digests and why (`VLLMEngine(..., checksums=True)`), not a clash of digest kinds."""
+    engines, config = _engines(2, tp=1)
+    try:
+        engines[1].checksums = False
+        with pytest.raises(ConfigError, match=r"engine v1 .*cannot report digests.*checksums=True"):
+            protocol.RefitContext(TorchSource(_trained(config)), VLLMIPCTransport(), engines, mode="colocated")
+    finally:
+        for e in engines:
+            e.close()

@@ -242,6 +242,9 @@ class RefitContext:
                     f"({type(self.transport).__name__}); it receives {sorted(e.transports)}"
                 )
             if self.verify in ("digest", "both") and e.digest_kinds and self.digest_kind not in e.digest_kinds:
+                none = next((x for x in self.engines if not x.digest_kinds), None)
+                if none is not None:  # not a clash of kinds: that engine reports none at all (named, with why)
+                    raise ConfigError(self._no_digests(none))
                 kinds = {x.name: sorted(x.digest_kinds) for x in self.engines}
                 raise ConfigError(
                     f"the engines report digests of different kinds, none common to all ({kinds}) and the transport's "
@@ -249,12 +252,7 @@ class RefitContext:
                     "separate contexts, or pass verify='off'"
                 )
             if self.verify in ("digest", "both") and self.digest_kind not in e.digest_kinds:
-                raise ConfigError(
-                    f"engine {e.name} ({type(e).__name__}) cannot report digests of the weights it serves"
-                    + (f" ({e.no_digests})" if getattr(e, "no_digests", None) else "")
-                    + f", so verify={self.verify!r} cannot check it before it publishes; pass verify='off' to trust "
-                    "its finalize" + (", or verify='probe' to check what it computes" if e.probes else "")
-                )
+                raise ConfigError(self._no_digests(e))
             if self.verify in ("probe", "both") and not e.probes:
                 can = "'digest' or 'off'" if self.digest_kind in e.digest_kinds else "'off' to trust its finalize"
                 raise ConfigError(
@@ -265,6 +263,15 @@ class RefitContext:
             if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
                 raise ConfigError(f"engine {e.name} reports tp_size {tp!r}; it must be an integer >= 1")
         self.check_digest_point()
+
+    def _no_digests(self, e: EngineDriver) -> str:
+        """Why verify by digest refuses engine `e`, which reports none of the run's kind."""
+        return (
+            f"engine {e.name} ({type(e).__name__}) cannot report digests of the weights it serves"
+            + (f" ({e.no_digests})" if getattr(e, "no_digests", None) else "")
+            + f", so verify={self.verify!r} cannot check it before it publishes; pass verify='off' to trust "
+            "its finalize" + (", or verify='probe' to check what it computes" if e.probes else "")
+        )
 
     @property
     def leader(self) -> bool:
