@@ -432,3 +432,13 @@ def test_a_demo_whose_engine_served_wrong_weights_says_why_it_was_retried(capsys
     assert "| verify digest (digest xxh3)" in out  # the header names the digest kind the runs compare by
     assert "retried and caught up: engine-0 (verify failed: EngineError: unverified:" in out
     assert "model.layers.0.self_attn.k_proj.weight, model.layers.0.self_attn.q_proj.weight" in out
+
+
+def test_the_demos_verify_help_says_what_vllm_verifies_by() -> None:
+    """--engine vllm verifies by vLLM's own checksums by default: the help says so (it said off,
+    'whose driver reports neither yet')."""
+    _, subs = cli._parser()
+    text = " ".join(subs["demo"].format_help().split())
+    assert "neither yet" not in text
+    assert "vLLM's own checksums" in text
+    assert demo.verify_mode(cli._parser()[0].parse_args(["demo", "--engine", "vllm"])) == "digest"

@@ -463,9 +463,9 @@ def _demo_arguments(p: argparse.ArgumentParser) -> None:
         "--verify",
         choices=("digest", "probe", "both", "off"),
         default=None,
-        help="check each engine before it publishes: digest (its weights, bit for bit; --engine sglang: SGLang's "
-        "own checksums), probe (its next-token log-probabilities against the trainer's), both, or off (default: "
-        "digest; off for --engine vllm, whose driver reports neither yet)",
+        help="check each engine before it publishes: digest (its weights, bit for bit; --engine sglang / vllm: "
+        "SGLang's or vLLM's own checksums), probe (its next-token log-probabilities against the trainer's), both, or "
+        "off (default: digest)",
     )
     p.add_argument("--in-thread", action="store_true", help="run engines on threads instead of processes")
     p.add_argument(
