@@ -234,3 +234,25 @@ def test_a_fleet_with_one_engine_not_asked_for_checksums_names_that_engine() -> 
     finally:
         for e in engines:
             e.close()
+
+
+@pytest.mark.parametrize("backend", ["ipc", "nccl"])
+def test_a_tied_server_drops_an_untied_head_as_vllm_does_and_the_checksums_name_it(backend: str) -> None:
+    """vLLM's Llama and Qwen2 `load_weights` (AutoWeightsLoader, skip_prefixes "lm_head." when
+    tied) skip a trainer's lm_head.weight on a tied model: the update succeeds and the server
+    serves the embedding as its head. Verified by vLLM's checksums, the engine is rejected naming
+    the head (the emulator refused the load instead, so this path was never exercised)."""
+    (engine,), config = _engines(1, tp=1, tied=True, backend=backend)
+    model = _trained(ModelConfig(tie_word_embeddings=False, vocab_size=config.vocab_size))
+    transport = VLLMIPCTransport() if backend == "ipc" else VLLMBroadcastTransport()
+    mode = "colocated" if backend == "ipc" else "disaggregated"
+    ctx = protocol.RefitContext(TorchSource(model), transport, [engine], mode=mode, retries=0)
+    try:
+        ctx.verify = "off"
+        assert protocol.run(ctx).ok  # vLLM took it: its loader never read the head
+        ctx.verify = "digest"
+        outcome = protocol.run(ctx).engines["v0"]
+        assert outcome.status == "quarantined" and outcome.verify["mismatched"] == ["lm_head.weight@tp0"]
+    finally:
+        ctx.close()
+        engine.close()

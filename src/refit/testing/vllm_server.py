@@ -52,6 +52,11 @@ UPDATE_KEYS = {
 MODEL_ID = "refit-reference"
 BOOL_ENVS = frozenset({"VLLM_SERVER_DEV_MODE", "VLLM_ALLOW_INSECURE_SERIALIZATION"})  # parsed as bool(int(...))
 PUBLIC_ROUTES = frozenset({"/version", "/v1/models", "/v1/completions", "/health"})
+# A head tied to the embedding is dropped unread by vLLM's Llama and Qwen2 `load_weights`
+# (AutoWeightsLoader with skip_prefixes ["lm_head."] when tie_word_embeddings; the head is the
+# embedding's Parameter): a trainer whose head differs from its embedding is not refused, the server
+# serves its embedding as the head (verification by its checksums names lm_head.weight).
+TIED_HEAD_DROPPED = {"tied_head": "skip"}
 
 
 def _rpc_error(message: str, tp: int = 1) -> _Reply:
@@ -422,7 +427,7 @@ class EmulatedVLLM(EmulatedServer):
         names, dtypes, shapes = info.get("names", []), info.get("dtype_names", []), info.get("shapes", [])
         if not names and not dtypes and not shapes and self.backend == "nccl":
             if self.last_update is None:
-                return Payload("vllm_nccl", BucketManifest(index, (), 0), {}, ({},) * self.tp)
+                return Payload("vllm_nccl", BucketManifest(index, (), 0), dict(TIED_HEAD_DROPPED), ({},) * self.tp)
             names, dtypes, shapes = (
                 self.last_update["names"],
                 self.last_update["dtype_names"],
@@ -448,7 +453,7 @@ class EmulatedVLLM(EmulatedServer):
         manifest = BucketManifest(index, tuple(entries), offset)
         if self.backend == "nccl":
             self.last_update = {"names": names, "dtype_names": dtypes, "shapes": shapes}
-            fields = {"load_format": FLATTENED_BUCKET if packed else None}
+            fields = {"load_format": FLATTENED_BUCKET if packed else None, **TIED_HEAD_DROPPED}
             return Payload("vllm_nccl", manifest, fields, ({},) * self.tp)
         if info.get("ipc_handles_pickled") is None:
             raise ValueError("Either `ipc_handles` or `ipc_handles_pickled` must be provided")
@@ -458,7 +463,7 @@ class EmulatedVLLM(EmulatedServer):
         if [int(x) for x in sizes] != [e.meta.nbytes for e in entries]:
             raise ValueError(f"tensor_sizes {sizes} do not match names/dtype_names/shapes")
         handles = _SafeHandles.loads(base64.b64decode(info["ipc_handles_pickled"]))
-        return Payload("vllm_ipc", manifest, {"handles": handles}, ({},) * self.tp)
+        return Payload("vllm_ipc", manifest, {"handles": handles, **TIED_HEAD_DROPPED}, ({},) * self.tp)
 
     def r_finish_weight_update(self, method: str, query: Any, body: Any, call: str | None) -> Any:
         self._check("/finish_weight_update", body)
