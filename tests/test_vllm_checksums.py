@@ -256,3 +256,28 @@ def test_a_tied_server_drops_an_untied_head_as_vllm_does_and_the_checksums_name_
     finally:
         ctx.close()
         engine.close()
+
+
+def test_after_a_server_restart_the_next_refit_still_verifies_by_vllms_checksums() -> None:
+    """A restart found by a probe makes the driver read the server afresh; until it has, the run's
+    digest kind must not fall back to the transport's (xxh3), which no vLLM engine reports: that
+    quarantined every engine of the next refit, the healthy ones too."""
+    engines, config = _engines(2, tp=1)
+    model = _trained(config)
+    ctx = protocol.RefitContext(TorchSource(model), VLLMIPCTransport(), engines, mode="colocated", retries=0)
+    try:
+        assert protocol.run(ctx).ok
+        engines[0].server.restart()
+        restarted = protocol.run(ctx)
+        assert restarted.engines["v1"].status == "updated" and "restarted" in (restarted.engines["v0"].error or "")
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(1.01)
+        result = protocol.run(ctx)
+        assert result.ok, result.error
+        start = [e for e in ctx.recorder.events if e.get("event") == "start"][-1]
+        assert start["digest"] == "vllm/tp1"
+    finally:
+        ctx.close()
+        for e in engines:
+            e.close()

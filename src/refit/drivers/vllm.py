@@ -199,6 +199,7 @@ class VLLMEngine(HttpEngineDriver):
         self.model = model
         self.weights_cpu_backup = weights_cpu_backup
         self.capabilities: Capabilities | None = None
+        self._last_capabilities: Capabilities | None = None  # survives a restart's forgetting (`no_digests`)
         self._restarts = 0
         self._seen = False  # probed once: whether it was found paused is known
         self._probe_label: Any = None  # the weight version the last probe read
@@ -224,7 +225,10 @@ class VLLMEngine(HttpEngineDriver):
         """Why this driver reports no digests (None: it does)."""
         if not self.checksums:
             return "vLLM's checksums are used only when asked: VLLMEngine(..., checksums=True), see its docstring"
-        caps = self.capabilities
+        # a restart found by a probe forgets the capabilities until the server is read again: the
+        # version last read stands for it meanwhile (else the next run's digest kind would fall
+        # back to the transport's, which no vLLM engine reports, and quarantine every engine)
+        caps = self.capabilities or self._last_capabilities
         if caps is None:
             return f"the server at {self.url} has not answered /version yet"
         if (version_tuple(caps.version) or (0, 33, 0)) < (0, 33, 0):
@@ -240,7 +244,7 @@ class VLLMEngine(HttpEngineDriver):
                 f"engine {self.name}: vLLM {caps.version} predates the weight-transfer API this driver speaks "
                 "(start/finish sessions, packing in init_info, weight versions: vLLM 0.28 or newer)",
             )
-        self.capabilities = caps
+        self.capabilities = self._last_capabilities = caps
         return caps
 
     @property
