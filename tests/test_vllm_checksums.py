@@ -29,11 +29,12 @@ from .vllm_support import validate_request, vllm
 pytestmark = pytest.mark.e2e
 
 
-def _engines(n: int, *, tp: int, tied: bool = False, backend: str = "ipc") -> tuple[list[EmulatedVLLMEngine], Any]:
+def _engines(
+    n: int, *, tp: int, tied: bool = False, backend: str = "ipc", validate: Any = validate_request
+) -> tuple[list[EmulatedVLLMEngine], Any]:
     config = ModelConfig(tie_word_embeddings=tied, vocab_size=250)
     engines = [
-        EmulatedVLLMEngine.start(f"v{i}", config=config, tp=tp, backend=backend, validate=validate_request)
-        for i in range(n)
+        EmulatedVLLMEngine.start(f"v{i}", config=config, tp=tp, backend=backend, validate=validate) for i in range(n)
     ]
     return engines, config
 
@@ -277,6 +278,29 @@ def test_after_a_server_restart_the_next_refit_still_verifies_by_vllms_checksums
         assert result.ok, result.error
         start = [e for e in ctx.recorder.events if e.get("event") == "start"][-1]
         assert start["digest"] == "vllm/tp1"
+    finally:
+        ctx.close()
+        for e in engines:
+            e.close()
+
+
+def test_a_verify_that_hangs_past_the_deadline_is_named_as_the_cause() -> None:
+    """No per-call timeout: the hung /weight_checker call uses what is left of the run's deadline.
+    The run's error is that engine's verify (it was the trainer's buffer release, which found no
+    time left), the engine's outcome carries it, and nothing publishes."""
+    engines, config = _engines(2, tp=1, validate=None)  # (vLLM's validation imports vLLM: seconds of the deadline)
+    engines[0].server.armed[("verify", None)] = ("hang", 30.0)
+    ctx = protocol.RefitContext(
+        TorchSource(_trained(config)), VLLMIPCTransport(), engines, mode="colocated", retries=0,
+        bucket_bytes=64 << 10, deadline_s=4.0,
+    )  # fmt: skip
+    try:
+        result = protocol.run(ctx)
+        assert not result.ok and result.version is None
+        assert "verify did not finish inside the deadline: engine v0" in str(result.error)
+        assert "verify" in (result.engines["v0"].error or "") and result.engines["v0"].status == "failed"
+        assert all(o.status != "updated" for o in result.engines.values())
+        assert invariants.check_trace(ctx.recorder.events, open_ok=True) == []
     finally:
         ctx.close()
         for e in engines:

@@ -32,13 +32,14 @@ from __future__ import annotations
 import logging
 import uuid
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from refit import invariants
 from refit.buckets import BucketManifest
 from refit.drivers.base import Step, StepResult, Topology, hashes_writes
-from refit.errors import DeadlineExceeded, DriverCallError, EngineError, InvariantViolation, RefitError
+from refit.errors import DeadlineExceeded, DriverCallError, EngineError, InvariantViolation, NoTimeLeft, RefitError
 from refit.protocol import faults
 from refit.protocol.answers import wrap_error
 from refit.protocol.context import RefitContext, RefitResult
@@ -373,15 +374,19 @@ class _Run(Recording):
         self.free(0, timed_out)
         self.rode = 1
 
-    def free(self, k: int, timed_out: bool, *, cleanup: bool = False) -> None:
+    def free(self, k: int, timed_out: bool, *, cleanup: bool = False, hung: Sequence[RefitError] = ()) -> None:
         """Release bucket `k`'s buffer on every rank, or abandon it if an engine did not answer
-        (it may still read it: the connection is not reused by the next run)."""
+        (it may still read it: the connection is not reused by the next run). `hung`: the calls of
+        this bucket's wave that ran out of time (a last bucket's finalize or verify too): when the
+        deadline has passed by the release, the first of them is the run's error, not the release."""
         if timed_out:
             self.session.connection.fire(CE.ABANDON)
         call = "abandon" if timed_out else "release"
         rc = self.waves.rank_start(RankStep(call, "TRANSFERRING", (k,), k), cleanup=cleanup)
         _, exc = self.rank_wait(rc, state=str(self.machine.state) if cleanup else None)
         if exc is not None and not cleanup:
+            if isinstance(exc, NoTimeLeft) and hung:
+                raise hung[0] from exc
             raise wrap_error(exc, call, "TRANSFERRING", None, k) from exc
 
     def stream(self, engines: list[Engine], start: int = 0) -> None:
@@ -437,7 +442,13 @@ class _Run(Recording):
         failed = [e.name for e, pairs in results.items() for s, r in pairs if s.call == "load" and not r.ok]
         if self.transport.collective and (failed or sent is not None):
             self.break_group(k, failed)
-        self.free(k, timed_out, cleanup=cleanup)
+        hung = [
+            wrap_error(r.error, s.call, s.state, e.name, s.bucket)
+            for e, pairs in results.items()
+            for s, r in pairs
+            if r.outcome == "timeout" and r.error is not None and not isinstance(r.error, NoTimeLeft)
+        ]
+        self.free(k, timed_out, cleanup=cleanup, hung=hung)
 
     def break_group(self, k: int, failed: list[str]) -> None:
         """A collective group is all-or-nothing per bucket: once a member failed, no later bucket
@@ -478,9 +489,9 @@ class _Run(Recording):
                         checks.append((e, step, res, w.batch))
                     else:
                         self.apply(e, step, res, w.batch, state)
-        if cleanup:
+        if cleanup:  # reports are recorded unjudged (none publishes); a verify that failed fails its engine
             for e, step, res, batch in checks:
-                self.record(e, step, res, batch, state)
+                (self.record if res.ok else self.apply)(e, step, res, batch, state)
         elif checks:
             self.verify(checks)
 
