@@ -20,7 +20,7 @@ from refit.errors import ConfigError
 from refit.reference.model import TinyLlama
 from refit.replay import replay
 from refit.trace import load_trace
-from refit.verify import SERVED_HEAD, compare, digest, merge
+from refit.verify import SERVED_HEAD, compare, digest, judge, merge
 
 from .conftest import CONFIG, SMALL_BUCKET, perturbed
 
@@ -41,6 +41,11 @@ def test_compare_names_what_differs_what_is_missing_and_what_was_never_sent() ->
     # ranks that packed the same tensor agree; one that disagrees makes the name unmatchable
     kind, merged = merge([{"kind": "xxh3", "digests": {"a": "01"}}, None, {"kind": "xxh3", "digests": {"a": "02"}}])
     assert kind == "xxh3" and merged == {"a": "conflict"}
+    # every tensor differing is named as what it usually is (a server's dtype or layout), one is not
+    everything = judge({"kind": "xxh3", "digests": {"a": "ff", "b": "fe"}}, "xxh3", {"a": "01", "b": "02"}, None)
+    assert "every tensor differs: does the engine keep the weights in another dtype" in everything["problems"][0]
+    one = judge({"kind": "xxh3", "digests": {"a": "01", "b": "fe"}}, "xxh3", {"a": "01", "b": "02"}, None)
+    assert "every tensor differs" not in one["problems"][0]
 
 
 def _run_once(engines: list[ReferenceEngine], model: TinyLlama, **kw: Any) -> protocol.RefitResult:

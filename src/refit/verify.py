@@ -274,7 +274,13 @@ def judge(
             found = compare(expected, digests)
             verdict.update({k: v for k, v in found.to_dict().items() if k != "ok"})
             if not found.ok:
-                problems.append(f"what it will serve is not what the trainer sent: {found.describe()}")
+                text = f"what it will serve is not what the trainer sent: {found.describe()}"
+                if found.compared > 1 and len(found.mismatched) == found.compared:
+                    text += (
+                        " (every tensor differs: does the engine keep the weights in another dtype than the "
+                        "trainer sends, or a layout this digest kind does not map?)"
+                    )
+                problems.append(text)
     if reference is not None:
         ok, diff, why = compare_probe(
             list(reference["expected"]), answer.get("logprobs"), float(reference["tolerance"])
