@@ -264,3 +264,25 @@ def test_a_tied_server_drops_an_untied_head_as_sglang_does_and_the_checksums_nam
         ctx.close()
         for e in engines:
             e.close()
+
+
+def test_a_plan_the_checksums_cannot_cover_is_refused_before_any_engine_is_touched() -> None:
+    """SGLang checksums whole fused parameters: a trainer that sends layer 0's q and k but not its
+    v (a partial refit) could only fail verification after every engine took the bytes. It is
+    refused in IDLE, naming the parameter; no engine is paused. The pure check also names rows that
+    do not split over TP."""
+    engines, config = _engines(1, tp=1)
+    state = {k: v for k, v in _trained(config).state_dict().items() if k != "model.layers.0.self_attn.v_proj.weight"}
+    ctx = protocol.RefitContext(TorchSource(state), SGLangTensorTransport(), engines, mode="colocated")
+    try:
+        result = protocol.run(ctx)
+        assert not result.ok and result.state == "FAILED"
+        assert "model.layers.0.self_attn.qkv_proj.weight: only part(s) [0, 1] of its 3 are sent" in str(result.error)
+        assert [r for r, _ in engines[0].server.received if r == "/pause_generation"] == []
+    finally:
+        ctx.close()
+        for e in engines:
+            e.close()
+    shapes = {"model.layers.0.mlp.down_proj.weight": (8, 10), "model.embed_tokens.weight": (255, 8)}
+    assert sc.unmappable(shapes, 4) == ["model.layers.0.mlp.down_proj.weight: 10 columns do not split over TP 4"]
+    assert sc.unmappable(shapes, 3, "vllm")[-1].startswith("model.embed_tokens.weight: vocabulary 255 padded")

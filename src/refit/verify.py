@@ -73,6 +73,16 @@ def uncovered(kind: str, sums: Mapping[str, str], planned: list[str]) -> list[st
     return [n for n in planned if n not in sums]
 
 
+def unmappable(kind: str, shapes: Mapping[str, tuple[int, ...]]) -> list[str]:
+    """What of a plan (HF name -> shape) digests of `kind` cannot cover (an engine layout's kind
+    maps whole server parameters; per-tensor kinds cover anything): empty when all of it."""
+    from refit.drivers.sglang_checksums import flavour_of, tp_of
+    from refit.drivers.sglang_checksums import unmappable as layout_unmappable
+
+    tp = tp_of(kind)
+    return [] if tp is None else layout_unmappable(shapes, tp, flavour_of(kind))
+
+
 def digest(tensor: torch.Tensor, kind: str = "xxh3") -> str:
     """One tensor's digest as 16 hex digits (for many tensors on a GPU, `Digests` syncs once)."""
     if kind == "wsum":

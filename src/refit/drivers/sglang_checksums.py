@@ -160,6 +160,37 @@ def sglang_params(
                 yield f"{name}@tp{r}", [tensor]
 
 
+def unmappable(shapes: Mapping[str, tuple[int, ...]], tp: int, flavour: str = "sglang") -> list[str]:
+    """What of a plan (HF name -> shape) this layout cannot map onto the server's parameters, in
+    words (empty: all of it maps): a fused parameter sent in part (its checksum covers every part),
+    rows or columns that do not split over `tp`, a vocabulary vLLM cannot split. Pure: checked
+    before any engine is touched."""
+    problems: list[str] = []
+    parts: dict[str, set[int]] = {}
+    for name, shape in shapes.items():
+        if any(p in name for p in NOT_PARAMETERS):
+            continue
+        prefix, _, rest = name.partition("layers.")
+        layer, _, suffix = rest.partition(".")
+        if prefix and suffix in FUSED:
+            target, position = FUSED[suffix]
+            parts.setdefault(f"{prefix}layers.{layer}.{target}", set()).add(position)
+            if shape and shape[0] % tp:
+                problems.append(f"{name}: {shape[0]} rows do not split over TP {tp}")
+        elif suffix in BY_COLUMNS and len(shape) > 1 and shape[1] % tp:
+            problems.append(f"{name}: {shape[1]} columns do not split over TP {tp}")
+        elif name in BY_VOCAB and shape:
+            try:
+                vocab_rows(shape[0], tp, 0, flavour)
+            except ValueError as exc:
+                problems.append(f"{name}: {exc}")
+    for target, got in parts.items():
+        need = 3 if "qkv_proj" in target else 2
+        if len(got) < need:
+            problems.append(f"{target}: only part(s) {sorted(got)} of its {need} are sent (its checksum covers all)")
+    return problems
+
+
 def pieces_checksum(pieces: list[torch.Tensor], flavour: str = "sglang") -> str:
     """`checksum` of the tensor whose bytes are these pieces' bytes in order."""
     from refit.buckets import _raw

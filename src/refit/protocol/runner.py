@@ -62,7 +62,16 @@ from refit.states import (
     TrainerEvent,
     Trigger,
 )
-from refit.verify import PROBE_TOP, default_prompts, digests_of, merge, probe_tolerance, probes_of, uncovered
+from refit.verify import (
+    PROBE_TOP,
+    default_prompts,
+    digests_of,
+    merge,
+    probe_tolerance,
+    probes_of,
+    uncovered,
+    unmappable,
+)
 
 S, T, E, CE, M = RefitState, Trigger, EngineState, ConnectionEvent, Memory
 
@@ -206,6 +215,15 @@ class _Run(Recording):
             "plan", "buckets", buckets=len(self.plan), nbytes=sum(m.nbytes for m in self.plan), tensors=len(metas),
             manifests=[m.summary() for m in self.plan],
         )  # fmt: skip
+        if self.digest_kind is not None:
+            gaps = unmappable(self.digest_kind, {m.name: tuple(m.shape) for m in metas})
+            if gaps:
+                raise RefitError(
+                    f"verify by {self.digest_kind} digests cannot cover what the trainer sends: {'; '.join(gaps[:3])}"
+                    + (f"; and {len(gaps) - 3} more" if len(gaps) > 3 else "")
+                    + " (send whole fused parameters, or pass verify='off')",
+                    state="IDLE",
+                )
         self.read_epochs("IDLE")
         if probes_of(self.ctx.verify):
             self.reference_logprobs(metas)
