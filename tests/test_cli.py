@@ -250,12 +250,12 @@ def test_the_demo_shows_progress_a_legend_and_its_trace(tmp_path: Path, capsys: 
     assert re.search(r"^starting 2 reference engine threads \.\.\.\nengines ready in \d+\.\ds\n", out), out
     legend = out[out.index("columns:") : out.index(demo.header())]
     columns = demo.header().replace("total s", "total_s").replace("peak KiB", "peak_KiB").split()
-    assert len(columns) == 20
+    assert len(columns) == 21
     for column in (c.replace("_", " ") for c in columns if c not in demo.SHORT):  # phases: "offload..restore"
         assert re.search(rf"(^|[ ,]){re.escape(column)}[ ,:]", legend, re.M), column
     assert "offload..restore" in legend
     assert f"trace: {trace}  (check it: refit check {trace}; replay it: refit replay {trace})" in out
-    assert out.rstrip().endswith("weights bit-exact; extra trainer memory at most 128 KiB")
+    assert "weights bit-exact; extra trainer memory at most 128 KiB\nverified before publish: " in out
     assert main(["check", str(trace)]) == 0
 
 

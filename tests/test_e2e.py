@@ -48,6 +48,7 @@ def test_demo_refits_three_times_and_matches(demo_trace) -> None:
         assert r[-4:-3] == ["equal"] and r[-1] == "exact"
         assert float(r[-3]) <= 1e-5 and float(r[-2]) > 1e-3  # matches the trainer, differs from the old weights
     assert "all 3 refits matched the trainer" in proc.stdout
+    assert "verified before publish: 6 of 6 engine updates (21 tensors' digests matched the trainer's)" in proc.stdout
     _, events, torn = load_trace(path)
     assert not torn and len([e for e in events if e["kind"] == "run" and e["event"] == "end"]) == 3
 
@@ -79,7 +80,7 @@ def test_demo_with_an_injected_kill_fails_cleanly(tmp_path: Path) -> None:
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "EngineDied" in proc.stdout and "bucket=2" in proc.stdout
     assert "engine-0: updated, serves version 1" in proc.stdout
-    assert "engine-1: failed, serves version None" in proc.stdout
+    assert "engine-1: failed, out of service" in proc.stdout
     assert "lock holder after the run: None" in proc.stdout
     assert "healthy engines match the trainer: True" in proc.stdout
     assert f"trace: {path}  (check it: refit check {path}; replay it: refit replay {path})" in proc.stdout

@@ -277,7 +277,10 @@ def test_a_plan_the_checksums_cannot_cover_is_refused_before_any_engine_is_touch
     try:
         result = protocol.run(ctx)
         assert not result.ok and result.state == "FAILED"
-        assert "model.layers.0.self_attn.qkv_proj.weight: only part(s) [0, 1] of its 3 are sent" in str(result.error)
+        assert (
+            "model.layers.0.self_attn.qkv_proj.weight: q_proj and k_proj sent without v_proj (its checksum covers all 3)"
+            in str(result.error)
+        )
         assert [r for r, _ in engines[0].server.received if r == "/pause_generation"] == []
     finally:
         ctx.close()

@@ -127,10 +127,28 @@ def verdict(
     else:
         peak = max(e["trainer_peak_bytes"] for e in entries)
         print(
-            f"all {refits} refits matched the trainer: tokens equal, logits within {LOGIT_TOL:g} x max(1, max|logit|), "
-            f"weights bit-exact; extra trainer memory at most {peak / 1024:.0f} KiB"
+            f"{'all ' if refits > 1 else ''}{refits} refit{'s' if refits > 1 else ''} matched the trainer: tokens "
+            f"equal, logits within {LOGIT_TOL:g} x max(1, max|logit|), weights bit-exact; extra trainer memory at most "
+            f"{peak / 1024:.0f} KiB"
         )
+        print(verified_line(entries))
     return code
+
+
+def verified_line(entries: list[dict[str, Any]]) -> str:
+    """What verification before publish did over the demo's refits, in one line."""
+    verdicts = [v for e in entries for v in e.get("verified", [])]
+    if not verdicts:
+        return "verified before publish: nothing (--verify off: each engine's finalize was trusted)"
+    passed = sum(bool(v["ok"]) for v in verdicts)
+    what = []
+    compared = sorted({v["compared"] for v in verdicts if v.get("compared") is not None})
+    if compared:
+        what.append(f"{'/'.join(map(str, compared))} tensors' digests matched the trainer's")
+    if any(v.get("probe") for v in verdicts):
+        worst = max((v["probe"]["max_diff"] or 0.0) for v in verdicts if v.get("probe"))
+        what.append(f"probe within tolerance (largest difference {worst:.2g})")
+    return f"verified before publish: {passed} of {len(verdicts)} engine updates ({'; '.join(what)})"
 
 
 def _trace_path(args: argparse.Namespace) -> tuple[str, bool]:

@@ -28,10 +28,11 @@ PHASES = (
     "INVALIDATING",
     "TRANSFERRING",
     "POST_PROCESSING",
+    "VERIFYING",
     "CONTINUING",
     "RESTORING",
 )
-SHORT = ("offload", "connect", "pause", "inval", "transfer", "post", "continue", "restore")
+SHORT = ("offload", "connect", "pause", "inval", "transfer", "post", "verify", "continue", "restore")
 
 
 def make_transport(kind: str, engine: str = "reference") -> Any:
@@ -105,7 +106,8 @@ def combine(checks: list[dict[str, Any]]) -> dict[str, Any]:
 LEGEND = f"""columns:
   refit, ver         the refit's number; the version it published
   loss               the trainer's loss after its optimizer steps
-  offload..restore   seconds in each phase (offload and restore: colocated only); total s: the whole refit
+  offload..restore   seconds in each phase (offload and restore: colocated only; verify: comparing what each
+                     engine reports it will serve with what the trainer sent); total s: the whole refit
   rt                 control round trips (2 in steady state; the first refit also connects)
   bkts, KiB          buckets and KiB moved; peak KiB: the most extra trainer memory the refit held
   tokens             the engines' greedy tokens vs the trainer's (equal | DIFFER)
@@ -193,7 +195,8 @@ def refit_loop(
             else:
                 say(f"\nrefit {r} did not reach every engine (run state {result.state}): {result.error}")
                 for o in result.engines.values():
-                    say(f"  {o.name}: {o.status}, serves version {o.version}, {o.attempts} attempt(s), "
+                    serves = "out of service" if not o.serving else f"serves version {o.version}"
+                    say(f"  {o.name}: {o.status}, {serves}, {o.attempts} attempt(s), "
                         f"{o.buckets} buckets acked in the last")  # fmt: skip
                 say(f"  lock holder after the run: {ctx.lock.holder if ctx.lock else None}")
                 if updated:  # the healthy engines really hold the new weights
@@ -225,6 +228,11 @@ def summary(result: protocol.RefitResult) -> dict[str, Any]:
         "engines": {
             n: {"status": o.status, "version": o.version, "attempts": o.attempts} for n, o in result.engines.items()
         },
+        "verified": [  # each updated engine's verdict before it published (none when the run does not verify)
+            {"ok": o.verify.get("ok"), "compared": o.verify.get("compared"), "probe": o.verify.get("probe")}
+            for o in result.engines.values()
+            if o.status == "updated" and o.verify is not None
+        ],
         "rank_steps": [list(map(list, s.steps)) for s in result.rank_stats],
         "rank_peak_bytes": [s.peak_bytes for s in result.rank_stats],
     }

@@ -185,9 +185,11 @@ def unmappable(shapes: Mapping[str, tuple[int, ...]], tp: int, flavour: str = "s
             except ValueError as exc:
                 problems.append(f"{name}: {exc}")
     for target, got in parts.items():
-        need = 3 if "qkv_proj" in target else 2
-        if len(got) < need:
-            problems.append(f"{target}: only part(s) {sorted(got)} of its {need} are sent (its checksum covers all)")
+        names = ("q_proj", "k_proj", "v_proj") if "qkv_proj" in target else ("gate_proj", "up_proj")
+        if len(got) < len(names):
+            sent = " and ".join(names[i] for i in sorted(got))
+            lacking = " and ".join(n for i, n in enumerate(names) if i not in got)
+            problems.append(f"{target}: {sent} sent without {lacking} (its checksum covers all {len(names)})")
     return problems
 
 
