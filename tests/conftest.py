@@ -203,3 +203,27 @@ def caught_behind_server(engines: list[Any], transport: Any, model: TinyLlama, k
         ctx.close()
         for e in engines:
             e.close()
+
+
+def clean_refits_verify(ctx: protocol.RefitContext, model: TinyLlama, kind: str, engines: list[Any]) -> None:
+    """Two refits of `model` (moved between them), each engine's verdict passing with something
+    compared; the run's start records `kind`; the trace holds. Closes the context and engines."""
+    from refit import invariants
+
+    try:
+        assert ctx.digest_kind == kind
+        for _ in range(2):
+            result = protocol.run(ctx)
+            assert result.ok, result.error
+            for outcome in result.engines.values():
+                assert outcome.verify["ok"] and outcome.verify["compared"] > 0
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.mul_(1.01)
+        start = next(e for e in ctx.recorder.events if e.get("event") == "start")
+        assert start["digest"] == kind
+        assert invariants.check_trace(ctx.recorder.events, open_ok=True) == []
+    finally:
+        ctx.close()
+        for e in engines:
+            e.close()

@@ -20,7 +20,7 @@ from refit.errors import ConfigError
 from refit.reference.model import ModelConfig, TinyLlama
 from refit.testing.sglang_server import EmulatedSGLangEngine
 
-from .conftest import caught_behind_server
+from .conftest import caught_behind_server, clean_refits_verify
 from .sglang_support import sglang, validate_body
 
 
@@ -100,23 +100,7 @@ def test_refits_into_sglang_verify_by_its_checksums(tp: int, tied: bool) -> None
     engines, config = _engines(2, tp=tp, tied=tied)
     model = _trained(config)
     ctx = protocol.RefitContext(TorchSource(model), SGLangTensorTransport(), engines, mode="colocated")
-    try:
-        assert ctx.digest_kind == f"sglang/tp{tp}"
-        for _ in range(2):
-            result = protocol.run(ctx)
-            assert result.ok, result.error
-            for outcome in result.engines.values():
-                assert outcome.verify["ok"] and outcome.verify["compared"] > 0
-            with torch.no_grad():
-                for p in model.parameters():
-                    p.mul_(1.01)
-        start = next(e for e in ctx.recorder.events if e.get("event") == "start")
-        assert start["digest"] == f"sglang/tp{tp}"
-        assert invariants.check_trace(ctx.recorder.events, open_ok=True) == []
-    finally:
-        ctx.close()
-        for e in engines:
-            e.close()
+    clean_refits_verify(ctx, model, f"sglang/tp{tp}", engines)
 
 
 @pytest.mark.parametrize(

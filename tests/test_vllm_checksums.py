@@ -23,7 +23,7 @@ from refit.errors import ConfigError
 from refit.reference.model import ModelConfig, TinyLlama
 from refit.testing.vllm_server import EmulatedVLLMEngine
 
-from .conftest import caught_behind_server
+from .conftest import caught_behind_server, clean_refits_verify
 from .vllm_support import validate_request, vllm
 
 pytestmark = pytest.mark.e2e
@@ -154,23 +154,7 @@ def test_refits_into_vllm_verify_by_its_checksums(tp: int, tied: bool, backend: 
     transport = VLLMIPCTransport() if backend == "ipc" else VLLMBroadcastTransport()
     mode = "colocated" if backend == "ipc" else "disaggregated"
     ctx = protocol.RefitContext(TorchSource(model), transport, engines, mode=mode, bucket_bytes=64 << 10)
-    try:
-        assert ctx.digest_kind == f"vllm/tp{tp}"
-        for _ in range(2):
-            result = protocol.run(ctx)
-            assert result.ok, result.error
-            for outcome in result.engines.values():
-                assert outcome.verify["ok"] and outcome.verify["compared"] > 0
-            with torch.no_grad():
-                for p in model.parameters():
-                    p.mul_(1.01)
-        start = next(e for e in ctx.recorder.events if e.get("event") == "start")
-        assert start["digest"] == f"vllm/tp{tp}"
-        assert invariants.check_trace(ctx.recorder.events, open_ok=True) == []
-    finally:
-        ctx.close()
-        for e in engines:
-            e.close()
+    clean_refits_verify(ctx, model, f"vllm/tp{tp}", engines)
 
 
 @pytest.mark.parametrize(
