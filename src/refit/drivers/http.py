@@ -18,6 +18,7 @@ import contextlib
 import json
 import socket
 import threading
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -303,6 +304,27 @@ class HttpEngineDriver(EngineDriver):
                 f"{where}: the answer from {self.url} could not be read ({type(exc).__name__}: {exc}); whether the "
                 "request ran is unknown",
             ) from None
+
+    def _checksums(
+        self, kind: str | None, probe: Any, route: str, body: dict[str, Any], parse: Any, no_probe: str, *,
+        timeout: float,
+    ) -> dict[str, Any]:  # fmt: skip
+        """VERIFYING by a server's own checksums: POST `route` with `body`, its answer read by
+        `parse` (ValueError: a malformed answer) into {"<param>@tp<rank>": checksum}; a probe is
+        refused with `no_probe` (why this server cannot answer one before it publishes)."""
+        if probe is not None:
+            raise EngineError("unsupported", f"engine {self.name}: {no_probe}")
+        if kind is None:
+            return {"kind": None}
+        if kind not in self.digest_kinds:
+            raise EngineError("unsupported", f"engine {self.name}: no {kind!r} digests from this server")
+        t0 = time.monotonic()
+        answer = self._call("POST", route, "verify", timeout=timeout, body=body)
+        try:
+            digests = parse(answer)
+        except ValueError as exc:
+            raise EngineError("bad_answer", f"engine {self.name}: POST {route} (verify): {exc}") from None
+        return {"kind": kind, "digests": digests, "read_back": len(digests), "seconds": round(time.monotonic() - t0, 6)}
 
     def _listening(self) -> bool:
         """Whether the server still accepts connections (after one was lost: dead, or only dropped)."""

@@ -568,21 +568,10 @@ class SGLangEngine(HttpEngineDriver):
         checksum of every parameter on every TP rank, as {"<param>@tp<rank>": checksum}."""
         from refit.drivers import sglang_checksums
 
-        if probe is not None:
-            raise EngineError("unsupported", f"engine {self.name}: SGLang cannot be probed while paused")
-        if kind is None:
-            return {"kind": None}
-        if kind not in self.digest_kinds:
-            raise EngineError("unsupported", f"engine {self.name}: no {kind!r} digests from this server")
-        t0 = time.monotonic()
-        body = self._call(
-            "POST", "/weights_checker", "verify", timeout=timeout, body={"action": "checksum", "selector": "target"}
-        )
-        try:
-            digests = sglang_checksums.reported(body)
-        except ValueError as exc:
-            raise EngineError("bad_answer", f"engine {self.name}: POST /weights_checker (verify): {exc}") from None
-        return {"kind": kind, "digests": digests, "read_back": len(digests), "seconds": round(time.monotonic() - t0, 6)}
+        return self._checksums(
+            kind, probe, "/weights_checker", {"action": "checksum", "selector": "target"}, sglang_checksums.reported,
+            "SGLang cannot be probed while paused", timeout=timeout,
+        )  # fmt: skip
 
     def finalize(self, *, timeout: float) -> None:
         plan = self._ledger.close()

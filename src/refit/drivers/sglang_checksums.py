@@ -44,6 +44,11 @@ KIND_PREFIX = "sglang/tp"  # the digest kind, with the engine's TP size: "sglang
 # servers whose checksums this layout maps, by kind prefix: vLLM 0.33 lays the same models out the
 # same way and hashes differently (`refit.drivers.vllm_checksums`)
 FLAVOURS = {KIND_PREFIX: "sglang", "vllm/tp": "vllm"}
+# what differs between them, as data: whether the checksum is the whole sha256 hex digest (else its
+# first 8 bytes, big-endian), and whether a vocabulary that 64-row padding does not split over TP is
+# padded to 64 x TP instead (else the server cannot serve it)
+WHOLE_DIGEST = {"sglang": False, "vllm": True}
+PADS_BY_TP = {"sglang": True, "vllm": False}
 VOCAB_PADDING = 64  # layers/vocab_parallel_embedding.py DEFAULT_VOCAB_PADDING_SIZE
 FUSED = {  # HF suffix -> (SGLang parameter suffix, position in it)
     "self_attn.q_proj.weight": ("self_attn.qkv_proj.weight", 0),
@@ -97,7 +102,7 @@ def vocab_rows(vocab: int, tp: int, rank: int, flavour: str = "sglang") -> tuple
     (its `divide` asserts) and neither is it mapped here."""
     pad = VOCAB_PADDING
     if -(-vocab // pad) * pad % tp:
-        if flavour == "vllm":
+        if not PADS_BY_TP[flavour]:
             raise ValueError(f"vocabulary {vocab} padded to a multiple of {pad} does not split over TP {tp}")
         pad *= tp
     per_rank = -(-vocab // pad) * pad // tp
@@ -206,7 +211,7 @@ def pieces_checksum(pieces: list[torch.Tensor], flavour: str = "sglang") -> str:
 
 def _finish(h: Any, flavour: str) -> str:
     """SGLang keeps sha256's first 8 bytes, big-endian, as 16 hex digits; vLLM the whole hex digest."""
-    return h.hexdigest() if flavour == "vllm" else f"{int.from_bytes(h.digest()[:8], 'big'):016x}"
+    return h.hexdigest() if WHOLE_DIGEST[flavour] else f"{int.from_bytes(h.digest()[:8], 'big'):016x}"
 
 
 def with_head(sums: dict[str, str]) -> dict[str, str]:

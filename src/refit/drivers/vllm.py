@@ -467,19 +467,10 @@ class VLLMEngine(HttpEngineDriver):
         paused vLLM answers new requests 503."""
         from refit.drivers import vllm_checksums
 
-        if probe is not None:
-            raise EngineError("unsupported", f"engine {self.name}: vLLM rejects requests while paused: no probe")
-        if kind is None:
-            return {"kind": None}
-        if kind not in self.digest_kinds:
-            raise EngineError("unsupported", f"engine {self.name}: no {kind!r} digests from this server")
-        t0 = time.monotonic()
-        body = self._call("POST", "/weight_checker", "verify", timeout=timeout, body={"action": "checksum"})
-        try:
-            digests = vllm_checksums.reported(body)
-        except ValueError as exc:
-            raise EngineError("bad_answer", f"engine {self.name}: POST /weight_checker (verify): {exc}") from None
-        return {"kind": kind, "digests": digests, "read_back": len(digests), "seconds": round(time.monotonic() - t0, 6)}
+        return self._checksums(
+            kind, probe, "/weight_checker", {"action": "checksum"}, vllm_checksums.reported,
+            "vLLM rejects requests while paused: no probe", timeout=timeout,
+        )  # fmt: skip
 
     def finalize(self, *, timeout: float) -> None:
         plan = self._ledger.close()
