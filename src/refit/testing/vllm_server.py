@@ -53,8 +53,9 @@ MODEL_ID = "refit-reference"
 BOOL_ENVS = frozenset({"VLLM_SERVER_DEV_MODE", "VLLM_ALLOW_INSECURE_SERIALIZATION"})  # parsed as bool(int(...))
 PUBLIC_ROUTES = frozenset({"/version", "/v1/models", "/v1/completions", "/health"})
 # A head tied to the embedding is dropped unread by vLLM's Llama and Qwen2 `load_weights`
-# (AutoWeightsLoader with skip_prefixes ["lm_head."] when tie_word_embeddings; the head is the
-# embedding's Parameter): a trainer whose head differs from its embedding is not refused, the server
+# (model_executor/models/utils.py `AutoWeightsLoader`: the head is the embedding's Parameter, loaded
+# under the first name module traversal reaches, model.embed_tokens.weight; its aliases are
+# skipped): a trainer whose head differs from its embedding is not refused, the server
 # serves its embedding as the head (verification by its checksums names lm_head.weight).
 TIED_HEAD_DROPPED = {"tied_head": "skip"}
 
