@@ -56,7 +56,9 @@ PUBLIC_ROUTES = frozenset({"/version", "/v1/models", "/v1/completions", "/health
 # (model_executor/models/utils.py `AutoWeightsLoader`: the head is the embedding's Parameter, loaded
 # under the first name module traversal reaches, model.embed_tokens.weight; its aliases are
 # skipped): a trainer whose head differs from its embedding is not refused, the server
-# serves its embedding as the head (verification by its checksums names lm_head.weight).
+# serves its embedding as the head (verification by its checksums names lm_head.weight). NOT YET
+# EMULATED: vLLM raises (`_check_skipped_aliases`) when the alias comes in an update_weights call
+# without model.embed_tokens.weight (docs/engines.md, the known gap).
 TIED_HEAD_DROPPED = {"tied_head": "skip"}
 
 
