@@ -149,6 +149,23 @@ def test_when_the_trainer_cannot_report_its_digests_nothing_publishes_and_the_tr
     assert replay(trace).divergence is None
 
 
+def test_the_trainers_digests_are_recorded_once_in_verifying_before_any_verdict(tmp_path: Path) -> None:
+    """The ranks are asked for their digests as soon as the last bucket is packed (so VERIFYING
+    does not wait a round trip for them); the trace still records the answer once, in
+    VERIFYING, after every load and before any engine's verdict, as the commit gate reads it."""
+    engines = [ReferenceEngine.in_thread(f"o{i}", CONFIG, seed=0) for i in range(2)]
+    trace = tmp_path / "o.jsonl"
+    result = _run_once(engines, perturbed(TinyLlama(CONFIG, seed=0), seed=5), trace=trace)
+    assert result.ok and result.buckets > 2
+    _, events, _ = load_trace(trace)
+    asked = [e for e in events if e.get("kind") == "call" and e.get("event") == "digests"]
+    assert len(asked) == 1 and asked[0]["state"] == "VERIFYING" and asked[0]["outcome"] == "ok"
+    last_load = max(e["seq"] for e in events if e.get("event") == "load")
+    verdicts = [e["seq"] for e in events if e.get("event") == "verified"]
+    assert len(verdicts) == 2 and last_load < asked[0]["seq"] < min(verdicts)
+    assert invariants.check_trace(events) == [] and replay(trace).divergence is None
+
+
 @pytest.mark.parametrize("transport", sorted(TRANSPORTS))
 def test_clean_refits_raise_no_false_alarm(transport: str) -> None:
     """Refits after real optimizer steps, every one verified: none rejected (200 over shm, 50 over

@@ -96,6 +96,13 @@ def test_hashing_while_copying_equals_hashing_what_was_written() -> None:
     got = written.results()
     assert sorted(written.missed()) == ["b", "f"]  # b: 8198 bytes, copied by torch; f: half
     assert got == {k: host_digest(regions[k].cpu()) for k in "acde"}
+    written.stage()  # the lanes staged to pinned host memory, as a finalize does before its sync
+    torch.cuda.current_stream().synchronize()
+    assert written.results() == got
+    written.copy([(regions["f"][128:], src["f"][128:])])  # f's other half, after staging: now whole
+    torch.cuda.synchronize()
+    assert written.missed() == ["b"]  # the staged lanes are stale (they lack f's second half): not read
+    assert written.results() == {**got, "f": host_digest(regions["f"].cpu())}
 
 
 @pytest.mark.parametrize(

@@ -54,7 +54,8 @@ def finish_all(lanes: Any, sizes: list[int]) -> list[str]:
         z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
         z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
         z = z ^ (z >> np.uint64(31))
-    return [f"{v:016x}" for v in z.tolist()]
+    text = z.astype(">u8").tobytes().hex()  # big-endian: each 16-digit slice reads as the number
+    return [text[i : i + 16] for i in range(0, len(text), 16)]
 
 
 def _fmix32_np(x: Any) -> Any:
@@ -396,6 +397,7 @@ class Written:
         )
         # per region, the (byte offset, length) of each write credited to it; None: it must be read back
         self.pieces: list[list[tuple[int, int]] | None] = [[] for _ in self.names]
+        self._host: Any = None  # CUDA: the lanes staged in pinned host memory (`stage`), while current
 
     def _place(self, dst: torch.Tensor) -> tuple[int, int] | None:
         """(slot, index of the first word) of the region `dst` lies wholly in, or None."""
@@ -422,8 +424,21 @@ class Written:
                 self.pieces[slot] = None
             k += 1
 
+    def stage(self) -> None:
+        """CUDA: queue the lanes' copy to pinned host memory on the current stream, for a caller
+        that is about to synchronize it anyway (an engine's finalize), once every write that feeds
+        them is ordered before it: `report` then reads them without a sync of its own. A later
+        `copy` makes the staged lanes stale (`report` reads the device's again)."""
+        if self.cuda:
+            import torch
+
+            host = torch.empty(self.lanes.shape, dtype=self.lanes.dtype, pin_memory=True)
+            host.copy_(self.lanes, non_blocking=True)
+            self._host = host
+
     def copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Copy each (dst, src) pair (same shape and dtype), hashing what is written."""
+        self._host = None
         hashed: list[tuple[torch.Tensor, torch.Tensor, int, int]] = []
         plain: list[tuple[torch.Tensor, torch.Tensor]] = []
         for dst, src in pairs:
@@ -483,6 +498,9 @@ class Written:
             (whole if self._whole(k) else missed).append(k)
         if not whole:
             return {}, [self.names[k] for k in missed]
-        lanes = self.lanes.cpu().numpy() if self.cuda else np.array(self.lanes, dtype=np.uint64).reshape(-1, 2)
+        if self.cuda:
+            lanes = (self._host if self._host is not None else self.lanes.cpu()).numpy()
+        else:
+            lanes = np.array(self.lanes, dtype=np.uint64).reshape(-1, 2)
         digests = finish_all(lanes[whole], [self.sizes[k] for k in whole])
         return dict(zip([self.names[k] for k in whole], digests, strict=True)), [self.names[k] for k in missed]

@@ -761,6 +761,8 @@ class EngineCore:
             self.head_serving = loaded.clone()
             written = None  # a new serving copy: not a region the session hashed
         if self.device.type == "cuda":  # the serving head has landed too: finalize's answer means every byte did
+            if written is not None:
+                written.stage()  # what verify reports comes back with this sync, not with one of its own
             torch.cuda.current_stream(self.device).synchronize()
         landed = time.perf_counter() - t0
         self.copies_landed_at = time.monotonic()
