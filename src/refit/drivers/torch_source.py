@@ -2,7 +2,8 @@
 names it. One per trainer rank: under FSDP2 every rank builds one over its own sharded module.
 
 Lifecycle:
-  run start               `metas()`: one TensorMeta per state-dict entry (DTensor: global shape;
+  run start               `metas()`: one TensorMeta per state-dict tensor, an alias (a tied head)
+                          under its first name only (DTensor: global shape;
                           the dtype after the optional cast).
   OFFLOADING (colocated)  `offload()`: drop gradients (set to None); move optimizer state to CPU
                           when it lives on an accelerator. On a CPU-only trainer the optimizer
@@ -58,8 +59,18 @@ class TorchSource(Source):
         return self._model
 
     def _named(self) -> list[tuple[str, torch.Tensor]]:
+        """(engine name, tensor) per state-dict entry, but a tensor listed twice (a tied head:
+        `lm_head.weight` is `model.embed_tokens.weight`) only under the first name, as
+        `named_parameters()` lists it and as vLLM's and SGLang's loaders load it: a server ties
+        the same names (its config's tie_word_embeddings) and answers for the alias by itself."""
         out = []
+        seen: set[tuple[Any, ...]] = set()
         for name, tensor in self._state_dict().items():
+            key = _alias_key(tensor)
+            if key is not None:
+                if key in seen:
+                    continue
+                seen.add(key)
             engine_name = self._rename(name) if self._rename else name
             if engine_name is not None:
                 out.append((engine_name, tensor))
@@ -140,3 +151,14 @@ class TorchSource(Source):
         for state, key, device in self._moved:
             state[key] = state[key].to(device)
         self._moved.clear()
+
+
+def _alias_key(tensor: Any) -> tuple[Any, ...] | None:
+    """What makes two state-dict entries one tensor (the same bytes, viewed the same way); None
+    for an empty tensor (no storage to share)."""
+    local = getattr(tensor, "_local_tensor", None)  # a DTensor: its shard on this rank, and how it is sharded
+    t = tensor if local is None else local
+    if t.numel() == 0:
+        return None
+    where = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+    return where if local is None else (*where, tuple(tensor.shape), str(tensor.placements))

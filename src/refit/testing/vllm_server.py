@@ -55,11 +55,32 @@ PUBLIC_ROUTES = frozenset({"/version", "/v1/models", "/v1/completions", "/health
 # A head tied to the embedding is dropped unread by vLLM's Llama and Qwen2 `load_weights`
 # (model_executor/models/utils.py `AutoWeightsLoader`: the head is the embedding's Parameter, loaded
 # under the first name module traversal reaches, model.embed_tokens.weight; its aliases are
-# skipped): a trainer whose head differs from its embedding is not refused, the server
-# serves its embedding as the head (verification by its checksums names lm_head.weight). NOT YET
-# EMULATED: vLLM raises (`_check_skipped_aliases`) when the alias comes in an update_weights call
-# without model.embed_tokens.weight (docs/engines.md, the known gap).
+# skipped, `_filter_skipped`), but only within one `load_weights` call that also loads the
+# embedding: otherwise `_check_skipped_aliases` raises once the call's other weights loaded.
+# `_load_calls` groups a request's names as vLLM's receivers call the loader.
 TIED_HEAD_DROPPED = {"tied_head": "skip"}
+DEFAULT_PACKED_BUFFER_SIZE_BYTES = 1 << 30  # distributed/weight_transfer/packed_tensor.py (1 GB)
+
+
+def _load_calls(backend: str, packed: bool, metas: list[TensorMeta], buffer_bytes: int) -> list[list[str]]:
+    """A request's tensor names grouped by the `model.load_weights` call each one reaches in vLLM
+    0.33: IPC (ipc_engine.py `receive_weights`) loads a request in one call; NCCL unpacked
+    (nccl_engine.py `receive_weights`) one call per tensor; NCCL packed (packed_tensor.py
+    `packed_nccl_broadcast_consumer`) one call per chunk, a chunk closing once its bytes exceed
+    the buffer size."""
+    if backend == "ipc":
+        return [[m.name for m in metas]]
+    if not packed:
+        return [[m.name] for m in metas]
+    calls: list[list[str]] = [[]]
+    size = 0
+    for m in metas:
+        calls[-1].append(m.name)
+        size += m.nbytes
+        if size > buffer_bytes:
+            calls.append([])
+            size = 0
+    return [c for c in calls if c]
 
 
 def _rpc_error(message: str, tp: int = 1) -> _Reply:
@@ -454,9 +475,12 @@ class EmulatedVLLM(EmulatedServer):
             entries.append(TensorEntry(meta, offset))
             offset += meta.nbytes
         manifest = BucketManifest(index, tuple(entries), offset)
+        buffer_bytes = int(self.initialized.get("packed_buffer_size_bytes") or DEFAULT_PACKED_BUFFER_SIZE_BYTES)
+        calls = _load_calls(self.backend, packed, [e.meta for e in entries], buffer_bytes)
+        tied = {**TIED_HEAD_DROPPED, "load_calls": calls}
         if self.backend == "nccl":
             self.last_update = {"names": names, "dtype_names": dtypes, "shapes": shapes}
-            fields = {"load_format": FLATTENED_BUCKET if packed else None, **TIED_HEAD_DROPPED}
+            fields = {"load_format": FLATTENED_BUCKET if packed else None, **tied}
             return Payload("vllm_nccl", manifest, fields, ({},) * self.tp)
         if info.get("ipc_handles_pickled") is None:
             raise ValueError("Either `ipc_handles` or `ipc_handles_pickled` must be provided")
@@ -466,7 +490,7 @@ class EmulatedVLLM(EmulatedServer):
         if [int(x) for x in sizes] != [e.meta.nbytes for e in entries]:
             raise ValueError(f"tensor_sizes {sizes} do not match names/dtype_names/shapes")
         handles = _SafeHandles.loads(base64.b64decode(info["ipc_handles_pickled"]))
-        return Payload("vllm_ipc", manifest, {"handles": handles, **TIED_HEAD_DROPPED}, ({},) * self.tp)
+        return Payload("vllm_ipc", manifest, {"handles": handles, **tied}, ({},) * self.tp)
 
     def r_finish_weight_update(self, method: str, query: Any, body: Any, call: str | None) -> Any:
         self._check("/finish_weight_update", body)
