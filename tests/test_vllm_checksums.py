@@ -222,11 +222,12 @@ def test_a_fleet_with_one_engine_not_asked_for_checksums_names_that_engine() -> 
 
 
 @pytest.mark.parametrize("backend", ["ipc", "nccl"])
-def test_a_tied_server_drops_an_untied_head_as_vllm_does_and_the_checksums_name_it(backend: str) -> None:
-    """vLLM's Llama and Qwen2 `load_weights` (AutoWeightsLoader, skip_prefixes "lm_head." when
-    tied) skip a trainer's lm_head.weight on a tied model: the update succeeds and the server
-    serves the embedding as its head. Verified by vLLM's checksums, the engine is rejected naming
-    the head (the emulator refused the load instead, so this path was never exercised)."""
+def test_a_tied_server_serves_an_untied_head_under_both_names_and_the_checksums_name_it(backend: str) -> None:
+    """A trainer with a head of its own into a vLLM whose model ties it: inside the update session
+    vLLM loads both names (`initialize_layerwise_reload` unties them until the session ends), and
+    the tensor they share holds the head, sent after the embedding (tests/test_vllm_tied.py holds
+    this against vLLM's own session code). The update succeeds; verified by vLLM's checksums, the
+    engine is rejected naming the embedding, which no longer holds what the trainer sent as one."""
     (engine,), config = _engines(1, tp=1, tied=True, backend=backend)
     model = _trained(ModelConfig(tie_word_embeddings=False, vocab_size=config.vocab_size))
     transport = VLLMIPCTransport() if backend == "ipc" else VLLMBroadcastTransport()
@@ -234,10 +235,10 @@ def test_a_tied_server_drops_an_untied_head_as_vllm_does_and_the_checksums_name_
     ctx = protocol.RefitContext(TorchSource(model), transport, [engine], mode=mode, retries=0)
     try:
         ctx.verify = "off"
-        assert protocol.run(ctx).ok  # vLLM took it: its loader never read the head
+        assert protocol.run(ctx).ok  # vLLM took it
         ctx.verify = "digest"
         outcome = protocol.run(ctx).engines["v0"]
-        assert outcome.status == "quarantined" and outcome.verify["mismatched"] == ["lm_head.weight@tp0"]
+        assert outcome.status == "quarantined" and outcome.verify["mismatched"] == ["model.embed_tokens.weight@tp0"]
     finally:
         ctx.close()
         engine.close()

@@ -1,14 +1,13 @@
-"""A head tied to the embedding, into vLLM 0.33: its loader (model_executor/models/utils.py
-`AutoWeightsLoader`) skips `lm_head.weight` within a `load_weights` call that also loads
-`model.embed_tokens.weight`, and raises for a call that holds the head without it. The
-emulator's rule is held against vLLM's own loader (run in its own process: `tests.vllm_tied_loader`);
+"""A head tied to the embedding, into vLLM 0.33. Inside a weight-update session vLLM unties it
+(`initialize_layerwise_reload` gives each layer a Parameter of its own): both names load, and
+the tensor they share ends up holding the later of the two in stream order. The emulator's rule
+is held against vLLM's own session code (run in its own process: `tests.vllm_tied_loader`).
 refit's torch source sends a tied head once, under the embedding's name, as `named_parameters()`
-lists it (so bucketing can never split the pair), and a trainer whose head is its own tensor,
-into a server that ties it, fails as vLLM fails: with vLLM's words, and nothing served."""
+lists it; a trainer whose head is a tensor of its own overwrites the served embedding on a server
+that ties them, as vLLM does, and verification by vLLM's checksums names it."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import subprocess
 import sys
@@ -18,11 +17,12 @@ import pytest
 import torch
 
 from refit import protocol
+from refit.buckets import BucketManifest, TensorEntry, TensorMeta
 from refit.drivers.torch_source import TorchSource
 from refit.drivers.vllm_transport import VLLMBroadcastTransport, VLLMIPCTransport
 from refit.reference.engine import EngineCore
-from refit.reference.model import ModelConfig, TinyLlama
-from refit.testing.vllm_server import EmulatedVLLMEngine, _load_calls
+from refit.reference.model import ModelConfig, TinyLlama, init_weights
+from refit.testing.vllm_server import TIED_HEAD, EmulatedVLLMEngine
 
 from .conftest import SMALL_BUCKET, perturbed
 
@@ -30,45 +30,55 @@ pytestmark = pytest.mark.e2e
 
 TIED = ModelConfig(tie_word_embeddings=True, model_type="qwen2", qkv_bias=True)
 EMBED, HEAD, NORM = "model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"
+VALUES = {EMBED: 1.0, HEAD: 2.0, NORM: 3.0}
 CASES = [
-    [[HEAD]],  # the head alone (refit's last bucket, before sources sent it once)
-    [[EMBED, NORM, HEAD]],  # with the embedding in one call: skipped
-    [[EMBED], [NORM, HEAD]],  # the embedding in an earlier call of the same request: raises all the same
-    [[NORM]],  # no head at all
-    [[HEAD, EMBED]],  # the head first, its embedding later in the same call: skipped
+    [[EMBED, NORM, HEAD]],  # one request: the head after the embedding
+    [[EMBED], [NORM, HEAD]],  # the head in a later request (refit's last bucket, before sources sent it once)
+    [[EMBED, NORM]],  # no head: what refit sends now
+    [[EMBED, HEAD], [NORM]],
 ]
 
 
-def vllms_loader(model: str, cases: list[list[list[str]]]) -> list[str | None]:
-    spec = json.dumps({"model": model, "cases": cases})
+def vllms_session(cases: list[list[list[str]]]) -> list[list[float] | str]:
+    spec = json.dumps({"cases": cases})
     done = subprocess.run(
         [sys.executable, "-m", "tests.vllm_tied_loader", spec], capture_output=True, text=True, timeout=300, check=True
     )
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("model_type", ["qwen2", "llama"])
-def test_the_emulators_tied_head_rule_is_vllms_own(model_type: str) -> None:
-    """Call by call, the reference engine behind the emulator refuses exactly where vLLM's loader
-    raises, in vLLM's words (its model class named as vLLM names it)."""
-    config = dataclasses.replace(TIED, model_type=model_type, qkv_bias=model_type == "qwen2")
-    core = EngineCore(config, seed=0)
-    ours = [core._tied_alone(calls) for calls in CASES]
-    theirs = vllms_loader({"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}[model_type], CASES)
-    assert ours == theirs
-    assert [a is not None for a in theirs] == [True, False, True, False, False]
+def emulated_session(calls: list[list[str]]) -> list[float]:
+    """The reference engine behind the emulator, loading the same names as requests (one bucket
+    each; every other tensor of the model in a first bucket) with the emulator's `tied_head`: the
+    values it serves under the embedding's name and as its head."""
+    core = EngineCore(TIED, seed=0)
+    state = init_weights(TIED, seed=1)
+    state.update({n: torch.full_like(state[EMBED], v) if n == HEAD else torch.full_like(state[n], v)
+                  for n, v in VALUES.items()})  # fmt: skip
+    groups = [[n for n in state if n not in VALUES], *calls]
+    plan, tensors = [], []
+    for k, names in enumerate(groups):
+        entries, offset = [], 0
+        for n in names:
+            meta = TensorMeta.of(n, state[n])
+            entries.append(TensorEntry(meta, offset))
+            offset += meta.nbytes
+        plan.append(BucketManifest(k, tuple(entries), offset))
+        tensors.append([(n, state[n]) for n in names])
+    core.pause("abort")
+    core.begin(plan)
+    for m, t in zip(plan, tensors, strict=True):
+        core.load(m, t, **TIED_HEAD)
+    core.finalize()
+    return [float(core.params[EMBED].flatten()[0]), float(core.head_serving.flatten()[0])]
 
 
-def test_a_request_is_grouped_into_loader_calls_as_vllms_receivers_group_it() -> None:
-    """IPC: one call per request; NCCL unpacked: one per tensor; NCCL packed: a chunk closes once
-    its bytes exceed the buffer (packed_tensor.py `packed_nccl_broadcast_consumer`)."""
-    from refit.buckets import TensorMeta
-
-    metas = [TensorMeta(n, "float32", (s,)) for n, s in (("a", 100), ("b", 100), ("c", 300), ("d", 1))]  # 400 B each
-    assert _load_calls("ipc", True, metas, 10) == [["a", "b", "c", "d"]]
-    assert _load_calls("nccl", False, metas, 10) == [["a"], ["b"], ["c"], ["d"]]
-    assert _load_calls("nccl", True, metas, 800) == [["a", "b", "c"], ["d"]]  # 400, 800 (not over), 2000: closes
-    assert _load_calls("nccl", True, metas, 1 << 30) == [["a", "b", "c", "d"]]
+def test_the_emulators_tied_head_is_vllms_own_session() -> None:
+    """Request by request, what the engine behind the emulator serves under both names is what
+    vLLM's own weight-update session leaves in the tensor they share."""
+    theirs = vllms_session(CASES)
+    assert [emulated_session(calls) for calls in CASES] == theirs
+    assert theirs == [[2.0, 2.0], [2.0, 2.0], [1.0, 1.0], [2.0, 2.0]]  # the later of the two wins; none raises
 
 
 @pytest.fixture
@@ -112,44 +122,39 @@ def test_a_tied_trainer_sends_its_head_once_and_the_tied_vllm_serves_it(engines,
         ctx.close()
 
 
-def _untied_state(model: TinyLlama) -> dict[str, torch.Tensor]:
-    """The trainer's state with its head a tensor of its own (equal to the embedding, or not)."""
+def _untied_state(model: TinyLlama, scale: float) -> dict[str, torch.Tensor]:
+    """The trainer's state with its head a tensor of its own: `scale` times the embedding."""
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    state[HEAD] = state[EMBED].clone()
+    state[HEAD] = state[EMBED] * scale
     return state
 
 
-def test_a_head_of_its_own_in_another_bucket_fails_as_vllm_fails_and_nothing_is_served(engines) -> None:
-    """A trainer whose head is a tensor of its own (here equal to its embedding), in small buckets
-    into a vLLM that ties it: the head arrives in a request without the embedding; vLLM's loader
-    raises and its answer (HTTP 500) is the refit's error; the server's weights are no version's,
-    so neither engine serves."""
+def test_a_head_of_its_own_equal_to_the_embedding_is_loaded_and_verified(engines) -> None:
+    """A trainer that sends its head as a tensor of its own, equal to its embedding, in another
+    bucket: vLLM loads it into the tensor they share (the same bytes), and verification passes."""
     engines += [EmulatedVLLMEngine.start(f"u{i}", config=TIED, backend="nccl") for i in range(2)]
     model = perturbed(TinyLlama(TIED, seed=0), seed=3)
-    ctx = _ctx(TorchSource(_untied_state(model)), engines, "nccl", SMALL_BUCKET)
-    try:
-        result = protocol.run(ctx)
-    finally:
-        ctx.close()
-    assert not result.ok and result.version is None
-    text = str(result.error)
-    assert "500" in text and "'lm_head.weight' was skipped because it is tied to 'model.embed_tokens.weight'" in text
-    assert "Qwen2ForCausalLM" in text
-    assert {o.status for o in result.engines.values()} <= {"quarantined", "failed"}
-    for e in engines:
-        assert e.server.engine.info()["weights_released"]  # vLLM's layers are left on the meta device
-
-
-def test_a_head_of_its_own_in_the_embeddings_request_is_skipped_and_verified(engines) -> None:
-    """The same trainer in one bucket: the head comes in the embedding's request, vLLM's loader
-    skips it, the server serves its embedding as the head, and verification passes because the
-    head sent equals it (a head that differed would be named: tests/test_vllm_checksums.py)."""
-    engines += [EmulatedVLLMEngine.start("w0", config=TIED, backend="nccl")]
-    model = perturbed(TinyLlama(TIED, seed=0), seed=4)
-    ctx = _ctx(TorchSource(_untied_state(model)), engines, "nccl", 64 << 20)
+    ctx = _ctx(TorchSource(_untied_state(model, 1.0)), engines, "nccl", SMALL_BUCKET)
     try:
         result = protocol.run(ctx)
     finally:
         ctx.close()
     assert result.ok, result.error
-    assert result.buckets == 1 and result.engines["w0"].verify["ok"]
+    assert result.buckets > 2 and all(o.verify and o.verify["ok"] for o in result.engines.values())
+
+
+def test_a_head_of_its_own_that_differs_overwrites_the_embedding_and_verification_names_it(engines) -> None:
+    """An untied trainer into a server that ties the head: vLLM serves the head's bytes under the
+    embedding's name too (the later of the two). vLLM's checksums name the embedding; nothing
+    publishes and neither engine serves those weights."""
+    engines += [EmulatedVLLMEngine.start(f"d{i}", config=TIED, backend="nccl") for i in range(2)]
+    model = perturbed(TinyLlama(TIED, seed=0), seed=4)
+    ctx = _ctx(TorchSource(_untied_state(model, 0.5)), engines, "nccl", SMALL_BUCKET)
+    try:
+        result = protocol.run(ctx)
+    finally:
+        ctx.close()
+    assert not result.ok and result.version is None
+    for outcome in result.engines.values():
+        assert outcome.status == "quarantined" and not outcome.verify["ok"]
+        assert any("embed_tokens" in n for n in outcome.verify["mismatched"])

@@ -491,18 +491,16 @@ class EngineCore:
         *,
         expected: int | None = None,
         tied_head: str = "check",
-        load_calls: Sequence[Sequence[str]] | None = None,
     ) -> None:
         """Apply one bucket in place (fused layout). Buckets apply in plan order; a refused one
         (validation, before any byte) makes the session refuse the rest, so an in-flight next
         bucket never lands after a gap. With `expected` (a single-rank engine), each piece is
         hashed as it is copied (no second pass over memory); a mismatch is found after the bytes
         landed: the bucket fails as `corrupted`, the session breaks and the engine is poisoned
-        (weights no version names) until a refit completes. `tied_head`: "check" (a tied head sent
-        must equal the tensor it is) or "skip" (dropped unread, as SGLang's and vLLM's loaders do);
-        with "skip", `load_calls` (the bucket's names, grouped as a server hands them to its model's
-        loader one call at a time) makes a call that holds a tied head but not the tensor it is
-        fail once the bucket landed, as vLLM's does (`tied_alias`, `_tied_alone`)."""
+        (weights no version names) until a refit completes. `tied_head`, what a tied head sent
+        does: "check" (it must equal the tensor it is: this engine's own rule), "skip" (dropped
+        unread: SGLang's loaders) or "write" (written where the tensor it is lives, in stream
+        order, so the later of the two is served: vLLM's loaders inside a weight-update session)."""
         self.check_load(manifest)
         try:
             self._check_tensors(manifest, tensors)
@@ -511,6 +509,8 @@ class EngineCore:
         except EngineError as exc:
             self.break_session(f"bucket {manifest.index} was refused ({exc.kind})")
             raise
+        if tied_head == "write":  # the alias's bytes go where the tensor it is lives, in stream order
+            tensors = [(self.layout.tied.get(n, n), t) for n, t in tensors]
         digests: list[int] = []
         kept = self._keep_for_skip(tensors) if self.mangle == "skip" else None
         if self.device.type == "cuda" and self.session is not None and not self.session.loaded:
@@ -537,12 +537,6 @@ class EngineCore:
                         run.append((self._target(name), tensor))
                 digests += copy_digests(run) if run else []
         assert self.session is not None
-        alone = self._tied_alone(load_calls) if tied_head == "skip" and load_calls is not None else None
-        if alone is not None:  # the rest of the bucket landed first: its loader loads a call, then checks it
-            self.weights_epoch += 1
-            self.dirty = True
-            self.break_session(f"bucket {manifest.index} held a tied head without the tensor it is")
-            raise EngineError("tied_alias", alone)
         after_copy = ("flip", "swap_tp") if expected is None or written else MANGLED_AFTER_LOAD  # others: `_mangled`
         if self.mangle in after_copy:
             self._mangle_loaded(tensors, kept)
@@ -733,23 +727,6 @@ class EngineCore:
                     f"{name} differs from {target}, which this engine ties to it (tie_word_embeddings): "
                     "the trainer's output head is not tied",
                 )
-
-    def _tied_alone(self, calls: Sequence[Sequence[str]]) -> str | None:
-        """vLLM 0.33's complaint (model_executor/models/utils.py `AutoWeightsLoader.
-        _check_skipped_aliases`, in words) about the first loader call that holds a tied alias but
-        not the tensor it is; None when every alias comes with its tensor (or none comes)."""
-        from refit.reference.model import ARCHITECTURES
-
-        for call in calls:
-            names = set(call)
-            for alias, target in self.layout.tied.items():
-                if alias in names and target not in names:
-                    model = ARCHITECTURES[self.config.model_type]
-                    return (
-                        f"{alias!r} was skipped because it is tied to {target!r} in {model}, but {target!r} was not "
-                        "found in the checkpoint, so the tied weight is uninitialized."
-                    )
-        return None
 
     def finalize(self) -> dict[str, Any]:
         session = self.session

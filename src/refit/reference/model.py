@@ -28,7 +28,6 @@ from torch import nn
 
 DTYPES = ("float32", "bfloat16", "float16")  # what the engine computes in
 MODEL_TYPES = ("llama", "qwen2")  # the families ModelConfig.from_hf accepts
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}  # each family's HF model class
 TIED_HEAD = {"lm_head.weight": "model.embed_tokens.weight"}  # alias -> the tensor it is (tie_word_embeddings)
 
 

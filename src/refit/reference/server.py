@@ -441,7 +441,6 @@ class EngineServer:
                 self.core.load(
                     payload.manifest, tensors, expected=receiver.expected(payload) if fused else None,
                     tied_head=payload.fields.get("tied_head", "check"),
-                    load_calls=payload.fields.get("load_calls"),
                 )  # fmt: skip
         except EngineError as exc:
             if into and exc.no_effect:  # refused after the receiver already wrote part of it into the weights

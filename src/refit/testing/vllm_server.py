@@ -52,35 +52,16 @@ UPDATE_KEYS = {
 MODEL_ID = "refit-reference"
 BOOL_ENVS = frozenset({"VLLM_SERVER_DEV_MODE", "VLLM_ALLOW_INSECURE_SERIALIZATION"})  # parsed as bool(int(...))
 PUBLIC_ROUTES = frozenset({"/version", "/v1/models", "/v1/completions", "/health"})
-# A head tied to the embedding is dropped unread by vLLM's Llama and Qwen2 `load_weights`
-# (model_executor/models/utils.py `AutoWeightsLoader`: the head is the embedding's Parameter, loaded
-# under the first name module traversal reaches, model.embed_tokens.weight; its aliases are
-# skipped, `_filter_skipped`), but only within one `load_weights` call that also loads the
-# embedding: otherwise `_check_skipped_aliases` raises once the call's other weights loaded.
-# `_load_calls` groups a request's names as vLLM's receivers call the loader.
-TIED_HEAD_DROPPED = {"tied_head": "skip"}
-DEFAULT_PACKED_BUFFER_SIZE_BYTES = 1 << 30  # distributed/weight_transfer/packed_tensor.py (1 GB)
-
-
-def _load_calls(backend: str, packed: bool, metas: list[TensorMeta], buffer_bytes: int) -> list[list[str]]:
-    """A request's tensor names grouped by the `model.load_weights` call each one reaches in vLLM
-    0.33: IPC (ipc_engine.py `receive_weights`) loads a request in one call; NCCL unpacked
-    (nccl_engine.py `receive_weights`) one call per tensor; NCCL packed (packed_tensor.py
-    `packed_nccl_broadcast_consumer`) one call per chunk, a chunk closing once its bytes exceed
-    the buffer size."""
-    if backend == "ipc":
-        return [[m.name for m in metas]]
-    if not packed:
-        return [[m.name] for m in metas]
-    calls: list[list[str]] = [[]]
-    size = 0
-    for m in metas:
-        calls[-1].append(m.name)
-        size += m.nbytes
-        if size > buffer_bytes:
-            calls.append([])
-            size = 0
-    return [c for c in calls if c]
+# A head tied to the embedding, inside a weight-update session (vLLM 0.33): start_weight_update
+# (distributed/weight_transfer/nccl_engine.py, ipc_engine.py) calls `initialize_layerwise_reload`
+# (model_executor/model_loader/reload/layerwise.py), which puts a meta Parameter of its own on each
+# layer (recorded per module at model build, reload/meta.py): the head and the embedding are two
+# Parameters while the session lasts, so `AutoWeightsLoader` finds no alias (`_get_tied_embedding_
+# params` matches by identity) and loads both names. Each layer, once loaded, is copied into the
+# tensor they share (`_copy_and_restore_kernel_tensors`): the later of the two in stream order is
+# served under both names; one never sent leaves the other's. (Outside a session, at startup, the
+# loader skips the head instead.)
+TIED_HEAD = {"tied_head": "write"}
 
 
 def _rpc_error(message: str, tp: int = 1) -> _Reply:
@@ -451,7 +432,7 @@ class EmulatedVLLM(EmulatedServer):
         names, dtypes, shapes = info.get("names", []), info.get("dtype_names", []), info.get("shapes", [])
         if not names and not dtypes and not shapes and self.backend == "nccl":
             if self.last_update is None:
-                return Payload("vllm_nccl", BucketManifest(index, (), 0), dict(TIED_HEAD_DROPPED), ({},) * self.tp)
+                return Payload("vllm_nccl", BucketManifest(index, (), 0), dict(TIED_HEAD), ({},) * self.tp)
             names, dtypes, shapes = (
                 self.last_update["names"],
                 self.last_update["dtype_names"],
@@ -475,12 +456,9 @@ class EmulatedVLLM(EmulatedServer):
             entries.append(TensorEntry(meta, offset))
             offset += meta.nbytes
         manifest = BucketManifest(index, tuple(entries), offset)
-        buffer_bytes = int(self.initialized.get("packed_buffer_size_bytes") or DEFAULT_PACKED_BUFFER_SIZE_BYTES)
-        calls = _load_calls(self.backend, packed, [e.meta for e in entries], buffer_bytes)
-        tied = {**TIED_HEAD_DROPPED, "load_calls": calls}
         if self.backend == "nccl":
             self.last_update = {"names": names, "dtype_names": dtypes, "shapes": shapes}
-            fields = {"load_format": FLATTENED_BUCKET if packed else None, **tied}
+            fields = {"load_format": FLATTENED_BUCKET if packed else None, **TIED_HEAD}
             return Payload("vllm_nccl", manifest, fields, ({},) * self.tp)
         if info.get("ipc_handles_pickled") is None:
             raise ValueError("Either `ipc_handles` or `ipc_handles_pickled` must be provided")
@@ -490,7 +468,7 @@ class EmulatedVLLM(EmulatedServer):
         if [int(x) for x in sizes] != [e.meta.nbytes for e in entries]:
             raise ValueError(f"tensor_sizes {sizes} do not match names/dtype_names/shapes")
         handles = _SafeHandles.loads(base64.b64decode(info["ipc_handles_pickled"]))
-        return Payload("vllm_ipc", manifest, {"handles": handles, **tied}, ({},) * self.tp)
+        return Payload("vllm_ipc", manifest, {"handles": handles, **TIED_HEAD}, ({},) * self.tp)
 
     def r_finish_weight_update(self, method: str, query: Any, body: Any, call: str | None) -> Any:
         self._check("/finish_weight_update", body)
