@@ -349,3 +349,41 @@ def test_a_client_closed_from_several_threads_closes_its_pipe_once() -> None:
         t.join(30)
     assert len(closes) == 1, closes
     assert client.process.poll() is not None  # the engine process is gone
+
+
+def test_the_engines_audit_is_bounded_and_still_checks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A long-lived engine's audit record does not grow without bound: past twice `AUDIT_KEEP`
+    records, those before a quiet point (a continue, no session open) are dropped behind one
+    `truncated` record counting them; the engine-side invariants read what is left as a whole
+    history, and still find a violation recorded after the cut."""
+    from refit import invariants, protocol
+    from refit.drivers.reference import ReferenceEngine
+    from refit.drivers.shm import SharedMemoryTransport
+    from refit.drivers.torch_source import TorchSource
+    from refit.reference import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "AUDIT_KEEP", 40)
+    engine = ReferenceEngine.in_thread("a0", CFG, seed=0)
+    model = TinyLlama(CFG, seed=0)
+    ctx = protocol.RefitContext(TorchSource(model), SharedMemoryTransport(), [engine], bucket_bytes=64 << 10)
+    sizes = []
+    try:
+        for step in range(12):
+            perturbed(model, seed=step)
+            assert protocol.run(ctx).ok
+            sizes.append(len(engine.audit()))
+        records = engine.audit()
+    finally:
+        ctx.close()
+        engine.close()
+    per_refit = sizes[1] - sizes[0]
+    assert (
+        per_refit > 10 and max(sizes) < 80 + per_refit
+    )  # bounded: never past twice the kept count by more than a refit
+    head = records[0]
+    assert head["op"] == "truncated" and head["dropped"] + len(records) - 1 == sizes[0] + 11 * per_refit
+    assert records[1]["op"] == "continue_generation"
+    assert invariants.check_engine_audit(records, engine="a0") == []
+    loads = [i for i, r in enumerate(records) if r["op"] == "load"]
+    forged = [r for i, r in enumerate(records) if r["op"] != "flush" or i > loads[-1]]  # every kept flush dropped
+    assert any(v.invariant == "kv_fresh" for v in invariants.check_engine_audit(forged, engine="a0"))

@@ -533,6 +533,9 @@ def check_engine_audit(
     voided: set[int] = set()  # sessions a quarantine closed without finalizing
     for rec in records:
         op, ok = rec.get("op"), rec.get("ok")
+        if op == "truncated":  # older records were dropped at a point where nothing was open or paused
+            paused = flushed = False
+            continue
         if op == "probe" and ok and rec.get("session_open_before"):
             voided.add(rec["session"])  # a crashed run's session, closed by the next run's probe
         if op in ("pause", "quarantine") and ok:

@@ -44,6 +44,7 @@ from refit.errors import EngineError
 from refit.reference.model import ModelConfig, attention, init_weights, rms_norm, rope
 
 PAUSE_MODES = ("abort", "retract", "in_place")
+AUDIT_KEEP = 20_000  # engine-side audit records kept at least (`EngineCore.record`)
 # faults an engine can be made to commit without noticing (tests, `refit demo --fail-at`): it acks,
 # finalizes and would serve wrong weights; only verification before publish can catch them
 SILENT_FAULTS = {
@@ -289,6 +290,9 @@ class EngineCore:
         self.direct_tensors = 0  # tensors a receiver wrote straight into the weights (no copy-out), so far
         self.sessions = 0  # update sessions opened so far; each begin that succeeds opens the next
         self.audit: list[dict[str, Any]] = []  # what the engine itself did, for engine-side invariants
+        self.audit_keep = AUDIT_KEEP  # records kept at least (older ones go at a quiet point: `record`)
+        self._quiet: list[int] = []  # indexes in `audit` of continues with no session open
+        self._dropped = 0
         self.mangle: str | None = None  # an injected silent fault for the call in progress (SILENT_FAULTS)
         if not serving:
             self.quarantine("awaiting its first refit")
@@ -316,11 +320,29 @@ class EngineCore:
         return self.params[self.layout.tied["lm_head.weight"]].narrow(0, start, n)
 
     def record(self, op: str, ok: bool, **fields: Any) -> None:
-        """Append one engine-side audit record (time is CLOCK_MONOTONIC, comparable across processes)."""
+        """Append one engine-side audit record (time is CLOCK_MONOTONIC, comparable across processes).
+        The record is bounded: once it holds twice `audit_keep` records, those before the latest
+        quiet point (a continue with no update session open) that leaves at least `audit_keep`
+        are dropped, and a first record `{"op": "truncated", "dropped": n}` says how many in all
+        (`refit.invariants.check_engine_audit` starts afresh there: nothing was open)."""
         self.audit.append(
             {"t": time.monotonic(), "op": op, "ok": ok, "session": self.sessions, "dirty": self.dirty,
              "paused": self.paused, "version": self.version, **fields}
         )  # fmt: skip
+        if op == "continue_generation" and ok and self.session is None:
+            self._quiet.append(len(self.audit) - 1)
+            if len(self.audit) >= 2 * self.audit_keep:
+                self._trim()
+
+    def _trim(self) -> None:
+        cut = max((i for i in self._quiet if len(self.audit) - i >= self.audit_keep), default=None)
+        if cut is None or cut <= 1:
+            return
+        head = self.audit[0]
+        self._dropped += cut - (1 if head.get("op") == "truncated" else 0)
+        marker = {"t": self.audit[cut - 1]["t"], "op": "truncated", "ok": True, "dropped": self._dropped}
+        self.audit = [marker, *self.audit[cut:]]
+        self._quiet = [i - cut + 1 for i in self._quiet if i >= cut]
 
     # ---- weights ---------------------------------------------------------------------------
 
