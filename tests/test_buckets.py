@@ -102,3 +102,21 @@ def test_copy_digests_over_many_pairs_matches_hashing_each_source() -> None:
     with pytest.raises(ValueError, match="overlap"):
         copy_digests([(tied, sources[2][: tied.numel()]), (tied[1:], sources[2][1 : tied.numel()])])
     assert copy_digests([(torch.empty(0), torch.empty(0)), (torch.empty(0), torch.empty(0))]) == []
+
+
+def test_a_tensor_listed_twice_is_sent_once_under_the_first_name_kept() -> None:
+    """A tied head (the same tensor under two names) goes once, under the first name `rename`
+    keeps; views that differ, and different tensors that are empty, all go; `send_aliases`
+    sends every name; the verdict helpers never count a missing (None) digest as a match."""
+    from refit.drivers.torch_source import TorchSource
+    from refit.verify import compare, uncovered
+
+    w, fused = torch.randn(8, 4), torch.randn(12, 4)
+    state = {"model.embed_tokens.weight": w, "q": fused[:4], "k": fused[4:8], "t": w.t(), "lm_head.weight": w,
+             "e1": torch.empty(0), "e2": torch.empty(0), "s": torch.randn(3, 3).to_sparse()}  # fmt: skip
+    names = [m.name for m in TorchSource(state).metas()]
+    assert names == ["model.embed_tokens.weight", "q", "k", "t", "e1", "e2", "s"]
+    assert [m.name for m in TorchSource(state, send_aliases=True).metas()] == list(state)
+    renamed = TorchSource(state, rename=lambda n: None if n.startswith("model.embed") else n)
+    assert "lm_head.weight" in [m.name for m in renamed.metas()]  # the first name was dropped: the alias stands
+    assert not compare({"a": None}, {"a": None}).ok and uncovered("xxh3", {"a": None}, ["a"]) == ["a"]

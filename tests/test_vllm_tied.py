@@ -8,6 +8,7 @@ that ties them, as vLLM does, and verification by vLLM's checksums names it."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -158,3 +159,35 @@ def test_a_head_of_its_own_that_differs_overwrites_the_embedding_and_verificatio
     for outcome in result.engines.values():
         assert outcome.status == "quarantined" and not outcome.verify["ok"]
         assert any("embed_tokens" in n for n in outcome.verify["mismatched"])
+
+
+def test_a_tied_trainer_into_an_engine_whose_head_is_its_own_is_refused_naming_the_tie() -> None:
+    """The other mismatch: a tied trainer sends its head once, as the embedding; a reference
+    engine whose head is its own refuses the plan before any byte moves, saying why and how to
+    send both names; with `send_aliases=True` the refit goes through and serves the trainer's head."""
+    from refit.drivers.reference import ReferenceEngine
+    from refit.drivers.shm import SharedMemoryTransport
+
+    untied = dataclasses.replace(TIED, tie_word_embeddings=False)
+    engine = ReferenceEngine.in_thread("own", untied, seed=0)
+    model = perturbed(TinyLlama(TIED, seed=0), seed=6)
+    try:
+        for send_aliases in (False, True):
+            ctx = protocol.RefitContext(
+                TorchSource(model, send_aliases=send_aliases),
+                SharedMemoryTransport(),
+                [engine],
+                bucket_bytes=SMALL_BUCKET,
+            )
+            try:
+                result = protocol.run(ctx)
+            finally:
+                ctx.close()
+            if not send_aliases:
+                assert not result.ok and result.engines["own"].status == "unchanged"
+                assert "send_aliases=True" in str(result.error) and "'lm_head.weight'" in str(result.error)
+            else:
+                assert result.ok, result.error
+                assert torch.equal(engine.state_dict()[HEAD], model.lm_head.weight.detach())
+    finally:
+        engine.close()

@@ -70,7 +70,7 @@ def uncovered(kind: str, sums: Mapping[str, str], planned: list[str]) -> list[st
     tp = tp_of(kind)
     if tp is not None:
         return layout_uncovered(sums, planned, tp)
-    return [n for n in planned if n not in sums]
+    return [n for n in planned if sums.get(n) is None]
 
 
 def unmappable(kind: str, shapes: Mapping[str, tuple[int, ...]]) -> list[str]:
@@ -177,7 +177,9 @@ def compare(expected: Mapping[str, str], reported: Mapping[str, str], tied: Mapp
     (`expected`). `tied` (alias -> tensor): names the engine may report that stand for another sent
     tensor (a head tied to the embedding, served from its own copy): compared with that tensor
     when the trainer did not send the alias itself."""
-    if reported == expected and CONFLICT not in expected.values():  # the clean case, at C speed
+    if (
+        reported == expected and CONFLICT not in expected.values() and None not in expected.values()
+    ):  # clean, at C speed
         return Verdict(True, len(expected))
     tied = dict(tied or {})
     tied.setdefault(SERVED_HEAD, "model.embed_tokens.weight")

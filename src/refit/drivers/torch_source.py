@@ -39,11 +39,14 @@ class TorchSource(Source):
         rename: Callable[[str], str | None] | None = None,
         dtype: torch.dtype | None = None,
         optimizer: torch.optim.Optimizer | None = None,
+        send_aliases: bool = False,
     ) -> None:
         """`model`: an nn.Module, a state dict, or a callable returning one (called per refit).
         `rename`: trainer name -> engine name, or None to skip a tensor. `dtype`: cast floating
-        tensors to this dtype on the way out."""
+        tensors to this dtype on the way out. `send_aliases`: send a tensor the state dict lists
+        twice under both names (default: once, under the first name kept)."""
         self._model = model
+        self._send_aliases = send_aliases
         self._rename = rename
         self._dtype = dtype
         self._optimizer = optimizer
@@ -59,21 +62,23 @@ class TorchSource(Source):
         return self._model
 
     def _named(self) -> list[tuple[str, torch.Tensor]]:
-        """(engine name, tensor) per state-dict entry, but a tensor listed twice (a tied head:
-        `lm_head.weight` is `model.embed_tokens.weight`) only under the first name, as
-        `named_parameters()` lists it and as vLLM's and SGLang's loaders load it: a server ties
-        the same names (its config's tie_word_embeddings) and answers for the alias by itself."""
+        """(engine name, tensor) per state-dict entry kept by `rename`, but a tensor listed twice
+        (a tied head: `lm_head.weight` is `model.embed_tokens.weight`) only under the first name
+        kept, as `named_parameters()` lists it and as vLLM's own trainer-side source sends it: a
+        server that ties the same names (its config's tie_word_embeddings) serves it under both.
+        `send_aliases=True`: every name (a server whose config does not tie them)."""
         out = []
         seen: set[tuple[Any, ...]] = set()
         for name, tensor in self._state_dict().items():
-            key = _alias_key(tensor)
+            engine_name = self._rename(name) if self._rename else name
+            if engine_name is None:
+                continue
+            key = None if self._send_aliases else _alias_key(tensor)
             if key is not None:
                 if key in seen:
                     continue
                 seen.add(key)
-            engine_name = self._rename(name) if self._rename else name
-            if engine_name is not None:
-                out.append((engine_name, tensor))
+            out.append((engine_name, tensor))
         return out
 
     def _out_dtype(self, tensor: torch.Tensor) -> torch.dtype:
@@ -154,11 +159,14 @@ class TorchSource(Source):
 
 
 def _alias_key(tensor: Any) -> tuple[Any, ...] | None:
-    """What makes two state-dict entries one tensor (the same bytes, viewed the same way); None
-    for an empty tensor (no storage to share)."""
+    """What makes two state-dict entries one tensor: the same storage (by identity, so an empty
+    shard of a DTensor counts too), viewed the same way; None for a tensor without a storage
+    (sparse)."""
     local = getattr(tensor, "_local_tensor", None)  # a DTensor: its shard on this rank, and how it is sharded
     t = tensor if local is None else local
-    if t.numel() == 0:
+    try:
+        storage = t.untyped_storage()._cdata
+    except (NotImplementedError, RuntimeError):
         return None
-    where = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+    where = (storage, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
     return where if local is None else (*where, tuple(tensor.shape), str(tensor.placements))

@@ -121,7 +121,6 @@ class _Run(Recording):
         self.inflight: deque[_Bucket] = deque()
         self.held: list[tuple[Engine, Step, StepResult, int]] = []  # finalizes that rode on last buckets
         self.rode = 0  # 1: bucket 0 rode the pause wave (`ride_first_bucket`)
-        self.early_digests: RankCall | None = None  # the trainer's digests, asked for once the last bucket is packed
         self.verifying = ctx.verify != "off"
         self.probe: list[tuple[list[int], list[int]]] | None = None  # verify="probe": (prompt, token ids)
         self.digest_kind = ctx.digest_kind if digests_of(ctx.verify) else None
@@ -177,7 +176,6 @@ class _Run(Recording):
         self.stream([e for e in opened if e.active], start=self.rode)
         while retry := (self.ledger.retryable(ctx.retries) if self.deadline.remaining() > 0 else []):
             self.attempt += 1
-            self.early_digests = None  # the last attempt's digests are not this one's
             for e in retry:
                 self.ledger.begin_attempt(e, self.attempt)
             if self.session.connection.state == Connection.BROKEN or self.group_differs(retry):
@@ -369,8 +367,7 @@ class _Run(Recording):
         pack = self.waves.rank_start(step, manifest=manifest.summary())
         members = list(steps)
         plan = {e: list(s) for e, s in steps.items()}
-        packed = self.waves.rank_settle(pack)
-        if packed:
+        if self.waves.rank_settle(pack):
             assert self.topology is not None
             payloads = self.transport.payloads(manifest, pack.future.result(), self.topology)
             self.bytes_moved += manifest.payload_bytes
@@ -379,8 +376,6 @@ class _Run(Recording):
                 if len(self.plan) == 1:
                     plan[e].extend(self.closing())
         w = self.waves.start(plan)
-        if len(self.plan) == 1 and packed:
-            self.ask_digests()
         results = self.waves.wait(w)
         later = ("finalize", "verify")
         held = {e: [(s, r) for s, r in pairs if s.call in later] for e, pairs in results.items()}
@@ -441,8 +436,6 @@ class _Run(Recording):
             collective = self.transport.collective
             send = self.waves.rank_start(RankStep("send", "TRANSFERRING", (k,), k)) if collective else None
             self.inflight.append(_Bucket(manifest, w, send))
-            if k == n - 1:
-                self.ask_digests()
         while self.inflight:
             self.drain_oldest()
         self.enter(T.POST_PROCESS)
@@ -535,25 +528,11 @@ class _Run(Recording):
         for e, step, res, batch in checks:
             self.apply(e, step, res, batch)
 
-    def ask_digests(self) -> None:
-        """Once the last bucket is packed, the trainer's digests of what it sent are final: ask
-        the ranks now (behind the bucket's send on their lanes), so VERIFYING does not wait a round
-        trip for them while the engines finalize. Recorded in VERIFYING, when collected."""
-        if self.verifying and self.digest_kind is not None:
-            self.early_digests = self.waves.rank_start(RankStep("digests", "VERIFYING"))
-
     def trainer_digests(self) -> None:
-        """The ranks' digests of what they sent (asked for after the last pack, `ask_digests`),
-        checked to cover the plan, into the ledger."""
+        """The ranks' digests of what they sent, checked to cover the plan, into the ledger."""
         if self.digest_kind is None:
             return
-        rc, self.early_digests = self.early_digests, None
-        if rc is None:
-            rc = self.waves.rank_start(RankStep("digests", "VERIFYING"))
-        values, exc = self.rank_wait(rc)
-        if exc is not None:
-            raise wrap_error(exc, "digests", "VERIFYING", None, None) from exc
-        kind, expected = merge(values or [])
+        kind, expected = merge(self.rank_call(RankStep("digests", "VERIFYING")))
         missing = uncovered(self.digest_kind, expected, [n for m in self.plan for n in m.names])
         if kind != self.digest_kind or missing:
             what = f"the trainer ranks report no {self.digest_kind} digests of {len(missing)} tensors they sent"

@@ -430,6 +430,12 @@ class EngineCore:
         missing = [n for n in self.layout.hf_shapes if n not in seen]
         if missing:
             problems.append(f"{len(missing)} model tensors missing from the plan, first {missing[0]!r}")
+            if "lm_head.weight" in missing and "model.embed_tokens.weight" in seen:
+                problems.append(
+                    "this engine's head is its own (tie_word_embeddings false) and the trainer sent none: a trainer "
+                    "that ties its head sends it once, as model.embed_tokens.weight (TorchSource(send_aliases=True) "
+                    "sends both names)"
+                )
         if problems:
             shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
             raise EngineError("bad_manifest", shown)
