@@ -512,6 +512,7 @@ def replay(path: str | Path, loaded: tuple[dict[str, Any], list[dict[str, Any]],
         for key in ("mode", "retries", "pause_mode", "deadline_s", "cleanup_grace_s", "call_timeout_s"):  # per run
             if key in start:
                 setattr(ctx, key, start[key])
+        ctx.max_staleness = start.get("max_staleness")  # a run recorded before the policy existed had none
         ctx.verify = start.get("verify", "off")
         transport.digest_kind = start.get("digest") or "xxh3"
         ctx.digest_point = start.get("digest_point", "served")

@@ -18,7 +18,9 @@ events (and its header), each names the invariant it enforces and the first offe
                  never answers again; an engine named at start that the run reached has events;
                  a colocated engine's weight-memory resume is paired (its KV memory resumed, its
                  weights released again, or it was quarantined or lost) and a serving colocated
-                 engine had its KV memory resumed.
+                 engine had its KV memory resumed; under a version policy (the start's
+                 `max_staleness` k), no engine left in service is more than k versions behind
+                 the version the run published.
   version        across runs: each run's target increases on the runs before it, its previous
                  version is the last version published before it (or the previous run's), and the
                  first run starts from the version the header's configuration names.
@@ -249,6 +251,14 @@ def check_outcomes(events: Sequence[Event]) -> list[Violation]:
             if isinstance(pv, int) and not isinstance(pv, bool) and version != pv:
                 msg = f"engine {name} is reported unchanged at version {version} but was probed at {pv}"
                 out.append(_v("outcome", msg, end))
+        k, published_v = start.get("max_staleness"), end.get("published")
+        policy = isinstance(k, int) and isinstance(published_v, int) and status in ("updated", "unchanged")
+        if policy and (not isinstance(version, int) or published_v - version > k):
+            msg = (
+                f"engine {name} is reported {status} at version {version} while the fleet serves "
+                f"{published_v}: the run's max_staleness is {k}"
+            )
+            out.append(_v("outcome", msg, end))
         if colocated and status in ("updated", "unchanged") and calls:
             kv = [
                 c for c in calls if c.get("event") == "resume_memory" and c.get("outcome") == "ok"

@@ -40,7 +40,8 @@ class EngineOutcome:
     before the run, and it is in the condition it was in: serving, or with its memory released in a
     colocated job), quarantined (holds weights no version names, or none current: kept out of
     service until a refit completes), stale (was already out of service and this run did not bring
-    it current), failed (died, stopped answering, or could not be brought back to a safe condition:
+    it current, or the version policy held it out: `RefitContext.max_staleness`), failed
+    (died, stopped answering, or could not be brought back to a safe condition:
     the caller must restart it; it is stale until a refit completes).
     `version` is the version the engine serves, None when it must not serve; `serving` whether it
     generates now; `verify` its last verification in this run (None: not verified): `ok`,
@@ -102,6 +103,12 @@ class RefitContext:
         finalizes, continues and quarantines are still sent, each wave waiting a short floor.
     version: the version the engines hold now (the next successful run publishes a larger one).
     retries: how many more times an engine whose update failed is retried within the run.
+    max_staleness: the fleet's version policy. None (default): an engine that did not take the
+        version is continued on the one it had (the fleet may serve two versions; the result's
+        outcomes say which engine serves which). An int k: once some engine published, an engine
+        that did not and would serve a version more than k behind it (or one no version names)
+        is held out of service instead (outcome "stale"; a later refit that reaches it brings it
+        back). 0: synchronous RL, one version in service.
     call_timeout_s: cap on a single engine call (None: whatever is left of the deadline); set it
         to drop a hung engine early and let the healthy ones finish inside the deadline.
     lock: the engines' owner-token lock (default: shared by every context over the same engines).
@@ -136,6 +143,7 @@ class RefitContext:
     cleanup_grace_s: float = 10.0
     version: int = 0
     retries: int = 1
+    max_staleness: int | None = None
     call_timeout_s: float | None = None
     lock: EngineLock | None = None
     trace: str | Path | TraceRecorder | None = None
@@ -187,6 +195,9 @@ class RefitContext:
             _positive("call_timeout_s", self.call_timeout_s)
         if isinstance(self.retries, bool) or not isinstance(self.retries, int) or self.retries < 0:
             raise ConfigError(f"retries must be an integer >= 0, got {self.retries!r}")
+        k = self.max_staleness
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
+            raise ConfigError(f"max_staleness must be None or an integer >= 0, got {k!r}")
         if isinstance(self.version, bool) or not isinstance(self.version, int) or self.version < 0:
             raise ConfigError(f"version must be an integer >= 0, got {self.version!r}")
         from refit.verify import DIGEST_POINTS, VERIFY_MODES

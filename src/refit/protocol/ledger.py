@@ -60,6 +60,7 @@ class Engine:
     acked: set[int] = field(default_factory=set)  # buckets acked in its current attempt
     bytes_ok: int = 0
     verdict: dict[str, Any] | None = None  # its last verification (`refit.verify.Verdict`, and seconds)
+    held: str | None = None  # why the version policy holds it out of service (its quarantine is a hold)
 
     @property
     def state(self) -> EngineState:
@@ -169,7 +170,7 @@ class Ledger:
                 raise InvariantViolation(f"engine {e.name} was continued holding weights no version names")
             e.position.fire(EV.CONTINUE)
         elif call == "quarantine":
-            e.position.fire(EV.QUARANTINE)
+            e.position.fire(EV.HOLD if e.held is not None and e.position.can(EV.HOLD) else EV.QUARANTINE)
         return []
 
     def _probed(self, e: Engine, step: Step, info: dict[str, Any]) -> list[Event]:
@@ -266,12 +267,23 @@ class Ledger:
         """Some engine's weights changed without being labelled: the connection is not reused."""
         return any(e.weights.state == W.CHANGED for e in self.engines)
 
-    def owed(self, e: Engine, *, colocated: bool, cont: str, quarantine: str, kv: str, reason: str) -> list[Step]:
+    def owed(
+        self, e: Engine, *, colocated: bool, cont: str, quarantine: str, kv: str, reason: str, hold: str | None = None
+    ) -> list[Step]:
         """What an engine that did not (or could not) take the version is owed: a continue if it is
         clean and paused (colocated: and its KV memory back), a quarantine if it holds weights no
-        version names, its weight memory released again if the run took it and never paused."""
-        if not e.reachable or e.state in (E.SERVING, E.QUARANTINED):
+        version names, its weight memory released again if the run took it and never paused.
+        `hold`: the version policy holds a clean engine out of service (a quarantine, recorded as
+        a hold: STALE) instead of continuing it; the reason is what it is told."""
+        if not e.reachable or e.state in (E.SERVING, E.QUARANTINED, E.STALE):
             return []
+        if hold is not None and e.state in (E.JOINED, E.PAUSED) and e.position.can(EV.HOLD):
+            clean = not e.must_not_serve or (e.state == E.JOINED and e.weights.state == W.KEPT)
+            if clean:
+                e.held = hold
+                taken = e.state == E.JOINED and e.region("weights") == M.TAKEN
+                return [*([Step("release_memory", cont, (["weights"],))] if taken else []),
+                        Step("quarantine", quarantine, (hold,))]  # fmt: skip
         kv_steps = [Step("resume_memory", kv, (["kv_cache"],))] if colocated else []
         if e.state == E.PUBLISHED:
             return [Step("continue_generation", cont), *kv_steps]
@@ -291,6 +303,8 @@ class Ledger:
         version: int | None = None
         if st == E.GONE:
             status = "failed"  # died or hung
+        elif st == E.STALE:
+            status = "stale"  # held out of service by the version policy
         elif st == E.QUARANTINED:
             status = "quarantined"
         elif st == E.SERVING and not serving:

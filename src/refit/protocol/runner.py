@@ -563,6 +563,8 @@ class _Run(Recording):
         for e in self.engines:
             if e in ready:
                 plan[e] = list(publish)
+            elif self.behind(e):  # held or continued once it is known whether anyone published
+                plan[e] = []
             else:
                 plan[e] = self.owed(e, "CONTINUING", "CONTINUING", kv="RESTORING")
         restore = self.waves.rank_start(RankStep("restore", "RESTORING")) if ctx.colocated else None
@@ -590,7 +592,29 @@ class _Run(Recording):
 
     def owed(self, e: Engine, cont: str, quarantine: str, *, kv: str) -> list[Step]:
         reason = f"refit to version {self.version} (run {self.run_id}) did not complete on this engine"
-        return self.ledger.owed(e, colocated=self.ctx.colocated, cont=cont, quarantine=quarantine, kv=kv, reason=reason)
+        return self.ledger.owed(
+            e, colocated=self.ctx.colocated, cont=cont, quarantine=quarantine, kv=kv, reason=reason,
+            hold=self.hold_reason(e),
+        )  # fmt: skip
+
+    def behind(self, e: Engine) -> bool:
+        """Whether the version policy would hold `e` were the run's version published without it:
+        it would serve one more than `max_staleness` behind (or one no version names)."""
+        k = self.ctx.max_staleness
+        if k is None or e.published:
+            return False
+        return e.previous_version is None or self.version - e.previous_version > k
+
+    def hold_reason(self, e: Engine) -> str | None:
+        """Why the version policy holds `e` out of service now (None: it does not): some engine
+        published the run's version and `e` is `behind`."""
+        if not self.behind(e) or not any(x.published for x in self.engines):
+            return None
+        held = "no version" if e.previous_version is None else f"version {e.previous_version}"
+        return (
+            f"stale: it holds {held}, and the fleet now serves version {self.version} (max_staleness "
+            f"{self.ctx.max_staleness}, run {self.run_id}); a refit that reaches it brings it back"
+        )
 
     def settle(self, cont: str, quarantine: str, *, cleanup: bool) -> None:
         """Continue the clean engines, quarantine the poisoned; an engine that refused its continue
@@ -696,6 +720,7 @@ def _lead(ctx: RefitContext) -> RefitResult:
     r.emit(
         "run", "start", previous_version=r.previous_version, owner=r.owner, engines=[e.name for e in r.engines],
         incarnations=[e.incarnation for e in r.engines], engine_tp=[e.tp for e in r.engines], mode=ctx.mode,
+        max_staleness=ctx.max_staleness,
         pause_mode=ctx.pause_mode, bucket_bytes=ctx.bucket_bytes, deadline_s=ctx.deadline_s,
         cleanup_grace_s=ctx.cleanup_grace_s, retries=ctx.retries, call_timeout_s=ctx.call_timeout_s, verify=ctx.verify,
         digest=r.digest_kind, digest_point=ctx.digest_point,

@@ -20,8 +20,11 @@ the run may quarantine poisoned engines and always ends latched in FAILED. DONE 
 no exits.
 
 The engine table. One per engine and run (h11 keeps one state per role): where that engine
-stands in the update. Facts that are not positions (whether its weights changed or were lost,
-why it left the attempt) are kept beside it; outcomes are derived from both.
+stands in the update. Under a version policy (`RefitContext(max_staleness=k)`), an engine that did
+not take the version others published and would serve one more than k versions behind it is held
+(`hold`: STALE, out of service) instead of continued. Facts that are not positions (whether its
+weights changed or were lost, why it left the attempt) are kept beside it; outcomes are derived
+from both.
 """
 
 from enum import StrEnum
@@ -115,6 +118,7 @@ class EngineState(StrEnum):
     PUBLISHED = "PUBLISHED"  # labelled with the run's version: it must be continued
     SERVING = "SERVING"  # continued (colocated: and its KV memory back): generating again
     QUARANTINED = "QUARANTINED"  # kept out of service until a refit completes
+    STALE = "STALE"  # clean, held out of service by the version policy (max_staleness) until a refit reaches it
     GONE = "GONE"  # died or stopped answering: only a restart helps
 
 
@@ -128,6 +132,7 @@ class EngineEvent(StrEnum):
     PUBLISH = "publish"
     CONTINUE = "continue"
     QUARANTINE = "quarantine"
+    HOLD = "hold"  # did not take the version others published and is too far behind it to serve
     LOSE = "lose"
 
 
@@ -143,5 +148,6 @@ ENGINE_TRANSITIONS: tuple[tuple[EngineEvent, tuple[EngineState, ...], EngineStat
     (EV.PUBLISH, (E.FINALIZED, E.VERIFIED), E.PUBLISHED),
     (EV.CONTINUE, (E.PAUSED, E.PUBLISHED), E.SERVING),
     (EV.QUARANTINE, (E.JOINED, E.PAUSED, E.OPEN, E.FINALIZED, E.VERIFIED, E.PUBLISHED), E.QUARANTINED),
-    (EV.LOSE, (E.JOINED, E.PAUSED, E.OPEN, E.FINALIZED, E.VERIFIED, E.PUBLISHED, E.SERVING), E.GONE),
+    (EV.HOLD, (E.JOINED, E.PAUSED), E.STALE),
+    (EV.LOSE, (E.JOINED, E.PAUSED, E.OPEN, E.FINALIZED, E.VERIFIED, E.PUBLISHED, E.SERVING, E.STALE), E.GONE),
 )

@@ -1,0 +1,153 @@
+"""One version policy for the fleet (`RefitContext(max_staleness=k)`): an engine that did not take
+the version others published, and would serve one more than k versions behind it, is held out of
+service (STALE) instead of continued, until a refit reaches it. Real reference engines over shared
+memory; every trace is checked and replayed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from refit import invariants, protocol
+from refit.drivers.reference import ReferenceEngine
+from refit.drivers.shm import SharedMemoryTransport
+from refit.drivers.torch_source import TorchSource
+from refit.errors import ConfigError, EngineError
+from refit.reference.model import TinyLlama
+from refit.replay import replay
+from refit.trace import load_trace
+
+from .conftest import CONFIG, SMALL_BUCKET, perturbed
+
+PROMPT = [3, 1, 4, 1, 5]
+
+
+def _begin_refused(engine: int) -> protocol.FaultPlan:
+    return protocol.FaultPlan().fail_at("invalidating", engine=engine, call="begin", kind="raise")
+
+
+def _checked(c: protocol.RefitContext) -> list[dict]:
+    """Close the context (its trace ends), then check and replay the whole trace."""
+    c.close()
+    trace = Path(c.trace)  # type: ignore[arg-type]
+    _, events, _ = load_trace(trace)
+    assert invariants.check_trace(events) == []
+    assert replay(trace).divergence is None
+    return events
+
+
+@pytest.fixture
+def fleet(tmp_path: Path):
+    engines = [ReferenceEngine.in_thread(f"f{i}", CONFIG, seed=0) for i in range(2)]
+    model = TinyLlama(CONFIG, seed=0)
+    made: list[protocol.RefitContext] = []
+
+    def ctx(**kw: object) -> protocol.RefitContext:
+        c = protocol.RefitContext(
+            TorchSource(model), SharedMemoryTransport(), engines, bucket_bytes=SMALL_BUCKET, retries=0,
+            trace=tmp_path / f"t{len(made)}.jsonl", **kw,  # type: ignore[arg-type]
+        )  # fmt: skip
+        made.append(c)
+        return c
+
+    yield engines, model, ctx
+    for c in made:
+        c.close()
+    for e in engines:
+        e.close()
+
+
+def test_without_a_policy_an_engine_left_behind_serves_its_old_version(fleet) -> None:
+    engines, model, ctx = fleet
+    c = ctx()
+    perturbed(model, seed=1)
+    c.faults = _begin_refused(1)
+    result = protocol.run(c)
+    behind = result.engines["f1"]
+    assert result.version == 1 and behind.status == "unchanged" and behind.version == 0 and behind.serving
+    assert engines[1].generate(PROMPT, 3)["weight_versions"] == [0, 0, 0]  # two versions in service
+    _checked(c)
+
+
+def test_a_synchronous_fleet_holds_the_engine_left_behind_until_a_refit_reaches_it(fleet) -> None:
+    """max_staleness=0: the engine whose begin was refused is not continued on version 0 while the
+    other serves version 1: it is held (STALE, told why), refuses requests, and the next refit,
+    which reaches it, brings it back."""
+    engines, model, ctx = fleet
+    c = ctx(max_staleness=0)
+    perturbed(model, seed=1)
+    c.faults = _begin_refused(1)
+    result = protocol.run(c)
+    held = result.engines["f1"]
+    assert result.version == 1 and result.engines["f0"].status == "updated"
+    assert held.status == "stale" and held.version is None and not held.serving
+    with pytest.raises(EngineError, match="stale: it holds version 0, and the fleet now serves version 1"):
+        engines[1].generate(PROMPT, 3)
+    first_run = result.run_id
+
+    c.faults = None
+    perturbed(model, seed=2)
+    again = protocol.run(c)
+    assert again.ok and again.version == 2 and again.engines["f1"].status == "updated"
+    assert engines[1].generate(PROMPT, 3)["weight_versions"] == [2, 2, 2]
+    events = [e for e in _checked(c) if e.get("run") == first_run]
+    holds = [e for e in events if e.get("event") == "quarantine" and e.get("engine") == "f1"]
+    assert len(holds) == 1 and holds[0]["outcome"] == "ok"
+    assert not [e for e in events if e.get("event") == "continue_generation" and e.get("engine") == "f1"]
+
+
+def test_one_version_behind_is_served_under_a_bound_of_one_and_two_is_not(fleet) -> None:
+    _, model, ctx = fleet
+    c = ctx(max_staleness=1)
+    c.faults = _begin_refused(1)
+    perturbed(model, seed=1)
+    first = protocol.run(c)
+    assert first.engines["f1"].status == "unchanged" and first.engines["f1"].serving  # 1 behind: allowed
+    c.faults = _begin_refused(1)
+    perturbed(model, seed=2)
+    second = protocol.run(c)
+    assert second.version == 2 and second.engines["f1"].status == "stale"  # 2 behind: held
+    _checked(c)
+
+
+def test_when_no_engine_published_no_engine_is_held(fleet) -> None:
+    """Every engine's begin refused: the fleet still serves one version, the old one, so the policy
+    holds no one: every engine is continued unchanged."""
+    _, model, ctx = fleet
+    c = ctx(max_staleness=0)
+    c.faults = _begin_refused(0)
+    c.faults.fail_at("invalidating", engine=1, call="begin", kind="raise")
+    perturbed(model, seed=1)
+    result = protocol.run(c)
+    assert result.version is None
+    assert {o.status for o in result.engines.values()} == {"unchanged"}
+    assert all(o.serving and o.version == 0 for o in result.engines.values())
+    _checked(c)
+
+
+def test_a_trace_that_breaks_the_policy_is_named(fleet) -> None:
+    """`refit check`'s outcome invariant: under max_staleness 0, an engine reported in service at
+    an older version than the one the run published is a violation (a tampered end line)."""
+    _, model, ctx = fleet
+    c = ctx(max_staleness=0)
+    c.faults = _begin_refused(1)
+    perturbed(model, seed=1)
+    protocol.run(c)
+    c.close()
+    _, events, _ = load_trace(Path(c.trace))  # type: ignore[arg-type]
+    end = next(e for e in events if (e.get("kind"), e.get("event")) == ("run", "end"))
+    end["engine_outcomes"]["f1"] = {"status": "unchanged", "version": 0}
+    found = [v for v in invariants.check_run(events) if v.invariant == "outcome"]
+    assert any("max_staleness is 0" in v.message for v in found)
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "0"])
+def test_a_bound_that_is_not_a_count_is_refused(bad: object) -> None:
+    engine = ReferenceEngine.in_thread("b0", CONFIG, seed=0)
+    try:
+        with pytest.raises(ConfigError, match="max_staleness"):
+            protocol.RefitContext(TorchSource(TinyLlama(CONFIG, seed=0)), SharedMemoryTransport(), [engine],
+                                  max_staleness=bad)  # type: ignore[arg-type]  # fmt: skip
+    finally:
+        engine.close()
