@@ -5,6 +5,8 @@ two reference engines."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from refit import invariants, protocol
@@ -53,11 +55,12 @@ def cases(transport: str = "shm") -> list[tuple[str, str, str, int, int | None]]
 
 def run_case(
     transport: str, state: str, kind: str, engine: int | None, bucket: int | None, *, steady: bool = False,
-    call: str | None = None,
+    call: str | None = None, max_staleness: int | None = None,
 ) -> list[str]:  # fmt: skip
     """One refit with one fault; returns every violation found (empty: the case passed). `steady`:
     a disaggregated context whose first refit succeeds; the fault hits its second, whose bucket 0
-    rides the pause wave (every engine where the first left it). `call`: only that call faults."""
+    rides the pause wave (every engine where the first left it). `call`: only that call faults.
+    `max_staleness`: the run's version policy (0: an engine left behind is held, not continued)."""
     engines = [ReferenceEngine.in_thread(f"m{i}", CONFIG, seed=0) for i in range(2)]
     model = perturbed(TinyLlama(CONFIG, seed=0), seed=7)
     versions = {0: TinyLlama(CONFIG, seed=0).state_dict(), 1: {k: v.clone() for k, v in model.state_dict().items()}}
@@ -70,7 +73,7 @@ def run_case(
     ctx = protocol.RefitContext(
         TorchSource(model), TRANSPORTS[transport](), engines, mode="disaggregated" if steady else "colocated",
         bucket_bytes=64 << 10, deadline_s=5.0, cleanup_grace_s=2.0, call_timeout_s=0.3, retries=retries,
-        faults=None if steady else faults,
+        faults=None if steady else faults, max_staleness=max_staleness,
     )  # fmt: skip
     found: list[str] = []
     try:
@@ -125,7 +128,7 @@ def serving_problems(
         except EngineError:
             return (
                 []
-                if outcome.status in ("quarantined", "failed")
+                if outcome.status in ("quarantined", "failed", "stale")  # stale: held by the version policy
                 else [f"{e.name} quarantined, reported {outcome.status}"]
             )
     if info["paused"]:
@@ -139,23 +142,25 @@ def serving_problems(
     return []
 
 
-def check_matrix(transport: str) -> None:
+def check_matrix(transport: str, *, max_staleness: int | None = None) -> None:
     """Every case of one transport's matrix; no invariant violation in any."""
     matrix = cases(transport)
+    run = functools.partial(run_case, max_staleness=max_staleness)
     n = len(kinds(transport))
     extra = n if transport.startswith("broadcast") else 0
     assert (
         len(matrix) == 9 * n * 2 + n * 2 * 2 + extra
     )  # 9 states x kinds x 2 engines, + 2 more buckets in TRANSFERRING
-    violations = {case: problems for case in matrix if (problems := run_case(*case))}
+    violations = {case: problems for case in matrix if (problems := run(*case))}
     redone = [case for case, problems in violations.items() if problems == [p for p in problems if "did not fire" in p]]
     for case in redone:  # the fault missed its step because something else failed first (a slow rendezvous): once more
-        if not (problems := run_case(*case)):
+        if not (problems := run(*case)):
             del violations[case]
         else:
             violations[case] = problems
+    policy = "" if max_staleness is None else f", max_staleness {max_staleness}"
     SUMMARY.append(
-        f"fault matrix ({transport}): {len(matrix)} cases (9 states x {n} kinds x 2 engines, x 3 buckets in "
+        f"fault matrix ({transport}{policy}): {len(matrix)} cases (9 states x {n} kinds x 2 engines, x 3 buckets in "
         f"TRANSFERRING"
         + (f", + RECONNECTING x {n} kinds" if extra else "")
         + f"), {sum(len(v) for v in violations.values())} invariant violations"

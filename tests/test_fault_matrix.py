@@ -16,6 +16,12 @@ def test_fault_matrix_shm() -> None:
     check_matrix("shm")
 
 
+def test_fault_matrix_shm_with_one_version_in_service() -> None:
+    """The same matrix under `max_staleness=0`: an engine a fault left behind is held (stale),
+    never continued on the old version while the other serves the new one."""
+    check_matrix("shm", max_staleness=0)
+
+
 # the steady state's pause wave (probe, pause, flush, begin, load of bucket 0) and bucket 0's pack
 STEADY_STATES = (("CONNECTING", None), ("PAUSING", None), ("INVALIDATING", None), ("TRANSFERRING", 0))
 
