@@ -5,6 +5,7 @@ memory; every trace is checked and replayed."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -151,3 +152,92 @@ def test_a_bound_that_is_not_a_count_is_refused(bad: object) -> None:
                                   max_staleness=bad)  # type: ignore[arg-type]  # fmt: skip
     finally:
         engine.close()
+
+
+class _Clock:
+    """The run's clock, which an engine's continue moves past the deadline."""
+
+    def __init__(self) -> None:
+        self.offset = 0.0
+
+    def __call__(self) -> float:
+        return time.monotonic() + self.offset
+
+
+def test_a_held_engine_is_told_even_when_the_commit_used_up_the_deadline(tmp_path: Path) -> None:
+    """The engine that published answers its continue exactly as the run's deadline runs out: the
+    hold of the engine left behind is must-run cleanup, sent within the cleanup budget, so it is
+    held (not left paused and unaccounted for)."""
+    clock = _Clock()
+    deadline = 30.0
+
+    class Slow(ReferenceEngine):
+        def continue_generation(self, *, timeout: float) -> None:
+            super().continue_generation(timeout=timeout)
+            clock.offset += deadline  # the deadline has passed once this answer lands
+
+    engines = [Slow.in_thread("s0", CONFIG, seed=0), ReferenceEngine.in_thread("s1", CONFIG, seed=0)]
+    model = perturbed(TinyLlama(CONFIG, seed=0), seed=1)
+    c = protocol.RefitContext(
+        TorchSource(model), SharedMemoryTransport(), engines, bucket_bytes=SMALL_BUCKET, retries=0, max_staleness=0,
+        deadline_s=deadline, clock=clock, faults=_begin_refused(1), trace=tmp_path / "d.jsonl",
+    )  # fmt: skip
+    try:
+        result = protocol.run(c)
+        assert result.engines["s0"].status == "updated" and result.engines["s1"].status == "stale"
+        assert "stale: it holds version 0" in engines[1].info()["quarantined"]
+    finally:
+        c.close()
+        for e in engines:
+            e.close()
+
+
+def test_the_engine_left_behind_is_held_once_the_publisher_serves_after_a_refused_continue(fleet) -> None:
+    """The engine that published refuses its first continue and takes the second (settle's):
+    the hold of the one left behind is decided after that, so it is held, not continued beside
+    it (two versions in service)."""
+    _, model, ctx = fleet
+    c = ctx(max_staleness=0)
+    c.faults = _begin_refused(1)
+    c.faults.fail_at("continuing", engine=0, call="continue_generation", kind="raise")
+    perturbed(model, seed=1)
+    result = protocol.run(c)
+    assert result.engines["f0"].status == "updated" and result.engines["f1"].status == "stale"
+    _checked(c)
+
+
+def test_no_engine_is_held_when_the_one_that_published_cannot_serve(tmp_path: Path) -> None:
+    """The engine that published never continues (it is quarantined): no engine serves the new
+    version, so the one left behind is not held; it keeps serving the old one, the only one in
+    service."""
+
+    class Stuck(ReferenceEngine):
+        def continue_generation(self, *, timeout: float) -> None:
+            raise EngineError("flush_refused", "this engine never continues")
+
+    engines = [Stuck.in_thread("n0", CONFIG, seed=0), ReferenceEngine.in_thread("n1", CONFIG, seed=0)]
+    model = perturbed(TinyLlama(CONFIG, seed=0), seed=1)
+    c = protocol.RefitContext(
+        TorchSource(model), SharedMemoryTransport(), engines, bucket_bytes=SMALL_BUCKET, retries=0, max_staleness=0,
+        faults=_begin_refused(1), trace=tmp_path / "n.jsonl",
+    )  # fmt: skip
+    try:
+        result = protocol.run(c)
+        assert result.engines["n0"].status == "quarantined"
+        behind = result.engines["n1"]
+        assert behind.status == "unchanged" and behind.serving and behind.version == 0
+        assert engines[1].generate(PROMPT, 2)["weight_versions"] == [0, 0]
+        _checked(c)
+    finally:
+        c.close()
+        for e in engines:
+            e.close()
+
+
+def test_a_bound_changed_to_nonsense_between_runs_is_refused_before_anything_moves(fleet) -> None:
+    engines, _, ctx = fleet
+    c = ctx(max_staleness=0)
+    c.max_staleness = "0"  # type: ignore[assignment]
+    with pytest.raises(ConfigError, match="max_staleness"):
+        protocol.run(c)
+    assert not any(e.info()["paused"] for e in engines)

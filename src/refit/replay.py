@@ -42,7 +42,7 @@ from refit.drivers.base import (
 from refit.errors import EngineDied, EngineError, LateAnswer, NoTimeLeft, RankError, RefitBusyError, RefitError
 from refit.protocol.faults import InjectedFault
 from refit.protocol.ranks import RECORDED_RESULTS, Ranks, RankStep
-from refit.trace import TraceRecorder, load_trace
+from refit.trace import NotATrace, TraceRecorder, load_trace
 
 COMPARED = (
     "kind", "event", "state", "side", "engine", "bucket", "outcome", "attempt", "src", "dst", "failure", "result",
@@ -475,8 +475,6 @@ def replay(path: str | Path, loaded: tuple[dict[str, Any], list[dict[str, Any]],
     t0 = time.perf_counter()
     header, events, _torn = loaded if loaded is not None else load_trace(path)  # `loaded`: load_trace's answer
     if not any(e.get("kind") == "run" and e.get("event") == "start" for e in events):
-        from refit.trace import NotATrace
-
         raise NotATrace(f"{path}: no run in it (a trace has a run/start event for every run)")
     script = _Script(events)
     config = header.get("config", {})
@@ -512,7 +510,9 @@ def replay(path: str | Path, loaded: tuple[dict[str, Any], list[dict[str, Any]],
         for key in ("mode", "retries", "pause_mode", "deadline_s", "cleanup_grace_s", "call_timeout_s"):  # per run
             if key in start:
                 setattr(ctx, key, start[key])
-        ctx.max_staleness = start.get("max_staleness")  # a run recorded before the policy existed had none
+        ctx.max_staleness = start.get("max_staleness")  # none recorded: a run before the policy existed
+        if ctx.max_staleness is not None and ctx.max_staleness < 0:
+            raise NotATrace(f"run {start.get('run')}: max_staleness {ctx.max_staleness} is not a count")
         ctx.verify = start.get("verify", "off")
         transport.digest_kind = start.get("digest") or "xxh3"
         ctx.digest_point = start.get("digest_point", "served")

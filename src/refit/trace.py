@@ -153,6 +153,7 @@ _FIELD_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
     "budget_s": (_NUMBER, "a number"),
     "deadline_s": (_NUMBER, "a number"),
     "cleanup_grace_s": (_NUMBER, "a number"),
+    "max_staleness": ((int,), "an integer"),
     "engines": ((list,), "a list"),
     "engine_outcomes": ((dict,), "an object"),
     "result": ((dict, str), "an object"),

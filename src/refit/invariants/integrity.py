@@ -251,8 +251,11 @@ def check_outcomes(events: Sequence[Event]) -> list[Violation]:
             if isinstance(pv, int) and not isinstance(pv, bool) and version != pv:
                 msg = f"engine {name} is reported unchanged at version {version} but was probed at {pv}"
                 out.append(_v("outcome", msg, end))
+        if status == "stale" and published:
+            out.append(_v("outcome", f"engine {name} is reported stale but published this run's version", end))
         k, published_v = start.get("max_staleness"), end.get("published")
-        policy = isinstance(k, int) and isinstance(published_v, int) and status in ("updated", "unchanged")
+        serves = any(isinstance(x, dict) and x.get("status") == "updated" for x in outcomes.values())
+        policy = isinstance(k, int) and isinstance(published_v, int) and serves and status in ("updated", "unchanged")
         if policy and (not isinstance(version, int) or published_v - version > k):
             msg = (
                 f"engine {name} is reported {status} at version {version} while the fleet serves "

@@ -195,9 +195,7 @@ class RefitContext:
             _positive("call_timeout_s", self.call_timeout_s)
         if isinstance(self.retries, bool) or not isinstance(self.retries, int) or self.retries < 0:
             raise ConfigError(f"retries must be an integer >= 0, got {self.retries!r}")
-        k = self.max_staleness
-        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
-            raise ConfigError(f"max_staleness must be None or an integer >= 0, got {k!r}")
+        self.check_max_staleness()
         if isinstance(self.version, bool) or not isinstance(self.version, int) or self.version < 0:
             raise ConfigError(f"version must be an integer >= 0, got {self.version!r}")
         from refit.verify import DIGEST_POINTS, VERIFY_MODES
@@ -208,6 +206,12 @@ class RefitContext:
             raise ConfigError(f"digest_point must be one of {DIGEST_POINTS}, got {self.digest_point!r}")
         if not isinstance(self.transport.slots, int) or self.transport.slots < 1:
             raise ConfigError(f"transport.slots must be an integer >= 1, got {self.transport.slots!r}")
+
+    def check_max_staleness(self) -> None:
+        """Refuse a version policy that is not None or a count (it may change between runs)."""
+        k = self.max_staleness
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
+            raise ConfigError(f"max_staleness must be None or an integer >= 0, got {k!r}")
 
     def check_digest_point(self) -> None:
         """`digest_point` against the engines (when the context is made, and again at each run's

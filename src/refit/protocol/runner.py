@@ -125,6 +125,7 @@ class _Run(Recording):
         self.probe: list[tuple[list[int], list[int]]] | None = None  # verify="probe": (prompt, token ids)
         self.digest_kind = ctx.digest_kind if digests_of(ctx.verify) else None
         ctx.check_digest_point()  # (it may have changed since the context was made)
+        ctx.check_max_staleness()
         self.written_kind = [  # per engine: the digest its begin asks it to compute while writing, if any
             self.digest_kind if ctx.digest_point != "served" and hashes_writes(d, self.digest_kind) else None
             for d in ctx.engines
@@ -580,9 +581,10 @@ class _Run(Recording):
             )
         if self.session.connection.state == Connection.BROKEN:  # a group a member broke is not reused
             self.teardown(cleanup=False)
-        # failure path of the commit: engines that did not publish or continue are settled now
+        # failure path of the commit: engines that did not publish or continue are settled now, and
+        # the ones the version policy deferred are held or continued (must-run: the cleanup budget)
         state = str(self.machine.state)
-        self.settle(state, state, cleanup=False)
+        self.settle(state, state, cleanup=False, hold_last=True)
         if ctx.colocated:
             lacking = [
                 e for e in self.engines if e.state == E.SERVING and e.reachable and e.region("kv_cache") == M.AS_FOUND
@@ -607,8 +609,8 @@ class _Run(Recording):
 
     def hold_reason(self, e: Engine) -> str | None:
         """Why the version policy holds `e` out of service now (None: it does not): some engine
-        published the run's version and `e` is `behind`."""
-        if not self.behind(e) or not any(x.published for x in self.engines):
+        serves the run's version (published and continued) and `e` is `behind`."""
+        if not self.behind(e) or not any(x.published and x.state == E.SERVING for x in self.engines):
             return None
         held = "no version" if e.previous_version is None else f"version {e.previous_version}"
         return (
@@ -616,10 +618,18 @@ class _Run(Recording):
             f"{self.ctx.max_staleness}, run {self.run_id}); a refit that reaches it brings it back"
         )
 
-    def settle(self, cont: str, quarantine: str, *, cleanup: bool) -> None:
+    def settle(self, cont: str, quarantine: str, *, cleanup: bool, hold_last: bool = False) -> None:
         """Continue the clean engines, quarantine the poisoned; an engine that refused its continue
-        is quarantined in a second wave (one that refuses that too is left reported failed)."""
-        plan = {e: self.owed(e, cont, quarantine, kv=cont) for e in self.engines}
+        is quarantined in a second wave (one that refuses that too is left reported failed).
+        `hold_last`: the engines the version policy may hold (`behind`) are settled after the
+        others, once it is known whether any engine serves the new version, within the cleanup
+        budget (telling one it is held is owed cleanup)."""
+        later = [e for e in self.engines if hold_last and self.behind(e)]
+        self._settle_wave({e: self.owed(e, cont, quarantine, kv=cont) for e in self.engines if e not in later}, cleanup)
+        if later:
+            self._settle_wave({e: self.owed(e, cont, quarantine, kv=cont) for e in later}, True)
+
+    def _settle_wave(self, plan: dict[Engine, list[Step]], cleanup: bool) -> None:
         if not any(plan.values()):
             return
         self.wave(plan, cleanup=cleanup)
