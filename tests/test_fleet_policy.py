@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -26,6 +27,13 @@ PROMPT = [3, 1, 4, 1, 5]
 
 def _begin_refused(engine: int) -> protocol.FaultPlan:
     return protocol.FaultPlan().fail_at("invalidating", engine=engine, call="begin", kind="raise")
+
+
+def _refit(c: protocol.RefitContext, model: TinyLlama, step: int, faults: protocol.FaultPlan | None) -> Any:
+    """A training step, then one refit with `faults` armed."""
+    c.faults = faults
+    perturbed(model, seed=step)
+    return protocol.run(c)
 
 
 def _checked(c: protocol.RefitContext) -> list[dict]:
@@ -62,9 +70,7 @@ def fleet(tmp_path: Path):
 def test_without_a_policy_an_engine_left_behind_serves_its_old_version(fleet) -> None:
     engines, model, ctx = fleet
     c = ctx()
-    perturbed(model, seed=1)
-    c.faults = _begin_refused(1)
-    result = protocol.run(c)
+    result = _refit(c, model, 1, _begin_refused(1))
     behind = result.engines["f1"]
     assert result.version == 1 and behind.status == "unchanged" and behind.version == 0 and behind.serving
     assert engines[1].generate(PROMPT, 3)["weight_versions"] == [0, 0, 0]  # two versions in service
@@ -77,9 +83,7 @@ def test_a_synchronous_fleet_holds_the_engine_left_behind_until_a_refit_reaches_
     which reaches it, brings it back."""
     engines, model, ctx = fleet
     c = ctx(max_staleness=0)
-    perturbed(model, seed=1)
-    c.faults = _begin_refused(1)
-    result = protocol.run(c)
+    result = _refit(c, model, 1, _begin_refused(1))
     held = result.engines["f1"]
     assert result.version == 1 and result.engines["f0"].status == "updated"
     assert held.status == "stale" and held.version is None and not held.serving
@@ -87,9 +91,7 @@ def test_a_synchronous_fleet_holds_the_engine_left_behind_until_a_refit_reaches_
         engines[1].generate(PROMPT, 3)
     first_run = result.run_id
 
-    c.faults = None
-    perturbed(model, seed=2)
-    again = protocol.run(c)
+    again = _refit(c, model, 2, None)
     assert again.ok and again.version == 2 and again.engines["f1"].status == "updated"
     assert engines[1].generate(PROMPT, 3)["weight_versions"] == [2, 2, 2]
     events = [e for e in _checked(c) if e.get("run") == first_run]
@@ -101,13 +103,9 @@ def test_a_synchronous_fleet_holds_the_engine_left_behind_until_a_refit_reaches_
 def test_one_version_behind_is_served_under_a_bound_of_one_and_two_is_not(fleet) -> None:
     _, model, ctx = fleet
     c = ctx(max_staleness=1)
-    c.faults = _begin_refused(1)
-    perturbed(model, seed=1)
-    first = protocol.run(c)
+    first = _refit(c, model, 1, _begin_refused(1))
     assert first.engines["f1"].status == "unchanged" and first.engines["f1"].serving  # 1 behind: allowed
-    c.faults = _begin_refused(1)
-    perturbed(model, seed=2)
-    second = protocol.run(c)
+    second = _refit(c, model, 2, _begin_refused(1))
     assert second.version == 2 and second.engines["f1"].status == "stale"  # 2 behind: held
     _checked(c)
 
@@ -117,10 +115,7 @@ def test_when_no_engine_published_no_engine_is_held(fleet) -> None:
     holds no one: every engine is continued unchanged."""
     _, model, ctx = fleet
     c = ctx(max_staleness=0)
-    c.faults = _begin_refused(0)
-    c.faults.fail_at("invalidating", engine=1, call="begin", kind="raise")
-    perturbed(model, seed=1)
-    result = protocol.run(c)
+    result = _refit(c, model, 1, _begin_refused(0).fail_at("invalidating", engine=1, call="begin", kind="raise"))
     assert result.version is None
     assert {o.status for o in result.engines.values()} == {"unchanged"}
     assert all(o.serving and o.version == 0 for o in result.engines.values())
@@ -132,9 +127,7 @@ def test_a_trace_that_breaks_the_policy_is_named(fleet) -> None:
     an older version than the one the run published is a violation (a tampered end line)."""
     _, model, ctx = fleet
     c = ctx(max_staleness=0)
-    c.faults = _begin_refused(1)
-    perturbed(model, seed=1)
-    protocol.run(c)
+    _refit(c, model, 1, _begin_refused(1))
     c.close()
     _, events, _ = load_trace(Path(c.trace))  # type: ignore[arg-type]
     end = next(e for e in events if (e.get("kind"), e.get("event")) == ("run", "end"))
@@ -198,10 +191,7 @@ def test_the_engine_left_behind_is_held_once_the_publisher_serves_after_a_refuse
     it (two versions in service)."""
     _, model, ctx = fleet
     c = ctx(max_staleness=0)
-    c.faults = _begin_refused(1)
-    c.faults.fail_at("continuing", engine=0, call="continue_generation", kind="raise")
-    perturbed(model, seed=1)
-    result = protocol.run(c)
+    result = _refit(c, model, 1, _begin_refused(1).fail_at("continuing", engine=0, call="continue_generation"))
     assert result.engines["f0"].status == "updated" and result.engines["f1"].status == "stale"
     _checked(c)
 

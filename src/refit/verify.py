@@ -177,9 +177,8 @@ def compare(expected: Mapping[str, str], reported: Mapping[str, str], tied: Mapp
     (`expected`). `tied` (alias -> tensor): names the engine may report that stand for another sent
     tensor (a head tied to the embedding, served from its own copy): compared with that tensor
     when the trainer did not send the alias itself."""
-    if (
-        reported == expected and CONFLICT not in expected.values() and None not in expected.values()
-    ):  # clean, at C speed
+    values = expected.values()
+    if reported == expected and CONFLICT not in values and None not in values:  # the clean case, at C speed
         return Verdict(True, len(expected))
     tied = dict(tied or {})
     tied.setdefault(SERVED_HEAD, "model.embed_tokens.weight")

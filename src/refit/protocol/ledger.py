@@ -277,13 +277,6 @@ class Ledger:
         a hold: STALE) instead of continuing it; the reason is what it is told."""
         if not e.reachable or e.state in (E.SERVING, E.QUARANTINED, E.STALE):
             return []
-        if hold is not None and e.state in (E.JOINED, E.PAUSED) and e.position.can(EV.HOLD):
-            clean = not e.must_not_serve or (e.state == E.JOINED and e.weights.state == W.KEPT)
-            if clean:
-                e.held = hold
-                taken = e.state == E.JOINED and e.region("weights") == M.TAKEN
-                return [*([Step("release_memory", cont, (["weights"],))] if taken else []),
-                        Step("quarantine", quarantine, (hold,))]  # fmt: skip
         kv_steps = [Step("resume_memory", kv, (["kv_cache"],))] if colocated else []
         if e.state == E.PUBLISHED:
             return [Step("continue_generation", cont), *kv_steps]
@@ -292,6 +285,9 @@ class Ledger:
             steps.append(Step("release_memory", cont, (["weights"],)))
         if e.must_not_serve and (e.state != E.JOINED or e.weights.state != W.KEPT):
             return [*steps, Step("quarantine", quarantine, (reason,))]
+        if hold is not None and e.position.can(EV.HOLD):  # clean, but held out of service
+            e.held = hold
+            return [*steps, Step("quarantine", quarantine, (hold,))]
         if e.state == E.PAUSED:
             return [Step("continue_generation", cont), *kv_steps]
         return steps
