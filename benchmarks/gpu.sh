@@ -14,7 +14,7 @@ export PYTHONPATH="$PWD/src:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} TORCH_SYMM_MEM_DISABLE_MULTICAST=${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1}
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -c 'import torch; print(torch.__version__, torch.cuda.device_count())'; } > "$OUT/env.txt" 2>&1
 gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())')
-files=(tests_gpu/test_wsum.py tests_gpu/test_cuda_refit.py tests_gpu/test_sglang_receiver.py)
+files=(tests_gpu/test_wsum.py tests_gpu/test_cuda_refit.py tests_gpu/test_sglang_receiver.py tests_gpu/test_sglang_tile_hash_gpu.py)
 [ "$gpus" -ge 2 ] && files+=(tests_gpu/test_two_gpu.py)
 rc=0
 timeout "${GPU_TEST_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider -x "${files[@]}" "$@" 2>&1 | tee "$OUT/tests_gpu.log" || rc=1

@@ -57,11 +57,12 @@ def test_the_vocabulary_split_is_sglangs(vocab: int, tp: int) -> None:
 
 
 def _engines(
-    n: int, *, tp: int, tied: bool = False, prefix: str = "s"
+    n: int, *, tp: int, tied: bool = False, prefix: str = "s", device: str = "cpu"
 ) -> tuple[list[EmulatedSGLangEngine], ModelConfig]:
     config = ModelConfig(tie_word_embeddings=tied, vocab_size=250)
     engines = [
-        EmulatedSGLangEngine.start(f"{prefix}{i}", config=config, tp=tp, validate=validate_body) for i in range(n)
+        EmulatedSGLangEngine.start(f"{prefix}{i}", config=config, tp=tp, validate=validate_body, device=device)
+        for i in range(n)
     ]
     return engines, config
 
@@ -95,12 +96,17 @@ def test_the_emulators_answer_is_sglangs_wire_shape_and_the_trainers_expectation
         engine.close()
 
 
-@pytest.mark.parametrize(("tp", "tied"), [(1, False), (2, False), (2, True)])
-def test_refits_into_sglang_verify_by_its_checksums(tp: int, tied: bool) -> None:
-    engines, config = _engines(2, tp=tp, tied=tied)
+@pytest.mark.parametrize(
+    ("tp", "tied", "device"), [(1, False, "cpu"), (2, False, "cpu"), (2, True, "cpu"), (2, False, "cuda")]
+)
+def test_refits_into_sglang_verify_by_its_checksums(tp: int, tied: bool, device: str) -> None:
+    """On "cuda" the server hashes as SGLang does there (gpu_tensor_hash, tests/test_sglang_tile_hash.py)
+    and the trainer computes the same: the kind says which."""
+    engines, config = _engines(2, tp=tp, tied=tied, device=device)
     model = _trained(config)
     ctx = protocol.RefitContext(TorchSource(model), SGLangTensorTransport(), engines, mode="colocated")
-    clean_refits_verify(ctx, model, f"sglang/tp{tp}", engines)
+    clean_refits_verify(ctx, model, sc.kind_for(tp, device), engines)
+    assert sc.kind_for(tp, device) == ("sglang" if device == "cpu" else "sglang-cuda") + f"/tp{tp}"
 
 
 @pytest.mark.parametrize(
@@ -122,9 +128,10 @@ def test_a_silent_fault_behind_sglang_is_caught_and_named(
 ) -> None:
     """The fault is armed in the reference engine behind the emulator (the SGLang driver has no
     `arm_fault`): it acks and would serve wrong weights; SGLang's checksums name the parameter."""
-    engines, config = _engines(2, tp=tp)
-    bad = caught_behind_server(engines, SGLangTensorTransport(), _trained(config), kind, bucket)
-    assert bad.verify["mismatched"] == named
+    for device in ("cpu", "cuda"):
+        engines, config = _engines(2, tp=tp, device=device)
+        bad = caught_behind_server(engines, SGLangTensorTransport(), _trained(config), kind, bucket)
+        assert bad.verify["mismatched"] == named, device
 
 
 def test_a_stale_head_behind_a_tied_sglang_server_is_caught() -> None:
@@ -135,7 +142,7 @@ def test_a_stale_head_behind_a_tied_sglang_server_is_caught() -> None:
     assert bad.verify["mismatched"] == ["lm_head.weight@tp0"]
 
 
-def test_a_malformed_answer_or_a_gpu_server_is_refused_clearly() -> None:
+def test_a_malformed_answer_or_an_unmapped_device_is_refused_clearly() -> None:
     with pytest.raises(ValueError, match="not computed"):
         sc.reported({"success": False, "message": "boom"})
     with pytest.raises(ValueError, match="no per-rank checksums"):
@@ -147,8 +154,8 @@ def test_a_malformed_answer_or_a_gpu_server_is_refused_clearly() -> None:
     assert sc.reported(draft) == {"a@tp0": "01"}  # a draft model's weights are not the trainer's
     (engine,), config = _engines(1, tp=1)
     try:
-        engine._server_device = "cuda"  # SGLang on a GPU hashes with a Triton kernel refit does not reproduce
-        with pytest.raises(ConfigError, match=r"cannot report digests .*runs on 'cuda': SGLang hashes there"):
+        engine._server_device = "npu"  # SGLang on another device: its layouts there are not mapped
+        with pytest.raises(ConfigError, match=r"cannot report digests .*runs on 'npu': refit maps .*\['cpu', 'cuda'\]"):
             protocol.RefitContext(TorchSource(_trained(config)), SGLangTensorTransport(), [engine], mode="colocated")
         engine._server_device, engine.checksums = "cpu", False  # a real server's driver: only when asked
         with pytest.raises(ConfigError, match=r"SGLangEngine\(\.\.\., checksums=True\)"):

@@ -41,11 +41,11 @@ Lifecycle, per state (each step is one HTTP call; SGLang has no batch route):
                           loses its connection and the engine is lost (EngineDied), never continued.
   POST_PROCESSING         finalize(): POST /end_weight_update {}; refused as `incomplete` unless
                           every planned bucket was acknowledged.
-  VERIFYING (verify on)   verify("sglang/tp<N>"): POST /weights_checker {"action": "checksum",
-                          "selector": "target"}: SGLang's own checksum of each parameter of its
-                          fused layout on every TP rank (`refit.drivers.sglang_checksums`), for the
-                          trainer's to match; only from a server on the host (`digest_kinds`: on
-                          CUDA SGLang hashes with a Triton kernel refit does not reproduce).
+  VERIFYING (verify on)   verify("sglang/tp<N>" on the host, "sglang-cuda/tp<N>" on CUDA): POST
+                          /weights_checker {"action": "checksum", "selector": "target"}: SGLang's
+                          own checksum of each parameter of its fused layout on every TP rank
+                          (`refit.drivers.sglang_checksums`; on CUDA its Triton hash, reproduced by
+                          `refit.drivers.sglang_tile_hash`), for the trainer's to match.
   CONTINUING              publish(v): refused here unless the session acked every bucket and
                           finalized (SGLang's label checks nothing), then POST
                           /update_weight_version {"new_version", "abort_all_requests": false}
@@ -265,14 +265,14 @@ class SGLangEngine(HttpEngineDriver):
 
     @property
     def digest_kinds(self) -> frozenset[str]:  # type: ignore[override]
-        """SGLang's own checksums ("sglang/tp<N>", `refit.drivers.sglang_checksums`), from a server
-        on the host (0.5.23+, whose /weights_checker the mapping was read from): on CUDA SGLang
-        hashes with a Triton kernel refit does not reproduce, so a GPU server reports nothing here."""
+        """SGLang's own checksums (`refit.drivers.sglang_checksums`), from a 0.5.23+ server (whose
+        /weights_checker the mapping was read from): "sglang/tp<N>" on the host, "sglang-cuda/tp<N>"
+        on CUDA (its Triton hash, `refit.drivers.sglang_tile_hash`)."""
         if self.no_digests is not None:
             return frozenset()
         from refit.drivers.sglang_checksums import kind_for
 
-        return frozenset({kind_for(self._tp)})
+        return frozenset({kind_for(self._tp, self._server_device)})
 
     @property
     def no_digests(self) -> str | None:
@@ -284,9 +284,11 @@ class SGLangEngine(HttpEngineDriver):
             return f"the server at {self.url} has not answered /server_info yet"
         if (version_tuple(caps.version) or (0, 5, 23)) < (0, 5, 23):
             return f"SGLang {caps.version}: /weights_checker as refit maps it is 0.5.23's"
-        if self._server_device != "cpu":
-            where = self._server_device
-            return f"the server runs on {where!r}: SGLang hashes there with a Triton kernel refit does not reproduce"
+        from refit.drivers.sglang_checksums import SGLANG_DEVICES
+
+        if self._server_device not in SGLANG_DEVICES:
+            where, mapped = self._server_device, sorted(SGLANG_DEVICES)
+            return f"the server runs on {where!r}: refit maps SGLang's checksums on {mapped} only"
         return None
 
     @property

@@ -9,8 +9,9 @@ What SGLang computes (read in its source):
     the model (`named_parameters()` then `named_buffers()`: a tied head is the embedding, listed
     once), except the non-persistent buffers (`_NON_PERSISTENT_BUFFER_PATTERNS`: cos_sin_cache,
     inv_freq, ...), `_hash_tensor`: `mm_utils.tensor_hash` as 16 hex digits. On the host that is
-    sha256 of the tensor's raw bytes, its first 8 bytes read big-endian; on CUDA a Triton hash
-    (`gpu_tensor_hash`), which this module does not reproduce.
+    sha256 of the tensor's raw bytes, its first 8 bytes read big-endian (kind "sglang/tp<N>"); on
+    CUDA a Triton hash, `gpu_tensor_hash`, which `refit.drivers.sglang_tile_hash` reproduces (kind
+    "sglang-cuda/tp<N>": a server that reports device "cuda").
   * The parameters are SGLang's, per TP rank: q/k/v fused into `qkv_proj` (this rank's q rows,
     then its k rows, then its v rows; QKVParallelLinear), gate/up into `gate_up_proj` (this rank's
     gate rows, then its up rows; MergedColumnParallelLinear), o_proj and down_proj split by
@@ -41,14 +42,20 @@ if TYPE_CHECKING:
 
 NOT_PARAMETERS = ("rotary_emb.inv_freq", "cos_sin_cache", "cos_cache", "sin_cache", "freqs_cis")
 KIND_PREFIX = "sglang/tp"  # the digest kind, with the engine's TP size: "sglang/tp2"
-# servers whose checksums this layout maps, by kind prefix: vLLM 0.33 lays the same models out the
-# same way and hashes differently (`refit.drivers.vllm_checksums`)
-FLAVOURS = {KIND_PREFIX: "sglang", "vllm/tp": "vllm"}
-# what differs between them, as data: whether the checksum is the whole sha256 hex digest (else its
-# first 8 bytes, big-endian), and whether a vocabulary that 64-row padding does not split over TP is
-# padded to 64 x TP instead (else the server cannot serve it)
-WHOLE_DIGEST = {"sglang": False, "vllm": True}
-PADS_BY_TP = {"sglang": True, "vllm": False}
+CUDA_KIND_PREFIX = "sglang-cuda/tp"  # the same for a server on CUDA (another hash, the same layout)
+# servers whose checksums this layout maps, by kind prefix: SGLang on the host and on CUDA hash
+# differently; vLLM 0.33 lays the same models out the same way and hashes differently again
+# (`refit.drivers.vllm_checksums`)
+FLAVOURS = {KIND_PREFIX: "sglang", CUDA_KIND_PREFIX: "sglang-cuda", "vllm/tp": "vllm"}
+# what differs between them, as data: the hash ("sha256/8": sha256's first 8 bytes, big-endian, as
+# 16 hex digits; "sha256": the whole hex digest; "tile": gpu_tensor_hash), and whether a vocabulary
+# that 64-row padding does not split over TP is padded to 64 x TP instead (else the server cannot
+# serve it)
+HASH = {"sglang": "sha256/8", "sglang-cuda": "tile", "vllm": "sha256"}
+PADS_BY_TP = {"sglang": True, "sglang-cuda": True, "vllm": False}
+# the server's device -> the SGLang flavour its /weights_checker hashes with (mm_utils.tensor_hash:
+# `tensor.is_cuda` picks gpu_tensor_hash; ROCm's tensors are "cuda" too). Other devices: not mapped.
+SGLANG_DEVICES = {"cpu": "sglang", "cuda": "sglang-cuda"}
 VOCAB_PADDING = 64  # layers/vocab_parallel_embedding.py DEFAULT_VOCAB_PADDING_SIZE
 FUSED = {  # HF suffix -> (SGLang parameter suffix, position in it)
     "self_attn.q_proj.weight": ("self_attn.qkv_proj.weight", 0),
@@ -65,8 +72,10 @@ EMBEDDING, HEAD = "model.embed_tokens.weight", "lm_head.weight"
 BY_VOCAB = (EMBEDDING, HEAD)
 
 
-def kind_for(tp: int) -> str:
-    return f"{KIND_PREFIX}{tp}"
+def kind_for(tp: int, device: str = "cpu") -> str:
+    """The digest kind of an SGLang server on `device` with `tp` ranks (KeyError: not mapped)."""
+    prefix = {flavour: prefix for prefix, flavour in FLAVOURS.items()}[SGLANG_DEVICES[device]]
+    return f"{prefix}{tp}"
 
 
 def _parse(kind: str) -> tuple[str, int] | None:
@@ -86,7 +95,7 @@ def flavour_of(kind: str) -> str:
     """Whose checksums a layout kind names: "sglang" or "vllm"."""
     parsed = _parse(kind)
     if parsed is None:
-        raise ValueError(f"digest kind {kind!r} is not a server layout's ('sglang/tp<N>', 'vllm/tp<N>')")
+        raise ValueError(f"digest kind {kind!r} is not a server layout's ({', '.join(f'{p}<N>' for p in FLAVOURS)})")
     return parsed[0]
 
 
@@ -200,18 +209,39 @@ def unmappable(shapes: Mapping[str, tuple[int, ...]], tp: int, flavour: str = "s
 
 def pieces_checksum(pieces: list[torch.Tensor], flavour: str = "sglang") -> str:
     """`checksum` of the tensor whose bytes are these pieces' bytes in order."""
-    from refit.buckets import _raw
-
-    h = hashlib.sha256()
+    h = hasher(flavour)
     for piece in pieces:
-        t = piece.detach()
-        h.update(memoryview(_raw(t.cpu() if t.device.type != "cpu" else t)))
-    return _finish(h, flavour)
+        h.update(piece)
+    return h.hexdigest()
 
 
-def _finish(h: Any, flavour: str) -> str:
-    """SGLang keeps sha256's first 8 bytes, big-endian, as 16 hex digits; vLLM the whole hex digest."""
-    return h.hexdigest() if WHOLE_DIGEST[flavour] else f"{int.from_bytes(h.digest()[:8], 'big'):016x}"
+class _Sha256:
+    """sha256 of tensors' bytes, read on the host (as SGLang's host path and vLLM read them)."""
+
+    def __init__(self, whole: bool) -> None:
+        self._h, self._whole = hashlib.sha256(), whole
+
+    def update(self, tensor: torch.Tensor) -> None:
+        from refit.buckets import _raw
+
+        t = tensor.detach()
+        self._h.update(memoryview(_raw(t.cpu() if t.device.type != "cpu" else t)))
+
+    def hexdigest(self) -> str:
+        """vLLM's whole hex digest; SGLang's first 8 bytes, big-endian, as 16 hex digits."""
+        h = self._h
+        return h.hexdigest() if self._whole else f"{int.from_bytes(h.digest()[:8], 'big'):016x}"
+
+
+def hasher(flavour: str) -> Any:
+    """A fresh hash of `flavour`'s kind: `update(tensor)` with each piece in order, then
+    `hexdigest()` (`HASH` says which)."""
+    how = HASH[flavour]
+    if how == "tile":
+        from refit.drivers.sglang_tile_hash import TileHash
+
+        return TileHash()
+    return _Sha256(whole=how == "sha256")
 
 
 def with_head(sums: dict[str, str]) -> dict[str, str]:
@@ -280,23 +310,23 @@ def uncovered(sums: Mapping[str, str], planned: list[str], tp: int) -> list[str]
 
 class LayoutDigests:
     """SGLang's checksums of a trainer's tensors taken as they are packed, one at a time (the same
-    values as `expected` over the whole state): each parameter's sha256 is fed its pieces in
-    order, and a fused part that comes before the parts it follows waits, copied, until they came."""
+    values as `expected` over the whole state): each parameter's hash is fed its pieces in order,
+    and a fused part that comes before the parts it follows waits, copied, until they came. The
+    host flavours read the bytes on the host; the CUDA flavour hashes where the tensors are."""
 
     def __init__(self, kind: str) -> None:
         tp = tp_of(kind)
         if tp is None or tp < 1:
-            raise ValueError(f"digest kind {kind!r} is not 'sglang/tp<N>' or 'vllm/tp<N>'")
+            raise ValueError(f"digest kind {kind!r} is not one of {', '.join(f'{p}<N>' for p in FLAVOURS)}")
         self.kind, self.tp, self.flavour = kind, tp, flavour_of(kind)
-        self._open: dict[str, tuple[Any, int, dict[int, list[bytes]]]] = {}  # key -> (sha256, next part, waiting)
+        self._on_host = HASH[self.flavour] != "tile"
+        self._open: dict[str, tuple[Any, int, dict[int, list[torch.Tensor]]]] = {}  # key -> (hash, next part, waiting)
         self._parts: dict[str, int] = {}  # fused parameter -> how many parts it has
         self._done: dict[str, str] = {}
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
-        from refit.buckets import _raw
-
         t = tensor.detach()
-        t = t.cpu() if t.device.type != "cpu" else t
+        t = t.cpu() if self._on_host and t.device.type != "cpu" else t
         prefix, _, rest = name.partition("layers.")
         suffix = rest.partition(".")[2]
         fused = FUSED.get(suffix) if prefix else None
@@ -305,20 +335,20 @@ class LayoutDigests:
             if fused is None:
                 self._done[key] = pieces_checksum(pieces, self.flavour)
                 continue
-            h, at, waiting = self._open.setdefault(key, (hashlib.sha256(), 0, {}))
+            h, at, waiting = self._open.setdefault(key, (hasher(self.flavour), 0, {}))
             if fused[1] == at:  # its turn: hashed from the tensor (hashlib releases the GIL on big buffers)
                 for p in pieces:
-                    h.update(memoryview(_raw(p.contiguous())))
+                    h.update(p)
                 at += 1
             else:  # early: a copy waits for the parts before it
-                waiting[fused[1]] = [bytes(_raw(p.contiguous())) for p in pieces]
+                waiting[fused[1]] = [p.contiguous().clone() for p in pieces]
             while at in waiting:
-                for chunk in waiting.pop(at):
-                    h.update(chunk)
+                for piece in waiting.pop(at):
+                    h.update(piece)
                 at += 1
             self._open[key] = (h, at, waiting)
             if at == self._parts[key.rpartition("@tp")[0]]:
-                self._done[key] = _finish(h, self.flavour)
+                self._done[key] = h.hexdigest()
                 del self._open[key]
 
     def _fused_pieces(self, name: str, t: torch.Tensor) -> Iterator[tuple[str, list[torch.Tensor]]]:

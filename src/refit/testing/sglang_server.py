@@ -184,10 +184,19 @@ class EmulatedSGLang(EmulatedServer):
         new_engine: Callable[[], ReferenceEngine] | None = None,
         memory_saver: bool = True,
         weights_cpu_backup: bool = False,
+        device: str = "cpu",
     ) -> None:
         """`api_key` / `admin_api_key`: the server's --api-key / --admin-api-key. `memory_saver`:
         --enable-memory-saver (without it SGLang's release and resume free and restore nothing).
-        `weights_cpu_backup`: --enable-weights-cpu-backup (released weights come back intact)."""
+        `weights_cpu_backup`: --enable-weights-cpu-backup (released weights come back intact).
+        `device`: the --device it reports ("cpu" or "cuda"); it decides how /weights_checker hashes
+        (on "cuda" as SGLang's `gpu_tensor_hash` does, computed here on the host). The weights stay
+        where the reference engine holds them."""
+        from refit.drivers.sglang_checksums import SGLANG_DEVICES
+
+        if device not in SGLANG_DEVICES:
+            raise ValueError(f"device {device!r}: the emulator reports one of {sorted(SGLANG_DEVICES)}")
+        self.device = device
         self.memory_saver = memory_saver
         self.weights_cpu_backup = weights_cpu_backup
         self.v = version_tuple(version) or (0, 5, 23)
@@ -547,7 +556,8 @@ class EmulatedSGLang(EmulatedServer):
         `WeightChecker.handle`: "checksum" only (snapshot, reset_tensors and compare are SGLang's
         debugging actions, not emulated: refused as an unsupported action is). Per TP rank, each
         parameter of SGLang's layout (`refit.drivers.sglang_checksums`) built from the engine's
-        weights as it serves them, hashed as SGLang hashes on the host; no draft model. Any error
+        weights as it serves them, hashed as SGLang hashes on the device it reports (`tensor_hash`:
+        sha256 on the host, `gpu_tensor_hash` on CUDA); no draft model. Any error
         is `success: false` with its text, as SGLang's catch-all makes it."""
         from refit.drivers import sglang_checksums as sc
 
@@ -570,7 +580,7 @@ class EmulatedSGLang(EmulatedServer):
                 name, _, rank = key.rpartition("@tp")
                 if skip and any(p in name for p in skip):
                     continue
-                per_rank[int(rank)][name] = sc.pieces_checksum(pieces)
+                per_rank[int(rank)][name] = sc.pieces_checksum(pieces, sc.SGLANG_DEVICES[self.device])
         except Exception as exc:  # SGLang answers any error as success: false
             return False, str(exc), []
         ranks = []
@@ -614,7 +624,7 @@ class EmulatedSGLang(EmulatedServer):
             "version": self.version, "startup_time": self.startup_durations, "internal_states": [{}],
             "tp_size": self.tp, "dp_size": 1, "pp_size": 1, "enable_dp_attention": False,
             "enable_memory_saver": self.memory_saver, "enable_weights_cpu_backup": self.weights_cpu_backup,
-            "weight_cache_mode": "off", "weight_version": "default", "frontend": "python", "device": "cpu",
+            "weight_cache_mode": "off", "weight_version": "default", "frontend": "python", "device": self.device,
         }  # fmt: skip
 
     # ---- the HTTP front (entrypoints/http_server.py routes) -----------------------------------
@@ -783,11 +793,12 @@ class EmulatedSGLangEngine(EmulatorClient, SGLangEngine):
         server: Callable[..., EmulatedSGLang] | None = None,
         memory_saver: bool = True,
         weights_cpu_backup: bool = False,
+        device: str = "cpu",
     ) -> EmulatedSGLangEngine:
         """A fresh reference engine (own processes, or a thread) behind a new emulated server.
         `server`: the server class (tests pass one that mounts SGLang's own FastAPI app);
         `memory_saver`, `weights_cpu_backup`: the server's --enable-memory-saver and
-        --enable-weights-cpu-backup."""
+        --enable-weights-cpu-backup; `device`: the device it reports (`EmulatedSGLang`)."""
 
         def new_engine() -> ReferenceEngine:
             if in_thread:
@@ -798,5 +809,6 @@ class EmulatedSGLangEngine(EmulatorClient, SGLangEngine):
         emu = make(
             new_engine(), version=version, api_key=api_key, admin_api_key=admin_api_key, decoder=decoder,
             validate=validate, new_engine=new_engine, memory_saver=memory_saver, weights_cpu_backup=weights_cpu_backup,
+            device=device,
         )  # fmt: skip
         return cls(name, emu)
