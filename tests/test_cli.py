@@ -383,7 +383,7 @@ def test_with_no_logging_configured_the_warning_reaches_stderr() -> None:
     proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0 and proc.stdout == "not ok\n", proc.stderr
     assert re.search(
-        r"^refit run \S+ failed in PAUSING \(ended DONE; engines: e0 unchanged, e1 updated\)", proc.stderr, re.M
+        r"^refit run \S+ failed in PAUSING \(ended DONE; engines: e0 stale, e1 updated\)", proc.stderr, re.M
     )
     assert "trace: not written (RefitContext(trace=PATH) writes one)" in proc.stderr
 

@@ -401,17 +401,31 @@ class NoneAnswers(ReferenceEngine):
         return out
 
 
+@pytest.mark.parametrize("policy", [None, 0])
 @pytest.mark.parametrize("broken", [ShortAnswers, NoneAnswers])
-def test_a_driver_answer_that_breaks_the_contract_never_leaves_an_engine_paused(trainer, broken) -> None:
+def test_a_driver_answer_that_breaks_the_contract_never_leaves_an_engine_paused(trainer, broken, policy) -> None:
+    """Paused with no word is what must never happen: with no version policy the runner continues
+    the engine on its old version; under the default one (max_staleness=0) it holds it out of
+    service, saying why."""
     good = ReferenceEngine.in_thread("good", CONFIG, seed=0)
     bad = broken.in_thread("bad", CONFIG, seed=0)
-    ctx = protocol.RefitContext(TorchSource(trainer), SharedMemoryTransport(), [good, bad], bucket_bytes=64 << 10)
+    ctx = protocol.RefitContext(
+        TorchSource(trainer), SharedMemoryTransport(), [good, bad], bucket_bytes=64 << 10, max_staleness=policy
+    )
     try:
         result = protocol.run(ctx)  # raises InvariantViolation if anything is left unaccounted for
         assert result.engines["good"].status == "updated" and matches(good, trainer)
-        assert result.engines["bad"].status != "updated"
-        assert not bad.info()["paused"]  # its steps ran: the runner continued it, it serves
-        assert bad.generate(PROMPT, 2)["weight_versions"] == [0, 0]
+        if policy is None:
+            assert result.engines["bad"].status == "unchanged"
+            assert not bad.info()["paused"]  # its steps ran: the runner continued it, it serves
+            assert bad.generate(PROMPT, 2)["weight_versions"] == [0, 0]
+        else:  # the hold ran; the driver's answer to it was a contract breach (NoneAnswers): not confirmed
+            held = result.engines["bad"]
+            assert "stale: it holds version 0" in bad.info()["quarantined"]
+            if broken is NoneAnswers:
+                assert held.status == "failed" and "holding it out of service did not go through" in held.error
+            else:
+                assert held.status == "stale"
     finally:
         ctx.close()
         good.close()

@@ -69,7 +69,7 @@ def fleet(tmp_path: Path):
 
 def test_without_a_policy_an_engine_left_behind_serves_its_old_version(fleet) -> None:
     engines, model, ctx = fleet
-    c = ctx()
+    c = ctx(max_staleness=None)
     result = _refit(c, model, 1, _begin_refused(1))
     behind = result.engines["f1"]
     assert result.version == 1 and behind.status == "unchanged" and behind.version == 0 and behind.serving
@@ -82,7 +82,8 @@ def test_a_synchronous_fleet_holds_the_engine_left_behind_until_a_refit_reaches_
     other serves version 1: it is held (STALE, told why), refuses requests, and the next refit,
     which reaches it, brings it back."""
     engines, model, ctx = fleet
-    c = ctx(max_staleness=0)
+    c = ctx()  # the default
+    assert c.max_staleness == 0
     result = _refit(c, model, 1, _begin_refused(1))
     held = result.engines["f1"]
     assert result.version == 1 and result.engines["f0"].status == "updated"

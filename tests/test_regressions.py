@@ -372,13 +372,15 @@ def test_slime_1731_nothing_leaks_across_many_refits(trainer, two, refit_ctx) ->
 
 def test_nemo_rl_flush_failure_stops_the_bytes(trainer, two, refit_ctx) -> None:
     """NeMo RL's unit tests require that a failed flush aborts before any byte moves. An engine
-    whose flush fails gets no bucket (and keeps serving its old weights)."""
+    whose flush fails gets no bucket: its old weights are intact, and under the default policy
+    (one version in service) it is held out of service until a refit reaches it."""
     ctx = refit_ctx(
         trainer, two, retries=0, faults=protocol.FaultPlan().fail_at("invalidating", engine=1, call="flush")
     )
     result = protocol.run(ctx)
     assert calls(ctx, "load", "t1") == []
-    assert result.engines["t1"].status == "unchanged" and result.engines["t0"].status == "updated"
+    assert result.engines["t1"].status == "stale" and result.engines["t0"].status == "updated"
+    assert two[1].info()["version"] == 0 and not result.engines["t1"].serving
 
 
 def test_nemo_rl_fail_closed_a_partially_updated_engine_is_never_resumed(trainer, two, refit_ctx) -> None:

@@ -242,12 +242,17 @@ def check_no_mixed_weights(
     new: dict[str, torch.Tensor],
     result: protocol.RefitResult,
 ) -> None:
-    """Every engine either serves weights its version names (old@0 or new@1), or is out of service."""
+    """Every engine either serves weights its version names (old@0 or new@1), or is out of service:
+    quarantined, or held as stale (the default policy, max_staleness=0: it did not take the version
+    another engine published, so it may not serve the old one)."""
     for e in engines:
         info = e.info()
         outcome = result.engines[e.name]
         if info["quarantined"]:
-            assert outcome.status == "quarantined" and outcome.version is None
+            assert outcome.status in ("quarantined", "stale") and outcome.version is None
+            if outcome.status == "stale":  # held before any byte of the new version reached it
+                assert result.version == 1 and info["version"] == 0
+                assert all(torch.equal(e.state_dict()[k], v) for k, v in old.items())
             with pytest.raises(EngineError, match="quarantined"):
                 e.generate(PROMPT, 2)
             continue
@@ -298,7 +303,8 @@ def test_a_fault_anywhere_leaves_no_lock_no_mixed_engine(
         lost = state == "OFFLOADING" and call == "resume_memory"  # its weight memory is in an unknown state
         touched = state in ("TRANSFERRING", "POST_PROCESSING", "VERIFYING") or call == "publish" or lost
         recovered = call in ("continue_generation", "resume_memory") and state in ("CONTINUING", "RESTORING")
-        expected = "updated" if recovered else "quarantined" if touched else "unchanged"
+        # untouched: held out of service, stale (the default policy: one version in service)
+        expected = "updated" if recovered else "quarantined" if touched else "stale"
         if state == "RESTORING":  # its KV memory came back on the second try
             expected = "updated"
         assert statuses[faulty] == expected, (statuses, result.error)

@@ -103,12 +103,13 @@ class RefitContext:
         finalizes, continues and quarantines are still sent, each wave waiting a short floor.
     version: the version the engines hold now (the next successful run publishes a larger one).
     retries: how many more times an engine whose update failed is retried within the run.
-    max_staleness: the fleet's version policy. None (default): an engine that did not take the
-        version is continued on the one it had (the fleet may serve two versions; the result's
-        outcomes say which engine serves which). An int k: once some engine published, an engine
-        that did not and would serve a version more than k behind it (or one no version names)
-        is held out of service instead (outcome "stale"; a later refit that reaches it brings it
-        back). 0: synchronous RL, one version in service.
+    max_staleness: the fleet's version policy. 0 (default, synchronous RL: one version in
+        service): once some engine published the new version, an engine that did not is held out
+        of service (outcome "stale"; a later refit that reaches it brings it back). An int k: such
+        an engine may go on serving while it is at most k versions behind the newest (one whose
+        weights no version names is held whatever k). None: no policy; an engine that did not take
+        the version is continued on the one it had (the fleet may serve two versions; the
+        result's outcomes say which engine serves which).
     call_timeout_s: cap on a single engine call (None: whatever is left of the deadline); set it
         to drop a hung engine early and let the healthy ones finish inside the deadline.
     lock: the engines' owner-token lock (default: shared by every context over the same engines).
@@ -143,7 +144,7 @@ class RefitContext:
     cleanup_grace_s: float = 10.0
     version: int = 0
     retries: int = 1
-    max_staleness: int | None = None
+    max_staleness: int | None = 0
     call_timeout_s: float | None = None
     lock: EngineLock | None = None
     trace: str | Path | TraceRecorder | None = None

@@ -297,12 +297,16 @@ class Ledger:
         serving = st == E.SERVING and (e.region("kv_cache") != M.AS_FOUND or not colocated)
         status: str
         version: int | None = None
+        error = e.error
         if st == E.GONE:
             status = "failed"  # died or hung
         elif st == E.STALE:
             status = "stale"  # held out of service by the version policy
         elif st == E.QUARANTINED:
             status = "quarantined"
+        elif e.held is not None:  # the version policy's hold did not go through: it may serve an old version
+            status = "failed"
+            error = f"{error}; then holding it out of service did not go through ({e.held})"
         elif st == E.SERVING and not serving:
             status = "failed"  # continued but without its KV memory
         elif serving:
@@ -316,7 +320,7 @@ class Ledger:
         else:  # untouched by the run: as it was before (serving, or released in a colocated job)
             status, version = "unchanged", e.previous_version
             serving = not colocated
-        return EngineOutcome(e.name, status, version, len(e.acked), e.attempts, e.error, serving, e.verdict)  # type: ignore[arg-type]
+        return EngineOutcome(e.name, status, version, len(e.acked), e.attempts, error, serving, e.verdict)  # type: ignore[arg-type]
 
     def outcomes(self, *, colocated: bool) -> dict[str, EngineOutcome]:
         return {e.name: self.outcome(e, colocated=colocated) for e in self.engines}

@@ -23,7 +23,8 @@ restarts. After every refit it checks outcomes, not claims:
                old one) really serves that version's weights: its weights read back equal the
                trainer's bit for bit (when the driver has `state_dict`), and the greedy tokens it
                generates are the ones the trainer's model gives with those weights (checked by
-               teacher forcing, so near-ties cannot flake); a quarantined engine refuses requests;
+               teacher forcing, so near-ties cannot flake); a quarantined engine, or one held as
+               stale by the version policy (drawn: the default, 0, or none), refuses requests;
   * version    the version an engine labels its tokens with (and reports in `info()`) is the one
                the run published for it;
   * kv_fresh   requests it submitted before the refit, and prompts whose prefixes were cached
@@ -164,8 +165,9 @@ class DriverStateMachine(RuleBasedStateMachine):
         n=st.integers(1, 3),
         mode=st.sampled_from(["colocated", "disaggregated"]),
         pause_mode=st.sampled_from(["abort", "retract"]),
+        max_staleness=st.sampled_from([0, None]),
     )
-    def setup(self, n: int, mode: str, pause_mode: str) -> None:
+    def setup(self, n: int, mode: str, pause_mode: str, max_staleness: int | None) -> None:
         from refit.drivers.torch_source import TorchSource
 
         self.engines = [self.timed(type(self).factory(f"kit{i}")) for i in range(n)]
@@ -182,10 +184,13 @@ class DriverStateMachine(RuleBasedStateMachine):
             cleanup_grace_s=2.0,
             call_timeout_s=type(self).call_timeout_s,
             version=0,
+            # the default policy holds an engine left behind out of service (stale); with none, the
+            # runner continues it on its old version, which is where a driver's wrong answers show
+            max_staleness=max_staleness,
             # a driver that reports digests is verified before every publish, as users get it by default
             verify="digest" if digest_kind_for(transport.digest_kind, self.engines) else "off",
         )
-        _note(f"{n} engines, {mode}, pause {pause_mode}, verify {self.ctx.verify}")
+        _note(f"{n} engines, {mode}, pause {pause_mode}, verify {self.ctx.verify}, max_staleness {max_staleness}")
 
     # ---- rules --------------------------------------------------------------------------------
 
@@ -471,7 +476,7 @@ class DriverStateMachine(RuleBasedStateMachine):
             if o.status in ("updated", "unchanged") and claimed and o.version in self.snapshots:
                 serving[name] = o.version
                 self.check_serves(driver, o.version)
-            elif o.status == "quarantined":
+            elif o.status in ("quarantined", "stale"):  # held out of service: it must refuse requests
                 refusals.append((driver, self.ask_quarantined(driver)))
         for driver, fut in self.inflight:  # on every engine: one that served them half-updated may be quarantined now
             if _alive(driver) and self.check_request(driver, fut, serving=driver.name in serving):
@@ -804,7 +809,7 @@ def check_engine_driver(
     if sweep_first:
         machine = Machine()
         try:
-            machine.setup(n=2, mode="colocated", pause_mode="retract")
+            machine.setup(n=2, mode="colocated", pause_mode="retract", max_staleness=None)
             sweep(machine)
         finally:
             machine.teardown()
