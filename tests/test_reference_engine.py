@@ -192,19 +192,26 @@ def test_load_refuses_out_of_session_unplanned_and_repeated_buckets(core: Engine
 
 
 def test_flush_refuses_while_requests_hold_kv(core: EngineCore) -> None:
+    """Refused while a running request holds KV, unless it is held in place (kv="keep"): then the
+    prefix cache is cleared and the request keeps its own KV."""
     rid = core.submit(PROMPT, 50)
     core.step()  # prefilled: the request now holds KV
     with pytest.raises(EngineError, match="flush_refused: 1 running requests hold KV"):
         core.flush()
-    core.pause("in_place")  # frozen with its KV: still refused
-    with pytest.raises(EngineError, match="flush_refused"):
+    core.pause("in_place")  # frozen with its KV: the prefix cache goes, its own KV stays
+    assert core.flush() == {"flushed_tokens": len(PROMPT), "kept_kv_requests": 1}
+    assert core.running[0].kv is not None and core.cache.size == 0
+    core.continue_generation()
+    core.step()
+    with pytest.raises(EngineError, match="flush_refused"):  # no longer held: refused again
         core.flush()
     core.pause("retract")  # KV dropped, request requeued: allowed
-    assert core.flush()["flushed_tokens"] == len(PROMPT)
+    assert core.flush()["flushed_tokens"] == 0
     core.continue_generation()
     run_all(core)
     assert core.result(rid)["num_retractions"] == 1
     assert len(core.result(rid)["output"]) == 50
+    assert core.result(rid)["stale_kv_tokens"] == 0  # the epoch never changed: no stale KV
 
 
 def test_pause_modes(core: EngineCore) -> None:

@@ -171,7 +171,7 @@ def test_a_driver_that_raises_on_detach_does_not_stop_close(trainer: TinyLlama, 
 
 def test_unsafe_configurations_are_refused_before_anything_runs(trainer: TinyLlama, thread_engines) -> None:
     engines = thread_engines(2)
-    with pytest.raises(protocol.ConfigError, match=r"in_place.*cannot make that KV fresh"):
+    with pytest.raises(protocol.ConfigError, match=r"in_place.*pass kv='keep'"):  # old-weight KV, unasked
         protocol.RefitContext(TorchSourceFor(trainer), Shm(), engines, pause_mode="in_place")
     with pytest.raises(protocol.ConfigError, match="unique"):
         protocol.RefitContext(TorchSourceFor(trainer), Shm(), [engines[0], engines[0]])

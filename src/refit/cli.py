@@ -361,11 +361,17 @@ def _demo_problem(args: argparse.Namespace) -> str | None:
                 f"--fail-at: fault spec {args.fail_at!r}: call={call} is not a driver call (engine calls: "
                 f"{', '.join(ENGINE_CALLS)}; trainer calls: {', '.join(TRAINER_CALLS)})"
             )
-    if args.pause_mode == "in_place":  # no shipped engine can make in-place-paused KV fresh
-        from refit.protocol.context import in_place_refusal
+    from refit.protocol.context import in_place_refusal, kv_problem
 
-        engines = f"the demo's {args.engine} engines"
-        return f"--pause-mode in_place: {in_place_refusal(engines)}"
+    problem = kv_problem(args.kv, args.pause_mode, args.mode)
+    if problem:
+        return f"--kv {args.kv}, --pause-mode {args.pause_mode}, --mode {args.mode}: {problem}"
+    if args.pause_mode == "in_place":
+        from refit.demo import driver_class
+
+        engine = driver_class(args)
+        if not engine.supports_in_place_pause:
+            return f"--pause-mode in_place: {in_place_refusal([engine])}"
     if args.engine != "reference" and args.ranks > 1:
         return f"--engine {args.engine} runs with one trainer rank here; drop --ranks"
     if args.verify not in (None, "off"):
@@ -445,7 +451,17 @@ def _demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--refits", type=_count(1), default=3, help="refits to run (default 3)")
     p.add_argument("--steps", type=_count(1), default=20, help="optimizer steps between refits (default 20)")
     p.add_argument("--mode", choices=("colocated", "disaggregated"), default="colocated")
-    p.add_argument("--pause-mode", choices=("abort", "retract", "in_place"), default="retract")
+    p.add_argument(
+        "--pause-mode", choices=("abort", "retract", "in_place"), default="retract",
+        help="what happens to requests in flight: abort them, or hold them and continue after the update, "
+        "retract recomputing their KV, in_place keeping it (with --kv keep and --mode disaggregated) "
+        "(default retract)",
+    )  # fmt: skip
+    p.add_argument(
+        "--kv", choices=("recompute", "keep"), default="recompute",
+        help="held requests' KV: recomputed under the new weights, or kept (off-policy; with --pause-mode in_place) "
+        "(default recompute)",
+    )  # fmt: skip
     p.add_argument("--bucket-bytes", type=_count(1), default=64 << 10, help="bucket size in bytes (default 64 KiB)")
     p.add_argument("--deadline", type=_seconds, default=60.0, help="seconds each refit may take (default 60)")
     p.add_argument("--retries", type=_count(0), default=1, help="retries for an engine whose update failed (default 1)")

@@ -192,8 +192,9 @@ def _run_ray(args: argparse.Namespace) -> int:
         print(f"actors ready in {time.perf_counter() - t0:.1f}s", flush=True)
         ctx = protocol.RefitContext(
             source=None, transport=make_transport(args.transport), engines=engines, ranks=trainer.ranks,
-            mode=args.mode, pause_mode=args.pause_mode, bucket_bytes=args.bucket_bytes, deadline_s=args.deadline,
-            retries=args.retries, call_timeout_s=args.call_timeout, trace=trace, verify=verify_mode(args),
+            mode=args.mode, pause_mode=args.pause_mode, kv=args.kv, bucket_bytes=args.bucket_bytes,
+            deadline_s=args.deadline, retries=args.retries, call_timeout_s=args.call_timeout, trace=trace,
+            verify=verify_mode(args),
         )  # fmt: skip
         try:
             faults = {1: args.fail_at} if args.fail_at else None
@@ -277,7 +278,7 @@ def _run_one_trainer(args: argparse.Namespace) -> int:
     try:
         ctx = protocol.RefitContext(
             source=TorchSource(model, optimizer=opt), transport=make_transport(args.transport, args.engine),
-            engines=engines, mode=args.mode, pause_mode=args.pause_mode, bucket_bytes=args.bucket_bytes,
+            engines=engines, mode=args.mode, pause_mode=args.pause_mode, kv=args.kv, bucket_bytes=args.bucket_bytes,
             deadline_s=args.deadline, retries=args.retries, call_timeout_s=args.call_timeout, trace=trace,
             verify=verify_mode(args),
         )  # fmt: skip

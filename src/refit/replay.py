@@ -513,6 +513,7 @@ def replay(path: str | Path, loaded: tuple[dict[str, Any], list[dict[str, Any]],
         ctx.max_staleness = start.get("max_staleness")  # none recorded: a run before the policy existed
         if ctx.max_staleness is not None and ctx.max_staleness < 0:
             raise NotATrace(f"run {start.get('run')}: max_staleness {ctx.max_staleness} is not a count")
+        ctx.kv = start.get("kv", "recompute")  # none recorded: a run before the policy was explicit
         ctx.verify = start.get("verify", "off")
         transport.digest_kind = start.get("digest") or "xxh3"
         ctx.digest_point = start.get("digest_point", "served")

@@ -454,7 +454,9 @@ class EngineDriver(ABC):
     failed only because a collective group did not form (another member is to blame).
 
     Capabilities (class attributes): `pause_modes` the engine supports; `supports_in_place_pause`
-    (it can make in-place-paused requests KV-safe; otherwise the runner refuses `in_place`);
+    (held in place, each request keeps its own KV while the flush clears the prefix cache, so no
+    request started after the update reuses an old entry: `kv="keep"`; otherwise the runner
+    refuses `in_place`, with `no_in_place` as the reason);
     `transports` (kinds it can receive); `memory_tags`; `begin_moves_weights` (a successful, or
     unknown, `begin` leaves the weights unusable until a complete update finishes: vLLM's layerwise
     reload moves them to the meta device; the runner then never continues the engine without one);
@@ -465,6 +467,7 @@ class EngineDriver(ABC):
     """
 
     supports_in_place_pause: ClassVar[bool] = False
+    no_in_place: ClassVar[str | None] = None  # why `supports_in_place_pause` is False, for the refusal
     begin_moves_weights: ClassVar[bool] = False
     pause_modes: ClassVar[frozenset[str]] = frozenset({"abort", "retract"})
     transports: ClassVar[frozenset[str]] = frozenset()

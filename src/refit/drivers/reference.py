@@ -22,8 +22,10 @@ Lifecycle, per state (each is one step, answered when done):
                           complete refit publishes a new version
   abort before pausing    release_memory(["weights"]) (colocated)
 
-The reference engine cannot make in-place-paused requests KV-safe (their KV predates the new
-weights), so `supports_in_place_pause` is False and the runner refuses that mode for it.
+Held in place (pause_mode "in_place", the run's kv="keep"), each request keeps its own KV, computed
+with the old weights (off-policy, counted per request as `stale_kv_tokens`), while the flush clears
+the prefix cache, so a request started after the update never reuses an old entry:
+`supports_in_place_pause` is True.
 Besides the protocol calls, the driver exposes what tests and the demo use to check a refit:
 `generate`, `submit`/`wait`, `score`, `state_dict`, `info`, `release_memory`.
 """
@@ -54,7 +56,7 @@ DEFAULT_TIMEOUT = 60.0
 
 
 class ReferenceEngine(EngineDriver):
-    supports_in_place_pause = False
+    supports_in_place_pause = True
     pause_modes = frozenset({"abort", "retract", "in_place"})
     transports = frozenset({"shm", "broadcast", "ipc", "sglang_tensor"})
     digest_kinds = frozenset({"xxh3", "wsum"})
@@ -116,13 +118,22 @@ class ReferenceEngine(EngineDriver):
 
     @classmethod
     def in_thread(
-        cls, name: str, config: ModelConfig | None = None, seed: int = 0, *, version: int = 0, serving: bool = True
+        cls,
+        name: str,
+        config: ModelConfig | None = None,
+        seed: int = 0,
+        *,
+        version: int = 0,
+        serving: bool = True,
+        max_running: int = 8,
     ) -> ReferenceEngine:
-        """A reference engine on a thread of this process (fast; for unit tests)."""
+        """A reference engine on a thread of this process (fast; for unit tests). `max_running`:
+        requests it decodes at once (the rest wait)."""
         from refit.reference.client import start_thread
         from refit.reference.model import ModelConfig
 
-        return cls(start_thread(name, config or ModelConfig(), seed, version=version, serving=serving))
+        config = config or ModelConfig()
+        return cls(start_thread(name, config, seed, version=version, serving=serving, max_running=max_running))
 
     @property
     def incarnation(self) -> str:

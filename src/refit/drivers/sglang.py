@@ -212,6 +212,11 @@ class SGLangEngine(HttpEngineDriver):
     """One SGLang server, driven over HTTP. See the module docstring for the route per state."""
 
     supports_in_place_pause = False  # in_place keeps old-weight KV and SGLang refuses to flush it
+    no_in_place = (
+        "SGLang 0.5.23's Scheduler.flush_cache (managers/scheduler.py) refuses while requests run, so requests "
+        "held in place keep its radix cache, and requests started after the update would reuse prefixes cached "
+        "under the old weights"
+    )
     transports = frozenset({"sglang_tensor", "sglang_broadcast"})
     memory_tags = frozenset({"weights", "kv_cache", "cuda_graph"})
 

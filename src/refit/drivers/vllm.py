@@ -166,6 +166,10 @@ class VLLMEngine(HttpEngineDriver):
     """One vLLM server, driven over HTTP. See the module docstring for the route per state."""
 
     supports_in_place_pause = False  # keep without clearing the cache serves old-weight KV
+    no_in_place = (
+        "vLLM 0.33's Scheduler.reset_prefix_cache (v1/core/sched/scheduler.py) clears the prefix cache only with "
+        "no running request holding KV, or by preempting them all (their KV dropped: recompute, not keep)"
+    )
     begin_moves_weights = True  # start_weight_update moves every layer to the meta device (layerwise reload)
     pause_modes = frozenset({"abort", "retract"})
     transports = frozenset({"vllm_nccl", "vllm_ipc"})

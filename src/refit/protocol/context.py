@@ -95,8 +95,14 @@ class RefitContext:
         and its transport, of the ranks' kind, only plans, routes and assembles payloads.
     engines: the engine drivers (read on the leader; followers may pass none).
     mode: "colocated" runs offload the trainer and restore it afterwards; "disaggregated" skips both.
-    pause_mode: one of the engines' `pause_modes` (in_place only with engines that declare
-        `supports_in_place_pause`: otherwise KV computed with the old weights would survive).
+    pause_mode: one of the engines' `pause_modes`: "abort" ends the requests in flight; "retract"
+        and "in_place" hold them at a token boundary and continue them after the update (none is
+        aborted), "retract" recomputing their KV under the new weights, "in_place" keeping it.
+    kv: what the update does to held requests' KV, explicit per run: "recompute" (default; with
+        pause_mode abort or retract) or "keep" (pause_mode in_place only, with engines that
+        declare `supports_in_place_pause`: they keep each held request's own KV, computed with the
+        old weights, and clear the prefix cache so no request started after the switch reuses an
+        old entry). "keep" is off-policy: recorded in the run's start line and its result.
     bucket_bytes: target bucket size; a larger tensor travels alone, in a buffer of its own.
     deadline_s: the whole run's budget; cleanup_grace_s: extra time must-run cleanup may take
         after the deadline (lock release, continue-or-quarantine, restore); past both, owed
@@ -145,6 +151,7 @@ class RefitContext:
     version: int = 0
     retries: int = 1
     max_staleness: int | None = 0
+    kv: str = "recompute"
     call_timeout_s: float | None = None
     lock: EngineLock | None = None
     trace: str | Path | TraceRecorder | None = None
@@ -197,6 +204,7 @@ class RefitContext:
         if isinstance(self.retries, bool) or not isinstance(self.retries, int) or self.retries < 0:
             raise ConfigError(f"retries must be an integer >= 0, got {self.retries!r}")
         self.check_max_staleness()
+        self.check_kv()
         if isinstance(self.version, bool) or not isinstance(self.version, int) or self.version < 0:
             raise ConfigError(f"version must be an integer >= 0, got {self.version!r}")
         from refit.verify import DIGEST_POINTS, VERIFY_MODES
@@ -207,6 +215,12 @@ class RefitContext:
             raise ConfigError(f"digest_point must be one of {DIGEST_POINTS}, got {self.digest_point!r}")
         if not isinstance(self.transport.slots, int) or self.transport.slots < 1:
             raise ConfigError(f"transport.slots must be an integer >= 1, got {self.transport.slots!r}")
+
+    def check_kv(self) -> None:
+        """The KV policy against the pause mode and the mode (all may change between runs)."""
+        problem = kv_problem(self.kv, self.pause_mode, self.mode)
+        if problem:
+            raise ConfigError(problem)
 
     def check_max_staleness(self) -> None:
         """Refuse a version policy that is not None or a count (it may change between runs)."""
@@ -244,9 +258,9 @@ class RefitContext:
         if len(set(names)) != len(names):
             raise ConfigError(f"engine names must be unique, got {names}")
         if self.pause_mode == "in_place":
-            unsafe = [e.name for e in self.engines if not e.supports_in_place_pause]
+            unsafe = [e for e in self.engines if not e.supports_in_place_pause]
             if unsafe:
-                raise ConfigError(in_place_refusal(f"engines {unsafe}"))
+                raise ConfigError(in_place_refusal(unsafe))
         for e in self.engines:
             if self.pause_mode not in e.pause_modes:
                 raise ConfigError(
@@ -380,12 +394,41 @@ class RefitContext:
         self.close()
 
 
-def in_place_refusal(engines: str) -> str:
-    """Why pause_mode 'in_place' is refused for `engines` (a description) when they cannot make
-    in-place-paused KV fresh."""
+KV_POLICIES = ("recompute", "keep")  # RefitContext.kv
+
+
+def kv_problem(kv: Any, pause_mode: str, mode: str) -> str | None:
+    """Why a KV policy does not go with a pause mode and a mode (None: it does). Pure."""
+    if kv not in KV_POLICIES:
+        return f"kv must be one of {KV_POLICIES}, got {kv!r}"
+    if pause_mode == "in_place" and kv != "keep":
+        return (
+            "pause_mode 'in_place' keeps held requests' KV, computed with the old weights: pass kv='keep' to accept "
+            "that (their later tokens are off-policy, and recorded so), or use pause_mode 'retract' to recompute it "
+            "under the new weights"
+        )
+    if kv == "keep" and pause_mode != "in_place":
+        what = "recomputes it" if pause_mode == "retract" else "ends the requests"
+        return f"kv='keep' keeps held requests' KV, which only pause_mode 'in_place' holds ({pause_mode!r} {what})"
+    if kv == "keep" and mode == "colocated":
+        return (
+            "kv='keep' keeps held requests' KV in the engines' memory, which a colocated refit releases for the "
+            "trainer: use mode='disaggregated', or kv='recompute' with pause_mode 'retract'"
+        )
+    return None
+
+
+def in_place_refusal(engines: Sequence[Any]) -> str:
+    """Why pause_mode 'in_place' (kv='keep') is refused for `engines` (drivers, or classes) that do
+    not declare `supports_in_place_pause`: each one's `no_in_place` reason where it gives one."""
+    reasons = "; ".join(
+        f"{getattr(e, 'name', None) or e.__name__}: {getattr(e, 'no_in_place', None) or 'it declares no way to'}"
+        for e in engines
+    )
     return (
-        f"pause_mode 'in_place' keeps requests' KV across the update, and {engines} cannot make that KV fresh "
-        "(their flush refuses while requests hold KV); use 'retract' or 'abort'"
+        "pause_mode 'in_place' (kv='keep') holds requests with their KV while the prefix cache is cleared for "
+        f"requests started after the update, and these engines cannot: {reasons}; use pause_mode 'retract' "
+        "(kv='recompute') or 'abort'"
     )
 
 

@@ -126,6 +126,7 @@ class _Run(Recording):
         self.digest_kind = ctx.digest_kind if digests_of(ctx.verify) else None
         ctx.check_digest_point()  # (it may have changed since the context was made)
         ctx.check_max_staleness()
+        ctx.check_kv()
         self.written_kind = [  # per engine: the digest its begin asks it to compute while writing, if any
             self.digest_kind if ctx.digest_point != "served" and hashes_writes(d, self.digest_kind) else None
             for d in ctx.engines
@@ -730,7 +731,7 @@ def _lead(ctx: RefitContext) -> RefitResult:
     r.emit(
         "run", "start", previous_version=r.previous_version, owner=r.owner, engines=[e.name for e in r.engines],
         incarnations=[e.incarnation for e in r.engines], engine_tp=[e.tp for e in r.engines], mode=ctx.mode,
-        max_staleness=ctx.max_staleness,
+        max_staleness=ctx.max_staleness, kv=ctx.kv,
         pause_mode=ctx.pause_mode, bucket_bytes=ctx.bucket_bytes, deadline_s=ctx.deadline_s,
         cleanup_grace_s=ctx.cleanup_grace_s, retries=ctx.retries, call_timeout_s=ctx.call_timeout_s, verify=ctx.verify,
         digest=r.digest_kind, digest_point=ctx.digest_point,

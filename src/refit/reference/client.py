@@ -210,11 +210,14 @@ def start_thread(
     version: int = 0,
     serving: bool = True,
     core: type[EngineCore] = EngineCore,
+    max_running: int = 8,
 ) -> EngineClient:
     """Run an engine on a thread of this process (same loop as the process version). `core`: an
-    EngineCore subclass (tests use one to host an engine-side bug behind a correct driver)."""
+    EngineCore subclass (tests use one to host an engine-side bug behind a correct driver);
+    `max_running`: requests decoded at once (the rest wait)."""
     ours, theirs = LocalChannel.pair()
-    server = EngineServer(core(config, seed, version=version, serving=serving), name, in_process=True)
+    engine = core(config, seed, version=version, serving=serving, max_running=max_running)
+    server = EngineServer(engine, name, in_process=True)
     thread = threading.Thread(target=serve, args=(theirs, server), name=f"refit-engine-{name}", daemon=True)
     thread.start()
     return EngineClient(ours, name, thread=thread)

@@ -17,9 +17,13 @@ What it has, and why each part exists:
               `stale_kv_tokens`, which is how "served stale KV" is observed.
   * scheduler waiting/running queues, one token per running request per step; pause modes:
               abort (finish requests now), retract (drop their KV, requeue, recompute later),
-              in_place (freeze them with their KV). `flush` refuses while a request holds KV.
-  * version   the label published after a complete update; tokens record the label they were
-              generated under.
+              in_place (freeze them with their KV). `flush` refuses while a running request
+              holds KV, except when they are held in place: then it clears the prefix cache only
+              (each held request keeps its own KV, off-policy; none started later reuses it).
+  * version   the label published after a complete update; every token records the label and the
+              weights epoch it was sampled under, and its log-probability (float32); `commits`
+              lists the (version, epoch) pairs the engine served as whole versions, the
+              checkpoint's first, one per publish (and per intact resume of released weights).
   * memory    release/resume of "weights" and "kv_cache" (colocated refits): released weights
               come back as zeros unless a CPU backup was kept.
   * device    `device="cuda"` puts weights, KV and the forward on a GPU (same code path). A
@@ -166,6 +170,8 @@ class Request:
     max_new_tokens: int
     output: list[int] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    epochs: list[int] = field(default_factory=list)  # the weights epoch each token was sampled under
+    logprobs: list[float] = field(default_factory=list)  # each token's log-probability, float32
     finish_reason: str | None = None
     kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
     kv_epochs: list[int] = field(default_factory=list)
@@ -180,6 +186,8 @@ class Request:
             "output": self.output,
             "finish_reason": self.finish_reason,
             "weight_versions": self.versions,
+            "weights_epochs": self.epochs,
+            "logprobs": self.logprobs,
             "stale_kv_tokens": self.stale_kv_tokens,
             "cached_tokens": self.cached_tokens,
             "num_retractions": self.num_retractions,
@@ -267,6 +275,9 @@ class EngineCore:
         self.head_serving = self._head()
         self.version = version
         self.weights_epoch = 0
+        self.commits: list[tuple[int, int]] = [(version, 0)]  # (version, weights epoch) served whole
+        self.held_in_place = False  # paused in place: requests keep their KV across the update
+        self.tokens_sampled = 0  # tokens generated so far, every request
         self._written: tuple[Any, int] | None = None  # the last finalized session's Written, and the epoch it hashed
         self._regions: tuple[Any, Any, Any] | None = None  # (params, serving head, their `wsum.Regions`)
         self.dirty = False  # weights differ from what `version` names
@@ -327,7 +338,7 @@ class EngineCore:
         (`refit.invariants.check_engine_audit` starts afresh there: nothing was open)."""
         self.audit.append(
             {"t": time.monotonic(), "op": op, "ok": ok, "session": self.sessions, "dirty": self.dirty,
-             "paused": self.paused, "version": self.version, **fields}
+             "paused": self.paused, "version": self.version, "epoch": self.weights_epoch, **fields}
         )  # fmt: skip
         if op == "continue_generation" and ok and self.session is None:
             self._quiet.append(len(self.audit) - 1)
@@ -814,6 +825,7 @@ class EngineCore:
         self.dirty = False
         self.ready_to_publish = False
         self.quarantined = None
+        self.commits.append((version, self.weights_epoch))
 
     def label_version(self, version: int) -> None:
         """Set the version label and nothing else (like SGLang's /update_weight_version): no check
@@ -835,7 +847,7 @@ class EngineCore:
         self.quarantined = reason
         self.session = None
         self.ready_to_publish = False
-        self.paused = True
+        self.paused, self.held_in_place = True, False
         for req in [*self.running, *self.waiting]:
             self._finish(req, "quarantined")
         self.running.clear()
@@ -875,6 +887,8 @@ class EngineCore:
             self.head_serving = self._head()
             self.weights_released = False
             self.weights_epoch += 1
+            if intact and not self.dirty:  # the same version's weights, back whole
+                self.commits.append((self.version, self.weights_epoch))
         if "kv_cache" in tags:
             self.kv_released = False
         return {"weights_intact": intact, "resumed": resumed}
@@ -891,6 +905,7 @@ class EngineCore:
         if mode not in PAUSE_MODES:
             raise EngineError("bad_request", f"pause mode {mode!r}; known {list(PAUSE_MODES)}")
         self.paused = True
+        self.held_in_place = mode == "in_place"
         if mode == "abort":
             aborted = len(self.running) + len(self.waiting)
             for req in [*self.running, *self.waiting]:
@@ -913,10 +928,16 @@ class EngineCore:
     def continue_generation(self) -> None:
         if self.quarantined:
             raise EngineError("quarantined", f"engine is quarantined ({self.quarantined}); restart it or refit it")
-        self.paused = False
+        self.paused = self.held_in_place = False
 
-    def flush(self) -> dict[str, int]:
+    def flush(self, keep_held: bool = True) -> dict[str, int]:
+        """Clear the prefix cache. Refused while a running request holds KV, unless every such
+        request is held in place and `keep_held` (each keeps its own KV: the run's kv="keep"). An
+        emulated server whose flush refuses whenever requests run (SGLang's flush_cache, vLLM's
+        reset_prefix_cache) passes keep_held=False."""
         holders = [r.rid for r in self.running if r.kv is not None]
+        if holders and keep_held and self.paused and self.held_in_place:  # they keep their own KV
+            return {"flushed_tokens": self.cache.clear(), "kept_kv_requests": len(holders)}
         if holders:
             raise EngineError(
                 "flush_refused",
@@ -985,8 +1006,13 @@ class EngineCore:
             req.stale_kv_tokens += sum(e != self.weights_epoch for e in req.kv_epochs)
             logits, req.kv = self._forward(tokens[-1:], req.kv, len(tokens) - 1)
             req.kv_epochs.append(self.weights_epoch)
-        req.output.append(int(torch.argmax(logits[-1])))
+        last = logits[-1].float()
+        token = int(torch.argmax(last))
+        req.output.append(token)
+        req.logprobs.append(float(torch.log_softmax(last, dim=-1)[token]))
         req.versions.append(self.version)
+        req.epochs.append(self.weights_epoch)
+        self.tokens_sampled += 1
         if len(req.output) >= req.max_new_tokens:
             self.running.remove(req)
             self._finish(req, "length")
@@ -1117,6 +1143,8 @@ class EngineCore:
             "quarantined": self.quarantined,
             "session_open": self.session is not None,
             "weights_epoch": self.weights_epoch,
+            "commits": [list(c) for c in self.commits],
+            "tokens_sampled": self.tokens_sampled,
             "weights_released": self.weights_released,
             "kv_released": self.kv_released,
             "running": len(self.running),

@@ -27,6 +27,9 @@ restarts. After every refit it checks outcomes, not claims:
                stale by the version policy (drawn: the default, 0, or none), refuses requests;
   * version    the version an engine labels its tokens with (and reports in `info()`) is the one
                the run published for it;
+  * token_version  where the engine reports each token's weights epoch and its commit points
+               (`info()["commits"]`), a request in flight across a refit changed version only at
+               a commit point (refit.invariants.tokens);
   * kv_fresh   requests it submitted before the refit, and prompts whose prefixes were cached
                under the old weights, produce only tokens that their own version's weights give
                (a token computed on KV from other weights does not);
@@ -561,8 +564,27 @@ class DriverStateMachine(RuleBasedStateMachine):
         out = fut.result()
         if isinstance(out, dict) and out.get("weight_versions") is not None:  # tokens are checked per version
             self.check_tokens(engine, list(out.get("prompt") or INFLIGHT_PROMPT), out, default_version=None)
+            self.check_commit_points(engine, out)
             return True
         return False
+
+    def check_commit_points(self, engine: EngineDriver, out: dict[str, Any]) -> None:
+        """token_version: where the engine reports each token's weights epoch and its commit points
+        (`info()["commits"]`, the reference engine), every token's (version, epoch) is a commit
+        point, and its versions never go back (refit.invariants.tokens)."""
+        from refit.invariants.tokens import check_token_versions
+
+        if out.get("weights_epochs") is None:
+            return
+        commits = None
+        with contextlib.suppress(Exception):  # an engine that cannot say (gone, or no such field): not checked
+            commits = engine.info(timeout=2.0).get("commits")  # type: ignore[attr-defined]
+        if commits is None:
+            return
+        problems = check_token_versions(commits, [out], engine=engine.name)
+        if problems:
+            raise AssertionError(str(problems[0]))
+        type(self).coverage.checks["token versions at commit points"] += 1
 
     def check_tokens(
         self,

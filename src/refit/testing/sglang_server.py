@@ -303,7 +303,7 @@ class EmulatedSGLang(EmulatedServer):
         if not self._idle():
             return False
         try:
-            self._engine("flush")
+            self._engine("flush", False)  # refused while requests hold KV, held in place or not
         except EngineError:
             return False
         return True

@@ -222,7 +222,7 @@ class EmulatedVLLM(EmulatedServer):
 
     def _reset_cache(self) -> bool:
         try:
-            self._engine("flush")
+            self._engine("flush", False)  # refused while requests hold KV, held in place or not
         except EngineError:
             return False
         return True
