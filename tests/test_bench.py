@@ -32,4 +32,5 @@ def test_bench_transport_writes_its_figures(tmp_path: Path) -> None:
     assert {"bytes", "gbps", "memcpy_gbps", "ratio"} <= set(report)
     assert report["bit_exact"] and report["bytes"] > 0 and report["buckets"] > 1
     assert set(report["variants"]) == {"zero_copy", "zero_copy_no_checksums", "copy"}
-    assert report["ratio"] == pytest.approx(report["gbps"] / report["memcpy_gbps"], abs=0.001)
+    g, m = report["gbps"], report["memcpy_gbps"]  # each rounded to 3 decimals, as the ratio is
+    assert report["ratio"] == pytest.approx(g / m, abs=0.0005 + 0.0005 / m + 0.0005 * g / m**2)

@@ -26,6 +26,7 @@ from refit.errors import ConfigError
 from refit.invariants.tokens import check_token_versions, published_versions
 from refit.reference.engine import EngineCore
 from refit.reference.model import ModelConfig, TinyLlama
+from refit.replay import replay
 from refit.trace import load_trace
 
 from .conftest import SMALL_BUCKET, perturbed
@@ -95,6 +96,7 @@ def _refits_during_generation(tmp_path: Path, **ctx_kw: Any) -> tuple[list[dict]
         ctx.close()
         _, events, _ = load_trace(tmp_path / "t.jsonl")
         assert invariants.check_trace(events) == []
+        assert replay(tmp_path / "t.jsonl").divergence is None  # the KV policy is replayed too
         return results, weights, events, info
     finally:
         ctx.close()
@@ -233,6 +235,7 @@ def test_under_any_interleaving_of_requests_and_refits_versions_change_only_at_c
     core = EngineCore(CFG, seed=0, max_running=4)
     rids: list[int] = []
     version = 0
+    kept = any(r[3] == "in_place" for r in rounds)  # some requests may keep old-weight KV (kv="keep")
     for submitted, length, steps, mode, landed in rounds:
         for _ in range(submitted if not core.quarantined else 0):
             rids.append(core.submit([len(rids) % 50 + 1, 2, 3], length))
@@ -262,6 +265,7 @@ def test_under_any_interleaving_of_requests_and_refits_versions_change_only_at_c
     for r in results:
         assert r["finish_reason"] in ("length", "abort", "quarantined")
         assert r["weight_versions"] == sorted(r["weight_versions"])
+        assert kept or r["stale_kv_tokens"] == 0  # recomputed: no token read KV from other weights
 
 
 def test_the_random_programs_sampled_tokens_across_switches() -> None:
@@ -269,3 +273,24 @@ def test_the_random_programs_sampled_tokens_across_switches() -> None:
     through a version switch."""
     test_under_any_interleaving_of_requests_and_refits_versions_change_only_at_commit_points()
     assert _SEEN["tokens"] > 200 and _SEEN["switches"] > 5, _SEEN
+
+
+def test_malformed_reports_are_violations_not_exceptions() -> None:
+    good = {"rid": 0, "output": [1, 2], "weight_versions": [0, 0], "weights_epochs": [0, 0]}
+    assert check_token_versions([(0, 0)], [good]) == []
+    cases = [
+        ([(0, 0)], [{**good, "weight_versions": [True, True]}], "not counts"),
+        ([(0, 0)], [{**good, "weight_versions": [0.0, 0.0]}], "not counts"),
+        ([(0, 0)], [{**good, "weights_epochs": [0]}], "2 tokens, 2 versions, 1 epochs"),
+        ([(0, 0)], [{**good, "output": 7}], "no list of tokens"),
+        ([(0, 0)], ["a string"], "not a mapping"),
+        ([(1.9, 0)], [good], "not (version, epoch) counts"),
+        ([("0", "0")], [good], "not (version, epoch) counts"),
+        ([None], [good], "not (version, epoch) counts"),
+        ({"0": 0}, [good], "not (version, epoch) counts"),
+        ([(0, 0)], None, "not a list"),
+        ([(0, 0), (0, 1)], [{**good, "weights_epochs": [1, 0]}], "at epoch 0 after version 0 at epoch 1"),
+    ]
+    for commits, requests, match in cases:
+        (v,) = check_token_versions(commits, requests)
+        assert v.invariant == "token_version" and match in v.message, (match, v.message)

@@ -157,6 +157,10 @@ def test_a_malformed_answer_or_an_unmapped_device_is_refused_clearly() -> None:
         engine._server_device = "npu"  # SGLang on another device: its layouts there are not mapped
         with pytest.raises(ConfigError, match=r"cannot report digests .*runs on 'npu': refit maps .*\['cpu', 'cuda'\]"):
             protocol.RefitContext(TorchSource(_trained(config)), SGLangTensorTransport(), [engine], mode="colocated")
+        engine._server_device, engine._server_offloads = "cuda", True  # some weights hashed on the host
+        with pytest.raises(ConfigError, match=r"offloads weights to the host \(--cpu-offload-gb"):
+            protocol.RefitContext(TorchSource(_trained(config)), SGLangTensorTransport(), [engine], mode="colocated")
+        engine._server_offloads = False
         engine._server_device, engine.checksums = "cpu", False  # a real server's driver: only when asked
         with pytest.raises(ConfigError, match=r"SGLangEngine\(\.\.\., checksums=True\)"):
             protocol.RefitContext(TorchSource(_trained(config)), SGLangTensorTransport(), [engine], mode="colocated")

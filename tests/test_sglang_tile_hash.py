@@ -87,6 +87,16 @@ def test_sglangs_fused_parameters_hash_from_the_trainers_pieces(tmp_path: Path) 
     assert tile_hash(state["model.norm.weight"]) != sc.checksum(state["model.norm.weight"])  # not the host hash
 
 
+def test_a_digest_leaves_the_hash_as_it_was() -> None:
+    """As hashlib's: pieces may follow a digest (a carried partial word is padded for the digest only)."""
+    h = TileHash()
+    h.update(torch.tensor([1, 1], dtype=torch.uint8))
+    first = h.hexdigest()
+    assert h.hexdigest() == first == tile_hash(torch.tensor([1, 1], dtype=torch.uint8))
+    h.update(torch.tensor([1, 1], dtype=torch.uint8))
+    assert h.hexdigest() == tile_hash(torch.ones(4, dtype=torch.uint8))
+
+
 def test_pieces_on_two_devices_are_refused() -> None:
     h = TileHash()
     h.update(torch.ones(4))

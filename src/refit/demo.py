@@ -327,7 +327,8 @@ def _run_ranks(args: argparse.Namespace) -> int:
     )
     spec = {
         "engines": args.engines, "engine_tp": args.engine_tp, "transport": args.transport, "mode": args.mode,
-        "pause_mode": args.pause_mode, "refits": args.refits, "steps": args.steps, "bucket_bytes": args.bucket_bytes,
+        "pause_mode": args.pause_mode, "kv": args.kv, "refits": args.refits, "steps": args.steps,
+        "bucket_bytes": args.bucket_bytes,
         "deadline": args.deadline, "call_timeout": args.call_timeout, "retries": args.retries, "seed": args.seed,
         "verify": verify_mode(args),
         "faults": {"1": args.fail_at} if args.fail_at else {}, "trace": trace, "echo": True,

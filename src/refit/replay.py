@@ -491,6 +491,7 @@ def replay(path: str | Path, loaded: tuple[dict[str, Any], list[dict[str, Any]],
         engines=[ReplayEngine(n, script) for n in names] or [ReplayEngine("none", script)],
         mode=first.get("mode", "disaggregated"),
         pause_mode=first.get("pause_mode", "retract"),
+        kv=first.get("kv", "recompute"),  # none recorded: a run before the policy was explicit
         bucket_bytes=int(first.get("bucket_bytes", 1)),
         deadline_s=float(first.get("deadline_s", 1.0)),
         cleanup_grace_s=float(first.get("cleanup_grace_s", 10.0)),

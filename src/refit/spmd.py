@@ -27,6 +27,7 @@ DEFAULT_SPEC: dict[str, Any] = {
     "transport": "shm",
     "mode": "colocated",
     "pause_mode": "retract",
+    "kv": "recompute",
     "refits": 2,
     "steps": 3,
     "bucket_bytes": 64 << 10,
@@ -135,7 +136,8 @@ def worker(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     try:
         ctx = protocol.RefitContext(
             source=TorchSource(model, optimizer=opt), transport=make_transport(spec["transport"]), engines=engines,
-            mode=spec["mode"], pause_mode=spec["pause_mode"], bucket_bytes=spec["bucket_bytes"],
+            mode=spec["mode"], pause_mode=spec["pause_mode"], kv=spec.get("kv", "recompute"),
+            bucket_bytes=spec["bucket_bytes"],
             deadline_s=spec["deadline"], call_timeout_s=spec["call_timeout"], retries=spec["retries"],
             verify=spec.get("verify", "digest"), trace=spec["trace"] if rank == 0 else None,
             **({} if spec["cleanup_grace"] is None else {"cleanup_grace_s": float(spec["cleanup_grace"])}),

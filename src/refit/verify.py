@@ -102,7 +102,10 @@ class Digests:
 
     def __init__(self, kind: str) -> None:
         if not is_kind(kind):
-            raise ValueError(f"digest kind {kind!r}; known {DIGEST_KINDS} and 'sglang/tp<N>'")
+            raise ValueError(
+                f"digest kind {kind!r}; known {DIGEST_KINDS} and the server layouts 'sglang/tp<N>', "
+                "'sglang-cuda/tp<N>', 'vllm/tp<N>'"
+            )
         self.kind = kind
         self._done: dict[str, str] = {}
         self._batch: Any = None  # wsum's `Batch`, or an engine layout's `LayoutDigests` (whole parameters)

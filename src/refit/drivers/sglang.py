@@ -254,6 +254,7 @@ class SGLangEngine(HttpEngineDriver):
         self._restarted_since_attach = False
         self._server_tp: Any = None  # the server's tp_size, as its /server_info reports it
         self._server_device: Any = None  # its device ("cpu", "cuda", ...), as /server_info reports it
+        self._server_offloads = False  # it keeps some weights on the host (CPU offload)
         self.checksums = checksums
         self._attached: ConnectInfo | None = None
         self._released: set[str] = set(self._server_tags(released))
@@ -294,6 +295,11 @@ class SGLangEngine(HttpEngineDriver):
         if self._server_device not in SGLANG_DEVICES:
             where, mapped = self._server_device, sorted(SGLANG_DEVICES)
             return f"the server runs on {where!r}: refit maps SGLang's checksums on {mapped} only"
+        if self._server_offloads and self._server_device != "cpu":
+            return (
+                "the server offloads weights to the host (--cpu-offload-gb or --offload-group-size): SGLang hashes "
+                "those on the host and the rest on the GPU, a mix refit does not map"
+            )
         return None
 
     @property
@@ -411,6 +417,10 @@ class SGLangEngine(HttpEngineDriver):
         self.capabilities = self._supported(Capabilities.of(info.get("version")))
         self._server_tp = info.get("tp_size")
         self._server_device = info.get("device")
+        # weights offloaded to the host (exec.offload: --cpu-offload-gb, --offload-group-size) are
+        # hashed there (sha256) while the rest are hashed on the GPU: a mix refit does not map
+        gb, group = info.get("cpu_offload_gb") or 0, info.get("offload_group_size") or -1
+        self._server_offloads = (isinstance(gb, int | float) and gb > 0) or (isinstance(group, int) and group > 0)
 
     def _check_tp(self) -> None:
         """One payload entry per TP rank: a driver built with fewer than the server has makes a rank

@@ -18,8 +18,10 @@ kernels/ops/memory/gpu_tensor_hash.py `gpu_tensor_hash` with its defaults. That 
 
 `TileHash` computes the same value from pieces fed in order (the bytes of a fused parameter built
 from the trainer's q, k and v shards, say), on the host with numpy or on CUDA with torch integer
-ops, without concatenating them. Checked against SGLang's own kernels: run by Triton's interpreter
-on a CPU in CI (`tests/test_sglang_tile_hash.py`), and by `gpu_tensor_hash` itself on a GPU
+ops, without concatenating them. Valid below 2^31 words (8 GiB) a tensor: beyond that SGLang's
+kernel indexes its tiles in int32 and reads out of bounds (no Llama/Qwen2 parameter of one rank
+comes near it: a 7B embedding is about 6 x 10^8 words). Checked against SGLang's own kernels: run
+by Triton's interpreter on a CPU in CI (`tests/test_sglang_tile_hash.py`), and by `gpu_tensor_hash` itself on a GPU
 (`tests_gpu/test_sglang_tile_hash_gpu.py`).
 """
 
@@ -36,7 +38,7 @@ SEED = 0x243F6A88  # gpu_tensor_hash's default seed
 TILE = 8192  # words per tile (gpu_tensor_hash's tile_words default)
 MASK32, MASK64 = 0xFFFFFFFF, 0xFFFFFFFFFFFFFFFF
 HOST_CHUNK = 1 << 20  # words per numpy step (a multiple of TILE)
-CUDA_CHUNK = 1 << 25  # words per torch step on a GPU (int64 temporaries of 256 MiB)
+CUDA_CHUNK = 1 << 22  # words per torch step on a GPU: ~8 int64 temporaries of 32 MiB alive, ~256 MiB
 
 
 def seeds(seed: int = SEED) -> tuple[int, int]:
@@ -184,13 +186,22 @@ class TileHash:
         self._words += n
 
     def intdigest(self) -> int:
-        """The 64-bit value gpu_tensor_hash returns (0 for no bytes, as it does)."""
-        if self._carry is not None:  # the last word, zero-padded
+        """The 64-bit value gpu_tensor_hash returns (0 for no bytes, as it does). The hash is left
+        as it was: more pieces may follow."""
+        words, tiles = self._words, len(self._tiles)
+        if self._carry is not None:  # the last word, zero-padded (undone below)
             import torch
 
             pad = torch.zeros(4 - self._carry.numel(), dtype=torch.uint8, device=self._carry.device)
-            carry, self._carry = torch.cat([self._carry, pad]), None
+            carry = torch.cat([self._carry, pad])
             self._hash_words(carry, carry.device)
+        try:
+            return self._reduce()
+        finally:
+            self._words = words
+            del self._tiles[tiles:]
+
+    def _reduce(self) -> int:
         n = self._words
         if n == 0:
             return 0

@@ -102,7 +102,8 @@ class RefitContext:
         pause_mode abort or retract) or "keep" (pause_mode in_place only, with engines that
         declare `supports_in_place_pause`: they keep each held request's own KV, computed with the
         old weights, and clear the prefix cache so no request started after the switch reuses an
-        old entry). "keep" is off-policy: recorded in the run's start line and its result.
+        old entry). "keep" is off-policy: recorded in the run's start line (and replayed); the
+        engines count each request's tokens read from old-weight KV.
     bucket_bytes: target bucket size; a larger tensor travels alone, in a buffer of its own.
     deadline_s: the whole run's budget; cleanup_grace_s: extra time must-run cleanup may take
         after the deadline (lock release, continue-or-quarantine, restore); past both, owed

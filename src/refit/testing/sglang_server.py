@@ -625,6 +625,7 @@ class EmulatedSGLang(EmulatedServer):
             "tp_size": self.tp, "dp_size": 1, "pp_size": 1, "enable_dp_attention": False,
             "enable_memory_saver": self.memory_saver, "enable_weights_cpu_backup": self.weights_cpu_backup,
             "weight_cache_mode": "off", "weight_version": "default", "frontend": "python", "device": self.device,
+            "cpu_offload_gb": 0, "offload_group_size": -1,
         }  # fmt: skip
 
     # ---- the HTTP front (entrypoints/http_server.py routes) -----------------------------------
