@@ -205,8 +205,11 @@ def refit_loop(
                 versions = sorted({v for s in spans for v in s["weight_versions"]})
                 retracted = sum(s["num_retractions"] for s in spans)
                 reasons = sorted({s["finish_reason"] for s in spans})
+                stale = sum(int(s.get("stale_kv_tokens") or 0) for s in spans)  # kv="keep": off-policy reads
+                old_kv = f"; {stale} reads of KV positions older weights computed" if stale else ""
+                dead = f"; {lost} lost with a dead engine" if lost else ""
                 say(f"      {len(spans)} in-flight requests finished ({', '.join(reasons)}); {retracted} retractions; "
-                    f"token versions {versions}" + (f"; {lost} lost with a dead engine" if lost else ""))  # fmt: skip
+                    f"token versions {versions}{old_kv}{dead}")  # fmt: skip
         out.append(entry)
         if stop_on_failure and not result.ok:
             break

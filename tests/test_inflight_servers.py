@@ -1,0 +1,70 @@
+"""In-flight refit on the emulated SGLang 0.5.23 and vLLM 0.33 servers (which do what the servers'
+source does, docs/engines.md): what they support, pause_mode "retract" with kv="recompute", holds
+requests across a refit, none aborted, each token labelled by the server's own version spans; what
+they cannot, "in_place" with kv="keep", is refused before any engine is touched, naming the server
+version and the function that rules it out (docs/async.md)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+from refit import protocol
+from refit.drivers.sglang_transport import SGLangTensorTransport
+from refit.drivers.torch_source import TorchSource
+from refit.drivers.vllm_transport import VLLMIPCTransport
+from refit.errors import ConfigError
+from refit.reference.model import ModelConfig, TinyLlama
+from refit.testing.sglang_server import EmulatedSGLangEngine
+from refit.testing.vllm_server import EmulatedVLLMEngine
+
+from .conftest import perturbed
+
+CFG = ModelConfig(max_seq_len=512)
+SERVERS: dict[str, tuple[Any, Any, str]] = {
+    "sglang": (lambda: EmulatedSGLangEngine.start("s0", config=CFG, in_thread=True), SGLangTensorTransport,
+               r"SGLang 0\.5\.23's Scheduler\.flush_cache"),
+    "vllm": (lambda: EmulatedVLLMEngine.start("v0", config=CFG, in_thread=True, backend="ipc"), VLLMIPCTransport,
+             r"vLLM 0\.33's Scheduler\.reset_prefix_cache"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("server", SERVERS)
+def test_requests_in_flight_are_held_through_a_refit_and_labelled_per_token(server: str) -> None:
+    start, transport, _ = SERVERS[server]
+    engine = start()
+    model = TinyLlama(CFG, seed=0)
+    ctx = protocol.RefitContext(TorchSource(model), transport(), [engine], mode="colocated", pause_mode="retract")
+    try:
+        futures = [engine.submit([i + 1, 2, 3, 4], 200) for i in range(4)]
+        behind = engine.server.engine  # the reference engine behind the emulated server
+        while behind.info()["tokens_sampled"] < 40:
+            time.sleep(0.005)
+        perturbed(model, seed=1)
+        result = protocol.run(ctx)
+        assert result.ok, result.error
+        outs = [f.result(timeout=120) for f in futures]
+        assert [o["finish_reason"] for o in outs] == ["length"] * 4  # none aborted
+        for o in outs:
+            versions = o["weight_versions"]
+            assert len(versions) == 200 and versions == sorted(versions) and set(versions) <= {0, 1}
+        assert any(set(o["weight_versions"]) == {0, 1} for o in outs)  # the refit landed mid-request
+    finally:
+        ctx.close()
+        engine.close()
+
+
+@pytest.mark.parametrize("server", SERVERS)
+def test_in_place_with_kept_kv_is_refused_naming_the_server(server: str) -> None:
+    start, transport, reason = SERVERS[server]
+    engine = start()
+    try:
+        with pytest.raises(ConfigError, match=reason):
+            protocol.RefitContext(
+                TorchSource(TinyLlama(CFG, seed=0)), transport(), [engine], mode="disaggregated",
+                pause_mode="in_place", kv="keep",
+            )  # fmt: skip
+    finally:
+        engine.close()
