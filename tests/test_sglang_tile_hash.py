@@ -1,7 +1,8 @@
 """SGLang's checksum of a parameter on CUDA (`gpu_tensor_hash`), as `refit.drivers.sglang_tile_hash`
 reproduces it, against SGLang 0.5.23's own kernels: run by Triton's interpreter on this CPU
 (tests/sglang_tile_kernel.py; on a GPU, tests_gpu/test_sglang_tile_hash_gpu.py runs them for real).
-Both of refit's paths are checked: numpy on the host and the torch integer ops a GPU uses."""
+All three of refit's paths are checked: numpy on the host, torch integer ops, and refit's own
+Triton kernel (what a GPU runs; here under the interpreter)."""
 
 from __future__ import annotations
 
@@ -24,8 +25,9 @@ ROOT = Path(__file__).resolve().parent.parent
 TRITON = Path(os.environ.get("REFIT_TRITON_INTERPRETER", ROOT / ".venv" / "triton-interpreter"))
 
 
-def sglang_hashes(cases: list[tuple[torch.Tensor, dict[str, Any]]], tmp: Path) -> list[str]:
-    """SGLang's `gpu_tensor_hash` of each case, computed by its own kernels under the interpreter."""
+def sglang_hashes(cases: list[tuple[torch.Tensor, dict[str, Any]]], tmp: Path, *, mine: bool = False) -> Any:
+    """SGLang's `gpu_tensor_hash` of each case, computed by its own kernels under the interpreter
+    (`mine`: and refit's own Triton kernel's, as a second list)."""
     if not (TRITON / "triton").is_dir():
         raise AssertionError(f"Triton for the interpreter is not at {TRITON}: run scripts/setup (it installs it there)")
     src, dst = tmp / "cases.pt", tmp / "hashes.json"
@@ -33,13 +35,15 @@ def sglang_hashes(cases: list[tuple[torch.Tensor, dict[str, Any]]], tmp: Path) -
     env = {
         **os.environ,
         "TRITON_INTERPRET": "1",
-        "PYTHONPATH": os.pathsep.join([str(TRITON), os.environ.get("PYTHONPATH", "")]),
+        "PYTHONPATH": os.pathsep.join([str(TRITON), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
     }
     subprocess.run(
         [sys.executable, str(ROOT / "tests" / "sglang_tile_kernel.py"), str(src), str(dst)],
         env=env, check=True, timeout=600, capture_output=True,
     )  # fmt: skip
-    return json.loads(dst.read_text())["hashes"]
+    got = json.loads(dst.read_text())
+    assert got["self_check"] is True  # the probe refit checks its kernel with agrees with the torch ops
+    return (got["hashes"], got["refit_kernel"]) if mine else got["hashes"]
 
 
 def _mine(t: torch.Tensor, *, torch_ops: bool, tile: int = 8192, pieces: int = 1) -> str:
@@ -62,7 +66,8 @@ def test_the_cuda_checksum_is_sglangs_own_kernel(tmp_path: Path) -> None:
             cases.append(((torch.randn(n, generator=g) * 40).to(dtype), {}))
     big = torch.randn(256 * 70 + 3, generator=g)
     cases.append((big, {"tile_words": 256, "reduce_chunk": 4}))  # 71 tiles: 71 -> 18 -> 5 -> 2 -> 1
-    want = sglang_hashes(cases, tmp_path)
+    want, kernel = sglang_hashes(cases, tmp_path, mine=True)
+    assert kernel == want  # refit's Triton kernel (its CUDA path), run by the interpreter
     for (t, kw), expect in zip(cases, want, strict=True):
         tile = kw.get("tile_words", 8192)
         for torch_ops in (False, True):

@@ -1,5 +1,5 @@
-"""On a GPU: SGLang's CUDA checksum as refit reproduces it (`refit.drivers.sglang_tile_hash`, torch
-integer ops on the device) against SGLang 0.5.23's own `gpu_tensor_hash` (its Triton kernels, from
+"""On a GPU: SGLang's CUDA checksum as refit reproduces it (`refit.drivers.sglang_tile_hash`: refit's
+Triton kernel, and its torch integer ops) against SGLang 0.5.23's own `gpu_tensor_hash` (its Triton kernels, from
 the wheel carried in .whl), at the sizes a 7B checkpoint holds (more than 1024 tiles: SGLang's
 reduction runs two levels), whole and in the pieces a fused parameter is built from; and the
 trainer's layout checksums (`LayoutDigests`) taken on the GPU equal those taken on the host. The
@@ -31,6 +31,12 @@ def _timed(fn: object, reps: int = 3) -> tuple[object, float]:
     return out, (time.perf_counter() - t0) / reps
 
 
+def _torch_ops(t: torch.Tensor) -> str:
+    h = TileHash(torch_ops=True)
+    h.update(t)
+    return h.hexdigest()
+
+
 def test_refits_cuda_checksum_is_sglangs_gpu_tensor_hash() -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     cases = {
@@ -44,13 +50,15 @@ def test_refits_cuda_checksum_is_sglangs_gpu_tensor_hash() -> None:
     figures = {}
     for name, t in cases.items():
         want, theirs = _timed(lambda t=t: gpu_tensor_hash(t))
-        mine, ours = _timed(lambda t=t: tile_hash(t))
+        mine, ours = _timed(lambda t=t: tile_hash(t))  # refit's Triton kernel
         assert mine == f"{want:016x}", name
+        ops, torch_s = _timed(lambda t=t: _torch_ops(t), reps=1)
+        assert ops == mine, name
         host = TileHash()
         host.update(t.cpu())
         assert host.hexdigest() == mine, name
         gib = t.numel() * t.element_size() / 2**30
-        figures[name] = {"gib": gib, "sglang_s": theirs, "refit_s": ours}
+        figures[name] = {"gib": gib, "sglang_s": theirs, "refit_triton_s": ours, "refit_torch_ops_s": torch_s}
     # a fused qkv parameter of one TP rank, hashed from three separate tensors on the device
     q, k, v = (torch.randn(r, 3584, device="cuda", generator=g).to(torch.bfloat16) for r in (1792, 256, 256))
     assert tile_hash(q, k, v) == f"{gpu_tensor_hash(torch.cat([q, k, v])):016x}"

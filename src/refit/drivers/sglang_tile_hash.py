@@ -17,8 +17,9 @@ kernels/ops/memory/gpu_tensor_hash.py `gpu_tensor_hash` with its defaults. That 
   * `_hash_tensor` writes it as 16 hex digits.
 
 `TileHash` computes the same value from pieces fed in order (the bytes of a fused parameter built
-from the trainer's q, k and v shards, say), on the host with numpy or on CUDA with torch integer
-ops, without concatenating them. Valid below 2^31 words (8 GiB) a tensor: beyond that SGLang's
+from the trainer's q, k and v shards, say), without concatenating them: on the host with numpy; on
+CUDA with refit's own Triton kernel (`_kernel`), once a probe on that device agrees with the torch
+integer ops (`_triton_ok`), else with those ops. Valid below 2^31 words (8 GiB) a tensor: beyond that SGLang's
 kernel indexes its tiles in int32 and reads out of bounds (no Llama/Qwen2 parameter of one rank
 comes near it: a 7B embedding is about 6 x 10^8 words). Checked against SGLang's own kernels: run
 by Triton's interpreter on a CPU in CI (`tests/test_sglang_tile_hash.py`), and by `gpu_tensor_hash` itself on a GPU
@@ -57,6 +58,8 @@ def splitmix64(x: int) -> int:
 class _Host:
     """The per-word lanes with numpy uint32 arithmetic (wraps mod 2^32 by definition)."""
 
+    chunk = HOST_CHUNK
+
     def __init__(self, s1: int, s2: int) -> None:
         import numpy as np
 
@@ -87,7 +90,10 @@ class _Host:
 
 class _Cuda:
     """The same lanes with torch int64 ops on the tensor's device; every product is masked back to
-    32 bits (two's-complement wrap keeps the low bits exact)."""
+    32 bits (two's-complement wrap keeps the low bits exact). Slow (~13 GB/s on an H100): used
+    where Triton is not installed, and by tests."""
+
+    chunk = CUDA_CHUNK
 
     def __init__(self, s1: int, s2: int, device: Any) -> None:
         import torch
@@ -113,6 +119,117 @@ class _Cuda:
         return _reduce_tiles(k1, first, tile), _reduce_tiles(k2, first, tile)
 
 
+_KERNEL: Any = None
+
+
+def _kernel() -> Any:
+    """refit's Triton kernel for the lanes: one program per tile a piece overlaps, each reading that
+    tile's words of the piece (indexes counted over the whole tensor from `first`) and storing its
+    two lane sums mod 2^32 (uint32 arithmetic: products wrap, shifts are logical)."""
+    global _KERNEL  # noqa: PLW0603 - compiled once per process
+    if _KERNEL is not None:
+        return _KERNEL
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def tile_lanes(  # noqa: ANN202
+        words, out, n, first,  # noqa: ANN001
+        S1: tl.constexpr, S2: tl.constexpr, TILE: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        pid = tl.program_id(0).to(tl.int64)
+        start = (first // TILE + pid) * TILE - first  # this tile's first word, in the piece
+        lo = tl.maximum(start, 0)
+        hi = tl.minimum(start + TILE, n)
+        s1 = tl.full((), S1, tl.uint32)
+        s2 = tl.full((), S2, tl.uint32)
+        h1 = tl.zeros((), dtype=tl.uint32)
+        h2 = tl.zeros((), dtype=tl.uint32)
+        for off in range(lo, hi, BLOCK):
+            idx = off + tl.arange(0, BLOCK)
+            m = idx < hi
+            w = tl.load(words + idx, mask=m, other=0).to(tl.uint32, bitcast=True)
+            g = (idx + first).to(tl.uint32)  # the word's index in the whole tensor, mod 2^32
+            k1 = w ^ ((g * 0x27D4EB2D + s1) ^ ((g << 15) | (g >> 17)))
+            k2 = w ^ ((g * 0x165667B1 + s2) ^ ((g << 13) | (g >> 19)))
+            k1 = k1 ^ (k1 >> 16)  # fmix32 of each, written out (the interpreter sees no nested jit)
+            k2 = k2 ^ (k2 >> 16)
+            k1 = k1 * 0x85EBCA6B
+            k2 = k2 * 0x85EBCA6B
+            k1 = k1 ^ (k1 >> 13)
+            k2 = k2 ^ (k2 >> 13)
+            k1 = k1 * 0xC2B2AE35
+            k2 = k2 * 0xC2B2AE35
+            k1 = k1 ^ (k1 >> 16)
+            k2 = k2 ^ (k2 >> 16)
+            h1 += tl.sum(tl.where(m, k1, 0), axis=0)
+            h2 += tl.sum(tl.where(m, k2, 0), axis=0)
+        tl.store(out + 2 * pid, h1.to(tl.int64))
+        tl.store(out + 2 * pid + 1, h2.to(tl.int64))
+
+    _KERNEL = tile_lanes
+    return _KERNEL
+
+
+class _Triton:
+    """The lanes on CUDA by refit's Triton kernel (`_kernel`): one launch per piece, whatever its size."""
+
+    chunk = 1 << 62
+
+    def __init__(self, s1: int, s2: int, device: Any) -> None:
+        import torch
+
+        self.torch, self.device = torch, device
+        self.s1, self.s2 = s1, s2
+
+    def fmix32(self, x: Any) -> Any:  # the reduction's mixes, with torch ops
+        return _Cuda.fmix32(self, x)  # type: ignore[arg-type]
+
+    def tile_sums(self, words: Any, first: int, tile: int) -> tuple[list[tuple[int, Any]], list[tuple[int, Any]]]:
+        torch = self.torch
+        n = words.numel()
+        tiles = (first + n - 1) // tile - first // tile + 1
+        out = torch.empty((tiles, 2), dtype=torch.int64, device=self.device)
+        import contextlib
+
+        on = torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+        with on:  # (the host only under Triton's interpreter)
+            _kernel()[(tiles,)](words, out, n, first, S1=self.s1, S2=self.s2, TILE=tile, BLOCK=1024)
+        at = first // tile
+        return [(at, out[:, 0])], [(at, out[:, 1])]
+
+
+_KERNEL_CHECKED: dict[str, bool] = {}  # device -> whether refit's kernel agreed with the torch ops there
+
+
+def _triton_ok(device: Any) -> bool:
+    """Whether to hash on `device` with refit's Triton kernel: Triton is installed, and on this
+    device (once per process) the kernel gives the torch integer ops' value for a probe that spans
+    tiles and pieces; else the torch ops are used, and a warning says why."""
+    key = str(device)
+    if key not in _KERNEL_CHECKED:
+        try:
+            import torch
+
+            probe = torch.arange(3 * TILE + 5, dtype=torch.int32, device=device) * 0x3779B1  # wraps: any bits
+            a, b = TileHash(torch_ops=True), TileHash(torch_ops=True)  # torch tensors reach the lanes
+            a._lanes, a._device = _Triton(*a._seeds, probe.device), probe.device
+            for h in (a, b):
+                h.update(probe[: TILE + 3])
+                h.update(probe[TILE + 3 :])
+            _KERNEL_CHECKED[key] = a.intdigest() == b.intdigest()
+            why = "it disagreed with the torch ops on a probe"
+        except Exception as exc:  # no Triton, or it cannot compile here
+            _KERNEL_CHECKED[key] = False
+            why = f"{type(exc).__name__}: {exc}"
+        if not _KERNEL_CHECKED[key]:
+            import warnings
+
+            msg = f"SGLang's CUDA checksum on {key} falls back to torch ops (slow): refit's Triton kernel {why}"
+            warnings.warn(msg, stacklevel=3)
+    return _KERNEL_CHECKED[key]
+
+
 def _reduce_tiles(k: Any, first: int, tile: int) -> list[tuple[int, Any]]:
     """Sums of `k` per tile of `tile` words, the first word at index `first` (a tile boundary, or
     the words all lie in one tile), as (tile index, 1-D sums of it and the tiles after) parts."""
@@ -134,8 +251,8 @@ class TileHash:
 
     def __init__(self, seed: int = SEED, *, tile: int = TILE, torch_ops: bool = False) -> None:
         """`seed`, `tile`: gpu_tensor_hash's `seed` and `tile_words` (SGLang's checker passes
-        neither). `torch_ops`: compute with the GPU path's torch integer ops on the host too (tests
-        check that arithmetic against SGLang's kernel on a CPU)."""
+        neither). `torch_ops`: compute with torch integer ops, neither numpy on the host nor refit's
+        Triton kernel on CUDA (tests check that arithmetic against SGLang's kernel)."""
         if tile < 1 or HOST_CHUNK % tile or CUDA_CHUNK % tile:
             raise ValueError(f"tile {tile}: a power of two up to {HOST_CHUNK} words")
         self._seeds, self._tile, self._torch_ops = seeds(seed), tile, torch_ops
@@ -169,11 +286,16 @@ class TileHash:
         words = raw.view(torch.int32)
         on_host = device.type == "cpu" and not self._torch_ops
         if self._lanes is None:
-            self._lanes = _Host(*self._seeds) if on_host else _Cuda(*self._seeds, device)
+            if on_host:
+                self._lanes = _Host(*self._seeds)
+            elif device.type == "cuda" and not self._torch_ops and _triton_ok(device):
+                self._lanes = _Triton(*self._seeds, device)
+            else:
+                self._lanes = _Cuda(*self._seeds, device)
             self._device = device
         elif device != self._device:
             raise ValueError(f"TileHash: a piece on {device} after pieces on {self._device}: one device per tensor")
-        lanes, tile, chunk = self._lanes, self._tile, (HOST_CHUNK if device.type == "cpu" else CUDA_CHUNK)
+        lanes, tile, chunk = self._lanes, self._tile, self._lanes.chunk
         host = words.numpy().view("uint32") if on_host else None
         n, at = words.numel(), 0
         while at < n:
@@ -207,7 +329,7 @@ class TileHash:
             return 0
         tiles = -(-n // self._tile)
         nbytes = (n * 4) & MASK32
-        if isinstance(self._lanes, _Cuda):
+        if isinstance(self._lanes, _Cuda | _Triton):
             torch = self._lanes.torch
             h = torch.zeros((2, tiles), dtype=torch.int64, device=self._lanes.device)
             for lane, first, sums in self._tiles:
