@@ -38,6 +38,9 @@ def _torch_ops(t: torch.Tensor) -> str:
 
 
 def test_refits_cuda_checksum_is_sglangs_gpu_tensor_hash() -> None:
+    from refit.drivers import sglang_tile_hash as th
+
+    assert th._triton_ok(torch.device("cuda"))  # refit's kernel passes its probe here: tile_hash uses it
     g = torch.Generator(device="cuda").manual_seed(0)
     cases = {
         "one byte": torch.tensor([7], dtype=torch.uint8, device="cuda"),
