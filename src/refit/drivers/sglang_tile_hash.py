@@ -171,19 +171,11 @@ def _kernel() -> Any:
     return _KERNEL
 
 
-class _Triton:
-    """The lanes on CUDA by refit's Triton kernel (`_kernel`): one launch per piece, whatever its size."""
+class _Triton(_Cuda):
+    """The lanes on CUDA by refit's Triton kernel (`_kernel`): one launch per piece, whatever its
+    size (the reduction's mixes stay `_Cuda`'s torch ops)."""
 
     chunk = 1 << 62
-
-    def __init__(self, s1: int, s2: int, device: Any) -> None:
-        import torch
-
-        self.torch, self.device = torch, device
-        self.s1, self.s2 = s1, s2
-
-    def fmix32(self, x: Any) -> Any:  # the reduction's mixes, with torch ops
-        return _Cuda.fmix32(self, x)  # type: ignore[arg-type]
 
     def tile_sums(self, words: Any, first: int, tile: int) -> tuple[list[tuple[int, Any]], list[tuple[int, Any]]]:
         torch = self.torch
@@ -329,7 +321,7 @@ class TileHash:
             return 0
         tiles = -(-n // self._tile)
         nbytes = (n * 4) & MASK32
-        if isinstance(self._lanes, _Cuda | _Triton):
+        if isinstance(self._lanes, _Cuda):
             torch = self._lanes.torch
             h = torch.zeros((2, tiles), dtype=torch.int64, device=self._lanes.device)
             for lane, first, sums in self._tiles:
