@@ -181,6 +181,15 @@ def restart_before(engine: Any, call: str) -> None:
     setattr(engine, call, restart_first)
 
 
+def trained_tiny_llama(config: Any) -> TinyLlama:
+    """A TinyLlama of `config` whose weights moved off their seed (a trainer after some steps)."""
+    model = TinyLlama(config, seed=0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    return model
+
+
 def caught_behind_server(engines: list[Any], transport: Any, model: TinyLlama, kind: str, bucket: int | None) -> Any:
     """Arm a silent fault in the reference engine behind the first emulated server (its driver has
     no `arm_fault`), refit both engines colocated with no retry, and check that the other engine

@@ -62,6 +62,10 @@ CASES = {
     "llama-bf16-head_dim32-attention_bias-tp2-process": Case(
         "llama", torch.bfloat16, "process", tp=2, options={"head_dim": 32, "attention_bias": True}
     ),
+    # 1 KV head over 2 ranks: on both, as SGLang's and vLLM's QKVParallelLinear hold it
+    "qwen2-fp32-kv-replicated-tp2-process": Case(
+        "qwen2", torch.float32, "process", tp=2, options={"num_key_value_heads": 1}
+    ),
 }
 
 
@@ -73,7 +77,7 @@ def hf_model(family: str, dtype: torch.dtype, seed: int = 1, **options: Any) -> 
 
     HF's own init (std 0.02, zero biases) gives near-uniform logits and biases that never matter, so
     the weights are re-drawn from `seed`: unit-scale activations, non-zero biases, clear argmaxes."""
-    config = (LlamaConfig if family == "llama" else Qwen2Config)(**DIMS, **options, **{DTYPE_KEY: dtype})
+    config = (LlamaConfig if family == "llama" else Qwen2Config)(**{**DIMS, **options, DTYPE_KEY: dtype})
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", **{DTYPE_KEY: dtype}).eval()
     assert model.dtype == dtype and model.config._attn_implementation == "eager"
     gen = torch.Generator().manual_seed(seed)

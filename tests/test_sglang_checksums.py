@@ -21,6 +21,7 @@ from refit.reference.model import ModelConfig, TinyLlama
 from refit.testing.sglang_server import EmulatedSGLangEngine
 
 from .conftest import caught_behind_server, clean_refits_verify
+from .conftest import trained_tiny_llama as _trained
 from .sglang_support import sglang, validate_body
 
 
@@ -65,14 +66,6 @@ def _engines(
         for i in range(n)
     ]
     return engines, config
-
-
-def _trained(config: ModelConfig) -> TinyLlama:
-    model = TinyLlama(config, seed=0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
-    return model
 
 
 def test_the_emulators_answer_is_sglangs_wire_shape_and_the_trainers_expectation() -> None:

@@ -20,10 +20,11 @@ from refit.drivers import vllm_checksums as vc
 from refit.drivers.torch_source import TorchSource
 from refit.drivers.vllm_transport import VLLMBroadcastTransport, VLLMIPCTransport
 from refit.errors import ConfigError
-from refit.reference.model import ModelConfig, TinyLlama
+from refit.reference.model import ModelConfig
 from refit.testing.vllm_server import EmulatedVLLMEngine
 
 from .conftest import caught_behind_server, clean_refits_verify
+from .conftest import trained_tiny_llama as _trained
 from .vllm_support import validate_request, vllm
 
 pytestmark = pytest.mark.e2e
@@ -37,14 +38,6 @@ def _engines(
         EmulatedVLLMEngine.start(f"v{i}", config=config, tp=tp, backend=backend, validate=validate) for i in range(n)
     ]
     return engines, config
-
-
-def _trained(config: ModelConfig) -> TinyLlama:
-    model = TinyLlama(config, seed=0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
-    return model
 
 
 def _vllm_worker_digests(state: dict[str, torch.Tensor], tp: int, rank: int) -> dict[str, str]:

@@ -13,8 +13,8 @@ each tensor in 4 MiB pieces on several cores at once. Torch is imported lazily.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -60,11 +60,14 @@ def torch_dtype(name: str) -> torch.dtype:
 
 @dataclass(frozen=True, slots=True)
 class TensorMeta:
-    """One tensor as the engine will see it: engine (HF) name, dtype name, global shape."""
+    """One tensor as the engine will see it: engine (HF) name, dtype name, global shape, and for an
+    attention projection the heads its rows hold when the source knows the model's config (an
+    engine layout that replicates KV heads over TP ranks needs it: `attention_heads`)."""
 
     name: str
     dtype: str
     shape: tuple[int, ...]
+    heads: int | None = field(default=None, compare=False)
 
     @property
     def numel(self) -> int:
@@ -112,9 +115,62 @@ class BucketManifest:
             "dtypes": [e.meta.dtype for e in self.entries],
             "shapes": [list(e.meta.shape) for e in self.entries],
         }
+        if any(e.meta.heads is not None for e in self.entries):
+            out["heads"] = [e.meta.heads for e in self.entries]
         if self.oversized:
             out["oversized"] = True
         return out
+
+
+# HF attention projections (Llama family) -> which head count their rows hold
+HEAD_SUFFIXES = {
+    "self_attn.q_proj.weight": "heads", "self_attn.q_proj.bias": "heads",
+    "self_attn.k_proj.weight": "kv_heads", "self_attn.k_proj.bias": "kv_heads",
+    "self_attn.v_proj.weight": "kv_heads", "self_attn.v_proj.bias": "kv_heads",
+}  # fmt: skip
+
+
+def head_counts(config: Any) -> tuple[int, int] | None:
+    """(attention heads, KV heads) of a model config: transformers' (num_attention_heads,
+    num_key_value_heads), Megatron's (num_attention_heads, num_query_groups), refit's ModelConfig
+    (num_heads, num_kv_heads), or a mapping of the same keys; None when it names no head count."""
+
+    def get(key: str) -> Any:
+        return config.get(key) if isinstance(config, Mapping) else getattr(config, key, None)
+
+    heads = get("num_attention_heads") or get("num_heads")
+    kv = get("num_key_value_heads") or get("num_query_groups") or get("num_kv_heads") or heads
+    if isinstance(heads, int) and isinstance(kv, int) and heads > 0 and kv > 0:
+        return heads, kv
+    return None
+
+
+def heads_by_name(names: Iterable[str], config: Any) -> dict[str, int]:
+    """Name -> the heads its rows hold, for each q/k/v projection among `names`, from `config`
+    (`head_counts`); empty when the config names no head count."""
+    counts = head_counts(config) if config is not None else None
+    if counts is None:
+        return {}
+    by = {"heads": counts[0], "kv_heads": counts[1]}
+    out = {}
+    for name in names:
+        prefix, _, rest = name.partition("layers.")
+        suffix = rest.partition(".")[2]
+        if prefix and suffix in HEAD_SUFFIXES:
+            out[name] = by[HEAD_SUFFIXES[suffix]]
+    return out
+
+
+def attention_heads(metas: Iterable[TensorMeta], config: Any) -> list[TensorMeta]:
+    """`metas` with `heads` set on each q/k/v projection from `config` (`heads_by_name`)."""
+    metas = list(metas)
+    heads = heads_by_name((m.name for m in metas), config)
+    return [replace(m, heads=heads[m.name]) if m.name in heads else m for m in metas]
+
+
+def plan_heads(plan: Iterable[BucketManifest]) -> dict[str, int]:
+    """Name -> heads of every planned tensor whose meta carries them."""
+    return {e.meta.name: e.meta.heads for m in plan for e in m.entries if e.meta.heads is not None}
 
 
 def _align(n: int, align: int) -> int:

@@ -290,9 +290,11 @@ class ReplayRanks(Ranks):
         plans = [e for e in self.script.plans if e["seq"] >= self.script.current_run().get("seq", 0)]
         manifests = plans[0].get("manifests", []) if plans else []
         return [
-            TensorMeta(name, dtype, tuple(shape))
+            TensorMeta(name, dtype, tuple(shape), heads)
             for m in manifests
-            for name, dtype, shape in zip(m["names"], m["dtypes"], m["shapes"], strict=True)
+            for name, dtype, shape, heads in zip(
+                m["names"], m["dtypes"], m["shapes"], m.get("heads") or [None] * len(m["names"]), strict=True
+            )
         ]
 
 
@@ -322,9 +324,10 @@ class ReplayTransport(Transport):
         plans = [e for e in self.script.plans if e["seq"] >= self.script.current_run().get("seq", 0)]
         out = []
         for m in plans[0].get("manifests", []) if plans else []:
+            heads = m.get("heads") or [None] * len(m["names"])
             entries = tuple(
-                TensorEntry(TensorMeta(n, d, tuple(sh)), 0)
-                for n, d, sh in zip(m["names"], m["dtypes"], m["shapes"], strict=True)
+                TensorEntry(TensorMeta(n, d, tuple(sh), hd), 0)
+                for n, d, sh, hd in zip(m["names"], m["dtypes"], m["shapes"], heads, strict=True)
             )
             out.append(BucketManifest(m["index"], entries, m["nbytes"], bool(m.get("oversized"))))
         return out

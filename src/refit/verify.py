@@ -73,14 +73,15 @@ def uncovered(kind: str, sums: Mapping[str, str], planned: list[str]) -> list[st
     return [n for n in planned if sums.get(n) is None]
 
 
-def unmappable(kind: str, shapes: Mapping[str, tuple[int, ...]]) -> list[str]:
-    """What of a plan (HF name -> shape) digests of `kind` cannot cover (an engine layout's kind
-    maps whole server parameters; per-tensor kinds cover anything): empty when all of it."""
+def unmappable(kind: str, shapes: Mapping[str, tuple[int, ...]], heads: Mapping[str, int] | None = None) -> list[str]:
+    """What of a plan (HF name -> shape; `heads`: name -> the attention heads its rows hold) digests
+    of `kind` cannot cover (an engine layout's kind maps whole server parameters; per-tensor kinds
+    cover anything): empty when all of it."""
     from refit.drivers.sglang_checksums import flavour_of, tp_of
     from refit.drivers.sglang_checksums import unmappable as layout_unmappable
 
     tp = tp_of(kind)
-    return [] if tp is None else layout_unmappable(shapes, tp, flavour_of(kind))
+    return [] if tp is None else layout_unmappable(shapes, tp, flavour_of(kind), heads)
 
 
 def digest(tensor: torch.Tensor, kind: str = "xxh3") -> str:
@@ -100,7 +101,9 @@ class Digests:
     """Digests of many tensors by name: `add` as they come, `results` once (a GPU's are queued and
     read back together, with one host sync)."""
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, heads: Mapping[str, int] | None = None) -> None:
+        """`heads`: name -> the attention heads its rows hold (an engine layout's kind needs the
+        KV heads' to map k and v over TP ranks: `refit.buckets.attention_heads`)."""
         if not is_kind(kind):
             raise ValueError(
                 f"digest kind {kind!r}; known {DIGEST_KINDS} and the server layouts 'sglang/tp<N>', "
@@ -109,6 +112,7 @@ class Digests:
         self.kind = kind
         self._done: dict[str, str] = {}
         self._batch: Any = None  # wsum's `Batch`, or an engine layout's `LayoutDigests` (whole parameters)
+        self._heads = heads
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         if self.kind == "xxh3":
@@ -122,7 +126,7 @@ class Digests:
             else:
                 from refit.drivers.sglang_checksums import LayoutDigests
 
-                self._batch = LayoutDigests(self.kind)
+                self._batch = LayoutDigests(self.kind, self._heads)
         self._batch.add(name, tensor)
 
     def flush(self) -> None:

@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from refit.buckets import BucketManifest, TensorMeta
+from refit.buckets import BucketManifest, TensorMeta, attention_heads, head_counts
 from refit.drivers.base import LazyTensors, Source
 
 if TYPE_CHECKING:
@@ -85,8 +85,17 @@ class MegatronSource(Source):
                 metas.append(TensorMeta.of(name, tensor))
             if not metas:
                 raise ValueError("megatron source: the bridge exported no tensors")
-            self._metas = metas
+            self._metas = attention_heads(metas, self._head_config())
         return list(self._metas)
+
+    def _head_config(self) -> Any:
+        """The config naming the model's head counts: the first chunk's TransformerConfig
+        (num_attention_heads, num_query_groups), else the bridge's HF config."""
+        hf = getattr(self._bridge, "hf_pretrained", None)
+        for config in (getattr(self._model[0], "config", None), getattr(hf, "config", hf)):
+            if config is not None and head_counts(config) is not None:
+                return config
+        return None
 
     def forget_metas(self) -> None:
         """The model's exported names or shapes changed: the next run learns them again."""

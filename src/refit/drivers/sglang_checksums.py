@@ -22,8 +22,12 @@ What SGLang computes (read in its source):
 
 `expected(state, tp)` gives the checksums SGLang would report for `state` (HF names, the dtypes
 sent), keyed "<SGLang parameter>@tp<rank>", the key `reported(body)` gives SGLang's answer.
-Llama-family layouts only (the ones refit's reference engine and emulator serve), with the KV heads
-divisible by TP (SGLang replicates KV heads when there are fewer than TP ranks: not mapped).
+Llama-family layouts only (the ones refit's reference engine and emulator serve). Fewer KV heads
+than TP ranks are replicated: rank r holds KV head r // (TP / KV heads) (layers/linear.py
+`QKVParallelLinear.__init__`: num_kv_head_replicas; `weight_loader`: shard_id = tp_rank // it), so
+mapping k_proj and v_proj needs the model's KV head count: `heads` (HF name -> the attention heads
+its rows hold, `refit.buckets.attention_heads`). Without it their rows split evenly over the ranks,
+right only when there are at least as many KV heads as ranks; a run refuses that guess at IDLE.
 
 vLLM 0.33 lays these models out the same way (its QKVParallelLinear, MergedColumnParallelLinear,
 RowParallelLinear and VocabParallelEmbedding, the padding rows zero) and hashes each parameter with
@@ -34,7 +38,7 @@ vllm_checksums` reads its answer).
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -67,6 +71,8 @@ FUSED = {  # HF suffix -> (SGLang parameter suffix, position in it)
     "mlp.gate_proj.weight": ("mlp.gate_up_proj.weight", 0),
     "mlp.up_proj.weight": ("mlp.gate_up_proj.weight", 1),
 }
+# the parts of qkv_proj whose heads SGLang replicates when there are fewer of them than TP ranks
+KV_PARTS = frozenset(k for k, (target, position) in FUSED.items() if "qkv" in target and position > 0)
 BY_COLUMNS = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
 EMBEDDING, HEAD = "model.embed_tokens.weight", "lm_head.weight"
 BY_VOCAB = (EMBEDDING, HEAD)
@@ -125,12 +131,33 @@ def _split(n: int, tp: int, what: str) -> int:
     return n // tp
 
 
+def part_rows(rows: int, tp: int, rank: int, what: str, kv_heads: int | None = None) -> tuple[int, int]:
+    """(first row, rows) of a q/k/v or gate/up tensor of `rows` rows that TP rank `rank` holds.
+    `kv_heads`: a k or v tensor's head count; fewer than `tp` are replicated (each over tp //
+    kv_heads ranks; QKVParallelLinear), else (and when None) the rows split evenly."""
+    if kv_heads is None or kv_heads >= tp:
+        n = _split(rows, tp, what)
+        return rank * n, n
+    if tp % kv_heads or rows % kv_heads:
+        raise ValueError(f"{what}: {kv_heads} KV heads of {rows} rows cannot be replicated over TP {tp}")
+    per_head = rows // kv_heads
+    return (rank // (tp // kv_heads)) * per_head, per_head
+
+
 def sglang_params(
-    state: Mapping[str, torch.Tensor], tp: int, flavour: str = "sglang"
+    state: Mapping[str, torch.Tensor],
+    tp: int,
+    flavour: str = "sglang",
+    heads: Mapping[str, int] | None = None,
+    shards: Sequence[Mapping[str, torch.Tensor]] | None = None,
 ) -> Iterator[tuple[str, list[torch.Tensor]]]:
     """Each SGLang parameter of every TP rank, as "<name>@tp<rank>" and the pieces whose bytes,
     in order, are its bytes (zeros where SGLang pads the vocabulary). Rotary buffers a trainer may
-    send are not SGLang's parameters (its loaders drop them; its checker skips such buffers)."""
+    send are not SGLang's parameters (its loaders drop them; its checker skips such buffers).
+    `heads`: HF name -> the heads its rows hold (k and v: the KV heads, see `part_rows`).
+    `shards` (an engine's own, per rank: HF name -> the rows or columns that rank holds): a fused
+    part or a column split is read from the rank that holds it, not sliced from `state` (ranks
+    sharing a KV head each hash their own copy, as a server does)."""
     import torch
 
     state = {k: v for k, v in state.items() if not any(p in k for p in NOT_PARAMETERS)}
@@ -152,18 +179,25 @@ def sglang_params(
                 continue  # the fused parameter is given once, at its first part
             if sorted(parts) != list(range(len(parts))) or len(parts) < (3 if "qkv" in target else 2):
                 raise ValueError(f"{full}: the trainer sent only parts {sorted(parts)} of it")
+            names = {pos: n for n, (t, pos) in FUSED.items() if t == target}
+            kv = {pos: (heads or {}).get(f"{prefix}layers.{layer}.{names[pos]}") for pos in parts}
             for r in range(tp):
-                yield (
-                    f"{full}@tp{r}",
-                    [
-                        p.narrow(0, r * _split(p.shape[0], tp, full), _split(p.shape[0], tp, full))
-                        for _, p in sorted(parts.items())
-                    ],
-                )
+                pieces = []
+                for pos, p in sorted(parts.items()):
+                    part = f"{prefix}layers.{layer}.{names[pos]}"
+                    if shards is not None:
+                        pieces.append(shards[r][part])
+                        continue
+                    start, n = part_rows(p.shape[0], tp, r, full, kv[pos] if names[pos] in KV_PARTS else None)
+                    pieces.append(p.narrow(0, start, n))
+                yield f"{full}@tp{r}", pieces
         elif suffix in BY_COLUMNS:
             for r in range(tp):
                 n = _split(tensor.shape[1], tp, name)
-                yield f"{name}@tp{r}", [tensor.narrow(1, r * n, n).contiguous()]
+                yield (
+                    f"{name}@tp{r}",
+                    [shards[r][name] if shards is not None else tensor.narrow(1, r * n, n).contiguous()],
+                )
         elif name in BY_VOCAB:
             for r in range(tp):
                 start, taken, per_rank = vocab_rows(tensor.shape[0], tp, r, flavour)
@@ -174,13 +208,17 @@ def sglang_params(
                 yield f"{name}@tp{r}", [tensor]
 
 
-def unmappable(shapes: Mapping[str, tuple[int, ...]], tp: int, flavour: str = "sglang") -> list[str]:
+def unmappable(
+    shapes: Mapping[str, tuple[int, ...]], tp: int, flavour: str = "sglang", heads: Mapping[str, int] | None = None
+) -> list[str]:
     """What of a plan (HF name -> shape) this layout cannot map onto the server's parameters, in
     words (empty: all of it maps): a fused parameter sent in part (its checksum covers every part),
-    rows or columns that do not split over `tp`, a vocabulary vLLM cannot split. Pure: checked
-    before any engine is touched."""
+    rows or columns that do not split over `tp`, k/v rows whose KV head count is not known (`heads`)
+    on more than one rank, or that the server cannot replicate, a vocabulary vLLM cannot split.
+    Pure: checked before any engine is touched."""
     problems: list[str] = []
     parts: dict[str, set[int]] = {}
+    unknown: list[str] = []
     for name, shape in shapes.items():
         if any(p in name for p in NOT_PARAMETERS):
             continue
@@ -189,8 +227,15 @@ def unmappable(shapes: Mapping[str, tuple[int, ...]], tp: int, flavour: str = "s
         if prefix and suffix in FUSED:
             target, position = FUSED[suffix]
             parts.setdefault(f"{prefix}layers.{layer}.{target}", set()).add(position)
-            if shape and shape[0] % tp:
-                problems.append(f"{name}: {shape[0]} rows do not split over TP {tp}")
+            n = (heads or {}).get(name)
+            if suffix in KV_PARTS and tp > 1 and n is None:
+                unknown.append(name)
+            elif n is not None and n % tp and (suffix not in KV_PARTS or n >= tp):
+                problems.append(f"{name}: {n} heads do not split over TP {tp}")
+            try:
+                part_rows(shape[0] if shape else 0, tp, 0, name, n if suffix in KV_PARTS else None)
+            except ValueError as exc:
+                problems.append(str(exc))
         elif suffix in BY_COLUMNS and len(shape) > 1 and shape[1] % tp:
             problems.append(f"{name}: {shape[1]} columns do not split over TP {tp}")
         elif name in BY_VOCAB and shape:
@@ -204,6 +249,13 @@ def unmappable(shapes: Mapping[str, tuple[int, ...]], tp: int, flavour: str = "s
             sent = " and ".join(names[i] for i in sorted(got))
             lacking = " and ".join(n for i, n in enumerate(names) if i not in got)
             problems.append(f"{target}: {sent} sent without {lacking} (its checksum covers all {len(names)})")
+    if unknown:
+        problems.append(
+            f"{unknown[0]}{f' and {len(unknown) - 1} more' if len(unknown) > 1 else ''}: the model's KV head count "
+            f"is not known, and over TP {tp} the server replicates KV heads when there are fewer than ranks, so "
+            "their rows cannot be mapped (give the source the model's config: TorchSource(model) for a module with "
+            "a `config`, else TorchSource(..., config=hf_config))"
+        )
     return problems
 
 
@@ -257,10 +309,13 @@ def with_head(sums: dict[str, str]) -> dict[str, str]:
     return out
 
 
-def expected(state: Mapping[str, torch.Tensor], tp: int, flavour: str = "sglang") -> dict[str, str]:
+def expected(
+    state: Mapping[str, torch.Tensor], tp: int, flavour: str = "sglang", heads: Mapping[str, int] | None = None
+) -> dict[str, str]:
     """The checksums SGLang (or vLLM) would report for `state` (HF names, in the dtypes sent) on
-    `tp` ranks, with each rank's head (`with_head`)."""
-    return with_head({key: pieces_checksum(pieces, flavour) for key, pieces in sglang_params(state, tp, flavour)})
+    `tp` ranks, with each rank's head (`with_head`); `heads` as `sglang_params` takes them."""
+    pairs = sglang_params(state, tp, flavour, heads)
+    return with_head({key: pieces_checksum(pieces, flavour) for key, pieces in pairs})
 
 
 def reported(body: Any) -> dict[str, str]:
@@ -314,11 +369,12 @@ class LayoutDigests:
     and a fused part that comes before the parts it follows waits, copied, until they came. The
     host flavours read the bytes on the host; the CUDA flavour hashes where the tensors are."""
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, heads: Mapping[str, int] | None = None) -> None:
         tp = tp_of(kind)
         if tp is None or tp < 1:
             raise ValueError(f"digest kind {kind!r} is not one of {', '.join(f'{p}<N>' for p in FLAVOURS)}")
         self.kind, self.tp, self.flavour = kind, tp, flavour_of(kind)
+        self._heads = dict(heads or {})
         self._on_host = HASH[self.flavour] != "tile"
         self._open: dict[str, tuple[Any, int, dict[int, list[torch.Tensor]]]] = {}  # key -> (hash, next part, waiting)
         self._parts: dict[str, int] = {}  # fused parameter -> how many parts it has
@@ -330,7 +386,9 @@ class LayoutDigests:
         prefix, _, rest = name.partition("layers.")
         suffix = rest.partition(".")[2]
         fused = FUSED.get(suffix) if prefix else None
-        pairs = sglang_params({name: t}, self.tp, self.flavour) if fused is None else self._fused_pieces(name, t)
+        pairs = (
+            sglang_params({name: t}, self.tp, self.flavour) if fused is None else self._fused_pieces(name, suffix, t)
+        )
         for key, pieces in pairs:
             if fused is None:
                 self._done[key] = pieces_checksum(pieces, self.flavour)
@@ -351,12 +409,13 @@ class LayoutDigests:
                 self._done[key] = h.hexdigest()
                 del self._open[key]
 
-    def _fused_pieces(self, name: str, t: torch.Tensor) -> Iterator[tuple[str, list[torch.Tensor]]]:
+    def _fused_pieces(self, name: str, suffix: str, t: torch.Tensor) -> Iterator[tuple[str, list[torch.Tensor]]]:
         target = param_of(name)
         self._parts[target] = 3 if "qkv_proj" in target else 2
-        n = _split(t.shape[0], self.tp, target)
+        kv = self._heads.get(name) if suffix in KV_PARTS else None
         for r in range(self.tp):
-            yield f"{target}@tp{r}", [t.narrow(0, r * n, n)]
+            start, n = part_rows(t.shape[0], self.tp, r, target, kv)
+            yield f"{target}@tp{r}", [t.narrow(0, start, n)]
 
     def flush(self) -> None:
         pass

@@ -4,7 +4,8 @@ names it. One per trainer rank: under FSDP2 every rank builds one over its own s
 Lifecycle:
   run start               `metas()`: one TensorMeta per state-dict tensor, an alias (a tied head)
                           under its first name only (DTensor: global shape;
-                          the dtype after the optional cast).
+                          the dtype after the optional cast; q/k/v projections carry their head
+                          counts when the model's config is known).
   OFFLOADING (colocated)  `offload()`: drop gradients (set to None); move optimizer state to CPU
                           when it lives on an accelerator. On a CPU-only trainer the optimizer
                           part has nothing to move.
@@ -22,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from refit.buckets import BucketManifest, TensorMeta, dtype_name
+from refit.buckets import BucketManifest, TensorMeta, attention_heads, dtype_name, head_counts
 from refit.drivers.base import LazyTensors, Source, Storages
 
 if TYPE_CHECKING:
@@ -40,12 +41,19 @@ class TorchSource(Source):
         dtype: torch.dtype | None = None,
         optimizer: torch.optim.Optimizer | None = None,
         send_aliases: bool = False,
+        config: Any = None,
     ) -> None:
         """`model`: an nn.Module, a state dict, or a callable returning one (called per refit).
         `rename`: trainer name -> engine name, or None to skip a tensor. `dtype`: cast floating
         tensors to this dtype on the way out. `send_aliases`: send a tensor the state dict lists
-        twice under both names (default: once, under the first name kept)."""
+        twice under both names (default: once, under the first name kept). `config`: the model's
+        config (transformers', refit's ModelConfig, or a dict with num_attention_heads and
+        num_key_value_heads), for a `model` that does not carry it as `.config`: verifying
+        against a server that replicates KV heads over its TP ranks needs their count."""
         self._model = model
+        self._config = config if config is not None else getattr(model, "config", None)
+        if config is not None and head_counts(config) is None:
+            raise ValueError(f"torch source: config {type(config).__name__} names no attention head counts")
         self._send_aliases = send_aliases
         self._rename = rename
         self._dtype = dtype
@@ -101,10 +109,11 @@ class TorchSource(Source):
         return Storages(tuple(t.detach() for _, t in self._named()))
 
     def metas(self) -> list[TensorMeta]:
-        return [
+        metas = [
             TensorMeta(name, dtype_name(self._out_dtype(t)), tuple(int(d) for d in t.shape))
             for name, t in self._named()
         ]
+        return attention_heads(metas, self._config)
 
     def iter_buckets(self, plan: Sequence[BucketManifest]) -> Iterator[LazyTensors]:
         named = dict(self._named())

@@ -73,13 +73,17 @@ def reported(body: Any) -> dict[str, str]:
     return with_head(out)
 
 
-def answer(state: dict[str, Any], tp: int) -> dict[str, str]:
-    """The checksums a vLLM server of `tp` workers holding `state` (HF names, as served) reports:
-    the body's "checksums", worker by worker in rank order (what the emulator answers)."""
+def answer(
+    state: dict[str, Any], tp: int, heads: dict[str, int] | None = None, shards: list[dict[str, Any]] | None = None
+) -> dict[str, str]:
+    """The checksums a vLLM server of `tp` workers holding `state` (HF names, as served; `heads`:
+    name -> the heads a q/k/v projection holds; `shards`: each worker's own rows and columns,
+    `sglang_checksums.sglang_params`) reports: the body's "checksums", worker by worker in rank
+    order (what the emulator answers)."""
     from refit.drivers.sglang_checksums import pieces_checksum, sglang_params
 
     per_rank: list[dict[str, str]] = [{} for _ in range(tp)]
-    for k, pieces in sglang_params(state, tp, "vllm"):
+    for k, pieces in sglang_params(state, tp, "vllm", heads, shards):
         name, _, rank = k.rpartition("@tp")
         per_rank[int(rank)][key(name, int(rank))] = pieces_checksum(pieces, "vllm")
     return {k: v for sums in per_rank for k, v in sums.items()}

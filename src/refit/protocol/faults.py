@@ -9,9 +9,9 @@ once and is recorded in the trace. Kinds:
   kill     the engine's process dies (SIGKILL) when the step reaches it
   corrupt  the step's payload arrives damaged: a bucket's bytes fail their checksum, any other
            request cannot be decoded
-  silent   (flip, swap_qk, downcast, skip, swap_tp, late_copy on a load; stale_head on a finalize) the engine
-           answers as if all went well and holds wrong weights (`refit.reference.engine.
-           SILENT_FAULTS`): only verification before publish catches them. Injected inside the
+  silent   (flip, swap_qk, downcast, skip, swap_tp, kv_replica, late_copy on a load; stale_head on
+           a finalize) the engine answers as if all went well and holds wrong weights (`refit.
+           reference.engine.SILENT_FAULTS`): only verification before publish catches them. Injected inside the
            engine only: a driver without `arm_fault` fails the step saying it cannot host one.
 
 Faults are injected by wrappers put around the engine drivers and the trainer ranks (`wrap`)
@@ -33,9 +33,10 @@ from typing import Any
 from refit.drivers.base import EngineDriver, Step, StepResult
 from refit.errors import EngineDied, EngineError
 
-SILENT_KINDS = ("flip", "swap_qk", "downcast", "skip", "swap_tp", "late_copy", "stale_head")
+SILENT_KINDS = ("flip", "swap_qk", "downcast", "skip", "swap_tp", "kv_replica", "late_copy", "stale_head")
 LOUD_KINDS = ("raise", "hang", "kill", "corrupt")  # the call fails, hangs or the engine dies: it is noticed
 FAULT_KINDS = (*LOUD_KINDS, *SILENT_KINDS)
+TP_KINDS = ("swap_tp", "kv_replica")  # silent kinds that need TP ranks (kv_replica: fewer KV heads than ranks)
 SILENT_CALLS = {"stale_head": "finalize"}  # the call each silent kind corrupts (the others: load)
 # The calls the runner makes in each state a fault can fire in (engine and trainer side): a fault
 # keyed to any other (state, call) can never fire. tests/fault_matrix.py checks every call of

@@ -37,7 +37,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from refit.buckets import BucketManifest, TensorMeta, tensor_identity
+from refit.buckets import BucketManifest, TensorMeta, plan_heads, tensor_identity
 from refit.drivers.base import LazyTensors, Source, Topology, Transport
 from refit.errors import RankError, RefitError
 
@@ -227,7 +227,7 @@ class Participant:
         from refit.verify import Digests
 
         if self.rank == 0 and (self._digests is None or self._digests.kind != kind):
-            self._digests = Digests(kind)
+            self._digests = Digests(kind, plan_heads(self.plan))
         dtypes = {e.meta.name: e.meta.dtype for e in manifest.entries}
         for name, tensor in tensors:
             yield name, tensor

@@ -218,7 +218,8 @@ class _Run(Recording):
             manifests=[m.summary() for m in self.plan],
         )  # fmt: skip
         if self.digest_kind is not None:
-            gaps = unmappable(self.digest_kind, {m.name: tuple(m.shape) for m in metas})
+            heads = {m.name: m.heads for m in metas if m.heads is not None}
+            gaps = unmappable(self.digest_kind, {m.name: tuple(m.shape) for m in metas}, heads)
             if gaps:
                 raise RefitError(
                     f"verify by {self.digest_kind} digests cannot cover what the trainer sends: {'; '.join(gaps[:3])}"

@@ -57,11 +57,13 @@ SILENT_FAULTS = {
     "downcast": "load: every tensor is rounded through a narrower dtype on its way in",
     "skip": "load: the bucket's first tensor is never written",
     "swap_tp": "load: this TP rank keeps the next rank's shard (shards landed on the wrong rank)",
+    "kv_replica": "load: this TP rank keeps another KV head's k and v rows, where its KV head is replicated (a "
+    "loader that splits KV heads over the ranks where there are fewer than ranks: its replica disagrees)",
     "stale_head": "finalize: post-processing forgets to rebuild the serving copy of the output head",
     "late_copy": "load: the engine acks before copying, keeping views of the transport's buffer, and copies them at "
     "finalize (a reference kept past its ack: the buffer may hold a later bucket by then)",
 }
-MANGLED_AFTER_LOAD = ("flip", "swap_qk", "downcast", "skip", "swap_tp")  # by `_mangle_loaded` on a checksummed load
+MANGLED_AFTER_LOAD = ("flip", "swap_qk", "downcast", "skip", "swap_tp", "kv_replica")  # `_mangle_loaded`, checksummed
 MEMORY_TAGS = ("weights", "kv_cache")
 ENGINE_DTYPE = "float32"  # the default ModelConfig.dtype: every tensor's but an auxiliary one's
 
@@ -120,20 +122,24 @@ class WeightLayout:
         self.tied = config.tied
         self.dtype = config.dtype
         h = c.hidden_size
+        rep = config.kv_replicas(t)  # ranks per KV head (1: the KV heads split over the ranks)
         qn, kn, inn, vn = (
             c.num_heads * c.head_dim // t,
-            c.num_kv_heads * c.head_dim // t,
+            c.num_kv_heads * rep * c.head_dim // t,
             c.intermediate_size // t,
             c.vocab_size // t,
         )
+        kr = (r // rep) * kn  # where this rank's k and v rows start in the HF tensors
+        self.kv_rows = kn  # this rank's k (and v) rows
+        self.kv_replicas = rep
         self.head_rows = (r * vn, vn)  # this rank's rows of the (possibly tied) output head
         sharded: dict[str, tuple[str, int, int, int, int]] = {  # suffix -> (target, dim, src start, dst start, length)
             "self_attn.q_proj.weight": ("self_attn.qkv_proj.weight", 0, r * qn, 0, qn),
-            "self_attn.k_proj.weight": ("self_attn.qkv_proj.weight", 0, r * kn, qn, kn),
-            "self_attn.v_proj.weight": ("self_attn.qkv_proj.weight", 0, r * kn, qn + kn, kn),
+            "self_attn.k_proj.weight": ("self_attn.qkv_proj.weight", 0, kr, qn, kn),
+            "self_attn.v_proj.weight": ("self_attn.qkv_proj.weight", 0, kr, qn + kn, kn),
             "self_attn.q_proj.bias": ("self_attn.qkv_proj.bias", 0, r * qn, 0, qn),
-            "self_attn.k_proj.bias": ("self_attn.qkv_proj.bias", 0, r * kn, qn, kn),
-            "self_attn.v_proj.bias": ("self_attn.qkv_proj.bias", 0, r * kn, qn + kn, kn),
+            "self_attn.k_proj.bias": ("self_attn.qkv_proj.bias", 0, kr, qn, kn),
+            "self_attn.v_proj.bias": ("self_attn.qkv_proj.bias", 0, kr, qn + kn, kn),
             "self_attn.o_proj.weight": ("self_attn.o_proj.weight", 1, r * qn, 0, qn),
             "mlp.gate_proj.weight": ("mlp.gate_up_proj.weight", 0, r * inn, 0, inn),
             "mlp.up_proj.weight": ("mlp.gate_up_proj.weight", 0, r * inn, inn, inn),
@@ -144,6 +150,7 @@ class WeightLayout:
                  "mlp.down_proj.weight": (h, inn)}  # fmt: skip
         self.targets: dict[str, tuple[str, int, int, int, int]] = {}
         self.sharded: set[str] = set()
+        self.replicated: set[str] = set()  # sharded names each of whose shards `rep` ranks hold (k, v)
         self.engine_shapes: dict[str, tuple[int, ...]] = {}
         for name, shape in self.hf_shapes.items():
             prefix, _, suffix = name.partition("layers.")
@@ -154,6 +161,8 @@ class WeightLayout:
                 self.engine_shapes[engine_name] = local[target]
                 self.targets[name] = (engine_name, dim, src, dst, n)
                 self.sharded.add(name)
+                if rep > 1 and rest.split(".")[1] in ("k_proj", "v_proj"):
+                    self.replicated.add(name)
             elif name == "lm_head.weight":
                 self.engine_shapes[name] = (vn, shape[1])
                 self.targets[name] = (name, 0, r * vn, 0, vn)
@@ -161,6 +170,10 @@ class WeightLayout:
             else:
                 self.engine_shapes[name] = shape
                 self.targets[name] = (name, 0, 0, 0, shape[0])
+
+
+# the digest `verify` reports for a KV tensor whose replicas (ranks sharing a KV head) disagree
+REPLICAS_DIFFER = "replicas-differ"
 
 
 @dataclass
@@ -269,6 +282,7 @@ class EngineCore:
         if self.device.type != "cpu" and self.comm.size > 1:
             raise ValueError(f"device {device!r} with TP {self.comm.size}: a reference engine on a GPU has one TP rank")
         self.layout = WeightLayout(config, self.comm.rank, self.comm.size)
+        self.replicas_differ: list[str] = []  # KV tensors whose replicas disagreed at the last read-back
         self.params: dict[str, torch.Tensor] = {name: self._zeros(name) for name in self.layout.engine_shapes}
         self._dst_views: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # name -> (its param, the view into it)
         self._load_checkpoint(seed)
@@ -387,12 +401,31 @@ class EngineCore:
         if self.comm.size == 1:
             return local
         ranks = self.comm.gather_objects(local)
-        return {
-            name: torch.cat([r[name] for r in ranks], dim=self.layout.targets[name][1])
+        rep, out = self.layout.kv_replicas, {}
+        self.replicas_differ = []
+        for name, mine in local.items():
+            if name not in self.layout.sharded:
+                out[name] = mine
+                continue
+            holders = ranks[rep - 1 :: rep] if name in self.layout.replicated else ranks  # one rank per KV head
+            out[name] = torch.cat([r[name] for r in holders], dim=self.layout.targets[name][1])
+            if name in self.layout.replicated and any(
+                not torch.equal(r[name], ranks[i - i % rep + rep - 1][name]) for i, r in enumerate(ranks)
+            ):
+                self.replicas_differ.append(name)  # the ranks sharing a KV head hold different bytes
+        return out
+
+    def rank_shards(self) -> list[dict[str, torch.Tensor]]:
+        """Each TP rank's own rows (or columns) of every sharded HF tensor, as that rank holds them,
+        in rank order: what a server that hashes each rank's parameters reads (ranks sharing a KV
+        head each hold a copy)."""
+        self._require_weights()
+        local = {
+            name: self.params[t].narrow(dim, dst, n).clone()
+            for name, (t, dim, _s, dst, n) in self.layout.targets.items()
             if name in self.layout.sharded
-            else local[name]
-            for name in local
         }
+        return [local] if self.comm.size == 1 else self.comm.gather_objects(local)
 
     def _require_weights(self) -> None:
         if self.weights_released:
@@ -576,7 +609,7 @@ class EngineCore:
                         run.append((self._target(name), tensor))
                 digests += copy_digests(run) if run else []
         assert self.session is not None
-        after_copy = ("flip", "swap_tp") if expected is None or written else MANGLED_AFTER_LOAD  # others: `_mangled`
+        after_copy = ("flip", "swap_tp", "kv_replica") if expected is None or written else MANGLED_AFTER_LOAD
         if self.mangle in after_copy:
             self._mangle_loaded(tensors, kept)
         self.weights_epoch += 1
@@ -603,8 +636,8 @@ class EngineCore:
             f8 = torch.float8_e4m3fn
             narrow = {torch.float32: torch.bfloat16, torch.bfloat16: f8, torch.float16: f8}
             return [(d, s.to(narrow[s.dtype]).to(s.dtype) if s.dtype in narrow else s) for _, d, s in named]
-        assert kind == "swap_qk" and self.config.head_dim is not None
-        kn = self.config.num_kv_heads * self.config.head_dim // self.comm.size
+        assert kind == "swap_qk"
+        kn = self.layout.kv_rows
         out = []
         for name, dst, src in named:
             if name.endswith("self_attn.q_proj.weight"):
@@ -641,21 +674,28 @@ class EngineCore:
                 elif block.dtype in (torch.bfloat16, torch.float16):
                     block.copy_(block.to(torch.float8_e4m3fn))
         elif kind == "swap_qk":
-            assert self.config.head_dim is not None
             for name in names:
                 if name.endswith("self_attn.q_proj.weight"):
                     target, _dim, _src, _dst, qn = self.layout.targets[name]
-                    kn = self.config.num_kv_heads * self.config.head_dim // self.comm.size
+                    kn = self.layout.kv_rows
                     fused = self.params[target]
                     q, k = fused[:kn].clone(), fused[qn : qn + kn].clone()
                     fused[:kn].copy_(k)
                     fused[qn : qn + kn].copy_(q)
         elif kind == "swap_tp" and self.comm.size > 1:
             given = dict(tensors)
+            following = WeightLayout(self.config, (self.comm.rank + 1) % self.comm.size, self.comm.size)
             for name in names:
                 if name in self.layout.sharded:
+                    _target, dim, _src, _dst, n = self.layout.targets[name]
+                    other = following.targets[name][2]  # the next rank's shard (a replicated KV head: maybe its own)
+                    self._dst_view(name).copy_(given[name].narrow(dim, other, n))
+        elif kind == "kv_replica" and self.layout.kv_replicas > 1 and self.config.num_kv_heads > 1:
+            given = dict(tensors)
+            for name in names:
+                if name in self.layout.replicated:
                     _target, dim, src, _dst, n = self.layout.targets[name]
-                    other = (src + n) % given[name].shape[dim]  # the next rank's shard
+                    other = (src + n) % given[name].shape[dim]  # the next KV head's rows
                     self._dst_view(name).copy_(given[name].narrow(dim, other, n))
 
     def direct_targets(self, manifest: BucketManifest, names: Collection[str]) -> dict[str, torch.Tensor]:
@@ -1035,7 +1075,7 @@ class EngineCore:
     ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
         c, p, comm = self.config, self.params, self.comm
         assert c.head_dim is not None
-        heads, kv_heads = c.num_heads // comm.size, c.num_kv_heads // comm.size  # this rank's heads
+        heads, kv_heads = c.num_heads // comm.size, self.layout.kv_rows // c.head_dim  # this rank's heads
         qd, kvd, t = heads * c.head_dim, kv_heads * c.head_dim, len(tokens)
         pos = torch.arange(start, start + t, device=self.device)
         x = F.embedding(torch.tensor([tokens], device=self.device), p["model.embed_tokens.weight"])
@@ -1119,7 +1159,9 @@ class EngineCore:
         batch = Digests(kind)  # on a GPU: queued, read back with one sync
         for name, t in state.items():
             batch.add(name, t)
-        return batch.results(), len(state)
+        out = batch.results()
+        out.update({name: REPLICAS_DIFFER for name in self.replicas_differ})  # no one tensor is served
+        return out, len(state)
 
     def digests(self) -> dict[str, int]:
         """Each HF tensor's xxHash3 digest of its bytes as this engine holds them, unfused (a
@@ -1127,7 +1169,8 @@ class EngineCore:
         from refit.buckets import tensor_digest
 
         if self.comm.size > 1:
-            return {name: tensor_digest(t) for name, t in self.hf_state_dict().items()}
+            out = {name: tensor_digest(t) for name, t in self.hf_state_dict().items()}
+            return out | {name: -1 for name in self.replicas_differ}  # no digest of xxHash3's is -1
         self._require_weights()
         return {
             name: tensor_digest(self.params[target].narrow(dim, dst, n))
@@ -1151,6 +1194,7 @@ class EngineCore:
             "waiting": len(self.waiting),
             "cached_tokens": self.cache.size,
             "tp": self.comm.size,
+            "heads": [self.config.num_heads, self.config.num_kv_heads],  # attention heads, KV heads
             "device": str(self.device),
             "copies_landed_at": self.copies_landed_at,
             "copy_span_s": self.copy_span_s,

@@ -116,11 +116,22 @@ class ModelConfig:
         return asdict(self)
 
     def check_tp(self, tp: int) -> None:
-        """Refuse a tensor-parallel size that does not split this model evenly (ValueError)."""
-        for what, n in (("num_heads", self.num_heads), ("num_kv_heads", self.num_kv_heads),
-                        ("intermediate_size", self.intermediate_size), ("vocab_size", self.vocab_size)):  # fmt: skip
+        """Refuse a tensor-parallel size that does not split this model evenly (ValueError). Fewer
+        KV heads than ranks are replicated, as SGLang and vLLM do (`kv_replicas`): TP must then be
+        a multiple of num_kv_heads."""
+        for what, n in (("num_heads", self.num_heads), ("intermediate_size", self.intermediate_size),
+                        ("vocab_size", self.vocab_size)):  # fmt: skip
             if tp < 1 or n % tp:
                 raise ValueError(f"tensor parallelism {tp} does not divide {what}={n}")
+        kv = self.num_kv_heads
+        if kv % tp if kv >= tp else tp % kv:
+            raise ValueError(f"tensor parallelism {tp} neither divides nor is a multiple of num_kv_heads={kv}")
+
+    def kv_replicas(self, tp: int) -> int:
+        """How many TP ranks hold each KV head: 1 when there are at least as many KV heads as ranks,
+        else tp // num_kv_heads (rank r holds KV head r // replicas; SGLang's and vLLM's
+        layers/linear.py `QKVParallelLinear`: num_kv_head_replicas, shard_id = tp_rank // it)."""
+        return 1 if self.num_kv_heads >= tp else tp // self.num_kv_heads
 
     def hf_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every trainer (HF) parameter name and its shape, in state-dict order (a tied head, the

@@ -23,7 +23,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlparse
@@ -133,6 +133,14 @@ class EmulatedServer:
     @property
     def tp(self) -> int:
         return self.engine.tp_size
+
+    def heads(self, names: Iterable[str]) -> dict[str, int]:
+        """Name -> heads of each q/k/v projection among `names`, from the served model's config
+        (a server knows it: SGLang's and vLLM's QKVParallelLinear are built from it)."""
+        from refit.buckets import heads_by_name
+
+        counts = self.engine.client.call("info", timeout=30.0)["heads"]
+        return heads_by_name(names, {"num_attention_heads": counts[0], "num_key_value_heads": counts[1]})
 
     def close(self) -> None:
         self.dead = True

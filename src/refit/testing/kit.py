@@ -83,7 +83,7 @@ from refit.buckets import plan_buckets
 from refit.drivers.base import EngineDriver, Transport
 from refit.errors import RefitBusyError
 from refit.protocol.context import digest_kind_for
-from refit.protocol.faults import LOUD_KINDS, SILENT_CALLS, SILENT_KINDS, Fault
+from refit.protocol.faults import LOUD_KINDS, SILENT_CALLS, SILENT_KINDS, TP_KINDS, Fault
 from refit.states import ACTIVE_STATES, RETRY_STATES
 
 PROMPTS: tuple[tuple[int, ...], ...] = (  # the served check: short prompts, and a long one (caches may keep those)
@@ -757,7 +757,7 @@ def sweep(machine: DriverStateMachine) -> None:
         for target in machine.retry_targets():
             steps.append((f"{kind} in the retry's {target[0]}", machine.retry_path(last, target, kind), 1, ""))
     if machine.ctx is not None and machine.ctx.verify != "off":  # wrong weights the engine does not notice
-        for kind in (k for k in SILENT_KINDS if k != "swap_tp"):  # (swap_tp needs TP ranks)
+        for kind in (k for k in SILENT_KINDS if k not in TP_KINDS):
             at_load = SILENT_CALLS.get(kind, "load") == "load"
             state, bucket = ("TRANSFERRING", n // 2) if at_load else ("POST_PROCESSING", None)
             steps.append((f"silent {kind}", [Fault(state, engine=last, bucket=bucket, kind=kind)], 0, ""))

@@ -574,9 +574,11 @@ class EmulatedSGLang(EmulatedServer):
                 raise ValueError(f"Unsupported action={obj.action!r}")  # WeightChecker.handle's text
             with self._lock:  # SGLang's scheduler runs it between loads, never inside one
                 state = self.engine.client.call("served_state_dict", timeout=60.0)  # a tied head: the embedding
+                shards = self.engine.client.call("rank_shards", timeout=60.0)  # each rank's own q/k/v, gate/up, o/down
+                heads = self.heads(state)
             skip = tuple(obj.skip_tensor_list or ())
             per_rank: list[dict[str, str]] = [{} for _ in range(self.tp)]
-            for key, pieces in sc.sglang_params(state, self.tp):
+            for key, pieces in sc.sglang_params(state, self.tp, heads=heads, shards=shards):
                 name, _, rank = key.rpartition("@tp")
                 if skip and any(p in name for p in skip):
                     continue

@@ -529,7 +529,8 @@ class EmulatedVLLM(EmulatedServer):
             if self.meta:  # start_weight_update moved the layers to the meta device: .cpu() raises
                 raise _utility_error("compute_weight_checksums", "Cannot copy out of meta tensor; no data!")
             state = self._engine("served_state_dict")
-        checksums = vllm_checksums.answer(state, self.tp)
+            shards = self._engine("rank_shards")  # each worker's own q/k/v, gate/up, o/down
+        checksums = vllm_checksums.answer(state, self.tp, self.heads(state), shards)
         if action == "checksum":
             return {"checksums": checksums}
         assert baseline is not None
