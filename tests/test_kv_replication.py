@@ -124,12 +124,46 @@ def test_the_plan_check_asks_for_the_kv_head_count_and_refuses_what_no_server_se
     assert len(gap) == 1 and "k_proj.weight and 3 more: the model's KV head count is not known" in gap[0]
     assert "TorchSource(..., config=hf_config)" in gap[0]
     assert sc.unmappable(shapes, 1) == []  # one rank: nothing to split
-    counts = {"num_attention_heads": 4, "num_key_value_heads": 2}
-    assert sc.unmappable(shapes, 4, heads=heads_by_name(shapes, counts)) == []
-    assert sc.unmappable(shapes, 2, heads=heads_by_name(shapes, counts)) == []
-    odd = sc.unmappable(shapes, 3, heads=heads_by_name(shapes, counts))  # 2 KV heads over 3 ranks; 4 heads too
-    assert any("4 heads do not split over TP 3" in p for p in odd)
-    assert any("2 KV heads of 16 rows cannot be replicated over TP 3" in p for p in odd)
+    heads = heads_by_name(shapes, {"num_attention_heads": 4, "num_key_value_heads": 2})
+    for flavour in ("sglang-cuda", "vllm"):
+        assert sc.unmappable(shapes, 4, flavour, heads) == []
+        assert sc.unmappable(shapes, 2, flavour, heads) == []
+        odd = sc.unmappable(shapes, 3, flavour, heads)  # 2 KV heads over 3 ranks; 4 heads too
+        assert any("4 heads do not split over TP 3" in p for p in odd)
+        assert any("2 KV heads of 16 rows cannot be replicated over TP 3" in p for p in odd)
+    # SGLang on the host pads heads that do not divide by TP (adjust_config_with_unaligned_cpu_tp)
+    host = sc.unmappable(shapes, 4, "sglang", heads)
+    assert len(host) == 4 and all("2 heads do not divide by TP 4, and SGLang on the host pads them" in p for p in host)
+    assert sc.unmappable(shapes, 2, "sglang", heads) == []
+    mlp = {"model.layers.0.mlp.gate_proj.weight": (96, 16), "model.layers.0.mlp.up_proj.weight": (96, 16)}
+    assert sc.unmappable(mlp, 1, "sglang-cuda") == [] and sc.unmappable(mlp, 2, "vllm") == []
+    padded = sc.unmappable(mlp, 2, "sglang")  # 96 is not a multiple of 32 x 2: the host pads it to 128
+    assert len(padded) == 2 and "intermediate size 96 is not a multiple of 32 x TP 2" in padded[0]
+
+
+def test_the_emulator_refuses_a_host_model_sglang_would_pad_and_attention_dp_has_no_checksums() -> None:
+    """The emulator does not pad as SGLang on the host does: it refuses such a model. A server
+    running attention data-parallel splits the vocabulary over its attention-TP group: its driver
+    reports no digests and says why; `refit doctor`'s diagnosis says the same."""
+    from refit.doctor import Answer
+    from refit.drivers.sglang import diagnose
+
+    with pytest.raises(ValueError, match="SGLang on the host pads these"):
+        EmulatedSGLangEngine.start("h0", config=_config(kv_heads=1), tp=2)
+    for args in ({"attn_dp_size": 2}, {"enable_dp_lm_head": True}):
+        engine = EmulatedSGLangEngine.start("d0", config=_config(), tp=1, in_thread=True, server_args=args)
+        try:
+            assert engine.digest_kinds == frozenset()
+            assert "attention data-parallel" in str(engine.no_digests)
+            assert next(iter(args)) in str(engine.no_digests)
+        finally:
+            engine.close()
+    info = {"version": "0.5.23", "tp_size": 2, "dp_size": 1, "attn_dp_size": 2, "enable_memory_saver": True}
+    answers = {"/server_info": Answer(200, info), "/model_info": Answer(200, {"weight_version": "7"}),
+               "/openapi.json": Answer(404, {})}  # fmt: skip
+    _, findings, _ = diagnose(answers, admin_key=False)
+    found = [f for f in findings if f.check == "data parallel"]
+    assert [f.status for f in found] == ["warn"] and "attn_dp_size 2" in found[0].detail
 
 
 def _config(kv_heads: int = 2) -> ModelConfig:
@@ -142,14 +176,16 @@ def test_refits_of_a_model_with_fewer_kv_heads_than_ranks_verify_by_the_servers_
     config = _config(kv_heads=1)
     assert config.kv_replicas(2) == 2
     if server == "sglang":
-        engines: list[Any] = [EmulatedSGLangEngine.start("s0", config=config, tp=2, validate=validate_body)]
+        engines: list[Any] = [  # on the host SGLang pads such heads: a CUDA server replicates them
+            EmulatedSGLangEngine.start("s0", config=config, tp=2, validate=validate_body, device="cuda")
+        ]
         transport: Any = SGLangTensorTransport()
     else:
         engines = [EmulatedVLLMEngine.start("v0", config=config, tp=2, backend="ipc", validate=validate_request)]
         transport = VLLMIPCTransport()
     model = _trained(config)
     ctx = protocol.RefitContext(TorchSource(model), transport, engines, mode="colocated")  # heads: model.config
-    clean_refits_verify(ctx, model, f"{server}/tp2", engines)
+    clean_refits_verify(ctx, model, f"{'sglang-cuda' if server == 'sglang' else server}/tp2", engines)
 
 
 def _kv_names(config: ModelConfig, layers: range) -> list[str]:
@@ -162,7 +198,10 @@ def test_a_rank_whose_kv_copy_differs_from_its_replica_is_caught_behind_sglang()
     head, keeps the right ones. SGLang hashes every rank's own qkv_proj, and so does the emulator
     (`rank_shards`), so rank 0's is named: a reading of one replica per head would have passed."""
     config = _config()
-    engines = [EmulatedSGLangEngine.start(f"s{i}", config=config, tp=4, validate=validate_body) for i in range(2)]
+    engines = [
+        EmulatedSGLangEngine.start(f"s{i}", config=config, tp=4, validate=validate_body, device="cuda")
+        for i in range(2)
+    ]
     bad = caught_behind_server(engines, SGLangTensorTransport(), _trained(config), "kv_replica", 1)  # layer 0's
     assert bad.verify["mismatched"] == ["model.layers.0.self_attn.qkv_proj.weight@tp0"]
 
@@ -194,7 +233,7 @@ def test_the_reference_engine_names_kv_heads_whose_replicas_disagree() -> None:
 @pytest.mark.e2e
 def test_a_source_without_the_models_config_is_refused_at_idle_and_config_fixes_it() -> None:
     config = _config(kv_heads=1)
-    engines = [EmulatedSGLangEngine.start("s0", config=config, tp=2, validate=validate_body)]
+    engines = [EmulatedSGLangEngine.start("s0", config=config, tp=2, validate=validate_body, device="cuda")]
     model = _trained(config)
     state = dict(model.state_dict())
     ctx = protocol.RefitContext(TorchSource(state), SGLangTensorTransport(), engines, mode="colocated")
@@ -206,6 +245,6 @@ def test_a_source_without_the_models_config_is_refused_at_idle_and_config_fixes_
     finally:
         ctx.close()
     ctx = protocol.RefitContext(TorchSource(state, config=config), SGLangTensorTransport(), engines, mode="colocated")
-    clean_refits_verify(ctx, model, "sglang/tp2", engines)
+    clean_refits_verify(ctx, model, "sglang-cuda/tp2", engines)
     with pytest.raises(ValueError, match="names no attention head counts"):
         TorchSource(state, config={"hidden_size": 64})

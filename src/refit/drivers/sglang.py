@@ -255,6 +255,7 @@ class SGLangEngine(HttpEngineDriver):
         self._server_tp: Any = None  # the server's tp_size, as its /server_info reports it
         self._server_device: Any = None  # its device ("cpu", "cuda", ...), as /server_info reports it
         self._server_offloads = False  # it keeps some weights on the host (CPU offload)
+        self._server_attn_dp: str | None = None  # its attention data-parallel setting, when it has one
         self.checksums = checksums
         self._attached: ConnectInfo | None = None
         self._released: set[str] = set(self._server_tags(released))
@@ -299,6 +300,12 @@ class SGLangEngine(HttpEngineDriver):
             return (
                 "the server offloads weights to the host (--cpu-offload-gb or --offload-group-size): SGLang hashes "
                 "those on the host and the rest on the GPU, a mix refit does not map"
+            )
+        if self._server_attn_dp is not None:
+            return (
+                f"the server runs attention data-parallel ({self._server_attn_dp}): SGLang then splits the embedding "
+                "(and a DP LM head) over the attention-TP group, not tp_size (models/qwen2.py, models/llama.py), a "
+                "vocabulary split refit does not map"
             )
         return None
 
@@ -421,6 +428,7 @@ class SGLangEngine(HttpEngineDriver):
         # hashed there (sha256) while the rest are hashed on the GPU: a mix refit does not map
         gb, group = info.get("cpu_offload_gb") or 0, info.get("offload_group_size") or -1
         self._server_offloads = (isinstance(gb, int | float) and gb > 0) or (isinstance(group, int) and group > 0)
+        self._server_attn_dp = attention_dp(info)
 
     def _check_tp(self) -> None:
         """One payload entry per TP rank: a driver built with fewer than the server has makes a rank
@@ -706,6 +714,20 @@ ROUTES_MEMORY = ("/release_memory_occupation", "/resume_memory_occupation")
 ROUTES_BROADCAST = ("/init_weights_update_group", "/update_weights_from_distributed", "/destroy_weights_update_group")
 
 
+def attention_dp(info: dict[str, Any]) -> str | None:
+    """The server's attention data-parallel setting, in words (None: it runs none): 0.5.23's
+    --attn-dp-size N (the deprecated --dp-size N --enable-dp-attention resolves to it) or
+    --enable-dp-lm-head, as its /server_info reports them."""
+    size = info.get("attn_dp_size")
+    if isinstance(size, int) and size > 1:
+        return f"attn_dp_size {size}"
+    if info.get("enable_dp_attention"):
+        return "enable_dp_attention"
+    if info.get("enable_dp_lm_head"):
+        return "enable_dp_lm_head"
+    return None
+
+
 def diagnose(answers: dict[str, Any], *, admin_key: bool) -> tuple[str | None, list[Any], list[Any]]:
     """`refit doctor` for an SGLang server, from the answers to `DOCTOR_READS` (no I/O): its
     version, the routes and server flags refit needs, and which modes and transports will work.
@@ -790,13 +812,23 @@ def diagnose(answers: dict[str, Any], *, admin_key: bool) -> tuple[str | None, l
     else:
         findings.append(Finding("routes", "ok", "every route refit calls is served"))
     dp = data.get("dp_size") or 1
-    if dp != 1 or data.get("enable_dp_attention"):
+    if dp != 1:
         findings.append(
             Finding(
                 "data parallel",
                 "fail",
                 f"dp_size {dp}: SGLang's tokenizer manager asserts dp_size == 1 for weight updates",
                 "one server per DP replica, each its own refit engine",
+            )
+        )
+    elif (attn := attention_dp(data)) is not None:
+        findings.append(
+            Finding(
+                "data parallel",
+                "warn",
+                f"attention data-parallel ({attn}): its checksums split the vocabulary over the attention-TP group, "
+                "which refit does not map (SGLangEngine(..., checksums=True) reports no digests)",
+                "verify='probe' (or 'off') against this server",
             )
         )
     else:

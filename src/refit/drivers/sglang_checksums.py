@@ -22,12 +22,13 @@ What SGLang computes (read in its source):
 
 `expected(state, tp)` gives the checksums SGLang would report for `state` (HF names, the dtypes
 sent), keyed "<SGLang parameter>@tp<rank>", the key `reported(body)` gives SGLang's answer.
-Llama-family layouts only (the ones refit's reference engine and emulator serve). Fewer KV heads
-than TP ranks are replicated: rank r holds KV head r // (TP / KV heads) (layers/linear.py
-`QKVParallelLinear.__init__`: num_kv_head_replicas; `weight_loader`: shard_id = tp_rank // it), so
-mapping k_proj and v_proj needs the model's KV head count: `heads` (HF name -> the attention heads
-its rows hold, `refit.buckets.attention_heads`). Without it their rows split evenly over the ranks,
-right only when there are at least as many KV heads as ranks; a run refuses that guess at IDLE.
+Llama-family layouts only (the ones refit's reference engine and emulator serve). On CUDA (and in
+vLLM), fewer KV heads than TP ranks are replicated: rank r holds KV head r // (TP / KV heads)
+(layers/linear.py `QKVParallelLinear.__init__`: num_kv_head_replicas; `weight_loader`: the KV group's
+rank // it), so mapping k_proj and v_proj needs the model's KV head count: `heads` (HF name -> the
+attention heads its rows hold, `refit.buckets.attention_heads`). Without it their rows split evenly
+over the ranks, right only when there are at least as many KV heads as ranks; a run refuses that
+guess at IDLE. On the host SGLang pads such heads instead (`PADS_UNALIGNED`): refused, not mapped.
 
 vLLM 0.33 lays these models out the same way (its QKVParallelLinear, MergedColumnParallelLinear,
 RowParallelLinear and VocabParallelEmbedding, the padding rows zero) and hashes each parameter with
@@ -57,6 +58,13 @@ FLAVOURS = {KIND_PREFIX: "sglang", CUDA_KIND_PREFIX: "sglang-cuda", "vllm/tp": "
 # serve it)
 HASH = {"sglang": "sha256/8", "sglang-cuda": "tile", "vllm": "sha256"}
 PADS_BY_TP = {"sglang": True, "sglang-cuda": True, "vllm": False}
+# SGLang on the host rewrites the model's config before loading (model_executor/model_runner.py, when
+# device == "cpu": configs/update_config.py `adjust_config_with_unaligned_cpu_tp`): heads or KV heads
+# that do not divide by TP are padded with zero heads (so fewer KV heads than ranks are padded, not
+# replicated), and an intermediate size not a multiple of 32 x TP (DEFAULT_MOE_PADDING_SIZE) is padded
+# with zero rows. Not mapped: refused by `unmappable`.
+PADS_UNALIGNED = {"sglang": True, "sglang-cuda": False, "vllm": False}
+INTERMEDIATE_PADDING = 32  # configs/update_config.py DEFAULT_MOE_PADDING_SIZE
 # the server's device -> the SGLang flavour its /weights_checker hashes with (mm_utils.tensor_hash:
 # `tensor.is_cuda` picks gpu_tensor_hash; ROCm's tensors are "cuda" too). Other devices: not mapped.
 SGLANG_DEVICES = {"cpu": "sglang", "cuda": "sglang-cuda"}
@@ -230,8 +238,26 @@ def unmappable(
             n = (heads or {}).get(name)
             if suffix in KV_PARTS and tp > 1 and n is None:
                 unknown.append(name)
+            elif n is not None and n % tp and PADS_UNALIGNED[flavour]:
+                problems.append(
+                    f"{name}: {n} heads do not divide by TP {tp}, and SGLang on the host pads them with zero heads "
+                    "(configs/update_config.py adjust_config_with_unaligned_cpu_tp): not mapped"
+                )
+                continue
             elif n is not None and n % tp and (suffix not in KV_PARTS or n >= tp):
                 problems.append(f"{name}: {n} heads do not split over TP {tp}")
+            if (
+                target.startswith("mlp.")
+                and PADS_UNALIGNED[flavour]
+                and shape
+                and shape[0] % (INTERMEDIATE_PADDING * tp)
+            ):
+                problems.append(
+                    f"{name}: intermediate size {shape[0]} is not a multiple of {INTERMEDIATE_PADDING} x TP {tp}, and "
+                    "SGLang on the host pads it with zero rows (configs/update_config.py "
+                    "adjust_config_with_unaligned_cpu_tp): not mapped"
+                )
+                continue
             try:
                 part_rows(shape[0] if shape else 0, tp, 0, name, n if suffix in KV_PARTS else None)
             except ValueError as exc:

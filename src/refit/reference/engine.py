@@ -1195,6 +1195,7 @@ class EngineCore:
             "cached_tokens": self.cache.size,
             "tp": self.comm.size,
             "heads": [self.config.num_heads, self.config.num_kv_heads],  # attention heads, KV heads
+            "intermediate_size": self.config.intermediate_size,
             "device": str(self.device),
             "copies_landed_at": self.copies_landed_at,
             "copy_span_s": self.copy_span_s,

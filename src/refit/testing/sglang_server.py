@@ -185,18 +185,32 @@ class EmulatedSGLang(EmulatedServer):
         memory_saver: bool = True,
         weights_cpu_backup: bool = False,
         device: str = "cpu",
+        server_args: dict[str, Any] | None = None,
     ) -> None:
         """`api_key` / `admin_api_key`: the server's --api-key / --admin-api-key. `memory_saver`:
         --enable-memory-saver (without it SGLang's release and resume free and restore nothing).
         `weights_cpu_backup`: --enable-weights-cpu-backup (released weights come back intact).
         `device`: the --device it reports ("cpu" or "cuda"); it decides how /weights_checker hashes
         (on "cuda" as SGLang's `gpu_tensor_hash` does, computed here on the host). The weights stay
-        where the reference engine holds them."""
+        where the reference engine holds them. On "cpu" a model SGLang would pad there (heads, KV
+        heads or intermediate size not dividing by TP) is refused: the emulator does not pad.
+        `server_args`: more resolved server args its /server_info reports (say {"attn_dp_size":
+        2}); they change nothing else."""
         from refit.drivers.sglang_checksums import SGLANG_DEVICES
 
         if device not in SGLANG_DEVICES:
             raise ValueError(f"device {device!r}: the emulator reports one of {sorted(SGLANG_DEVICES)}")
+        info = engine.client.call("info", timeout=30.0)
+        (heads, kv_heads), intermediate, tp = info["heads"], info["intermediate_size"], engine.tp_size
+        if device == "cpu" and (heads % tp or kv_heads % tp or intermediate % (32 * tp)):
+            engine.close()
+            raise ValueError(
+                f"{heads} heads, {kv_heads} KV heads and intermediate size {intermediate} at TP {tp}: SGLang on the "
+                "host pads these (configs/update_config.py adjust_config_with_unaligned_cpu_tp), which the "
+                "emulator does not; emulate a CUDA server (device='cuda') or a TP size that divides them"
+            )
         self.device = device
+        self.server_args = dict(server_args or {})
         self.memory_saver = memory_saver
         self.weights_cpu_backup = weights_cpu_backup
         self.v = version_tuple(version) or (0, 5, 23)
@@ -627,7 +641,8 @@ class EmulatedSGLang(EmulatedServer):
             "tp_size": self.tp, "dp_size": 1, "pp_size": 1, "enable_dp_attention": False,
             "enable_memory_saver": self.memory_saver, "enable_weights_cpu_backup": self.weights_cpu_backup,
             "weight_cache_mode": "off", "weight_version": "default", "frontend": "python", "device": self.device,
-            "cpu_offload_gb": 0, "offload_group_size": -1,
+            "cpu_offload_gb": 0, "offload_group_size": -1, "attn_dp_size": 1, "enable_dp_lm_head": False,
+            **self.server_args,
         }  # fmt: skip
 
     # ---- the HTTP front (entrypoints/http_server.py routes) -----------------------------------
@@ -797,11 +812,13 @@ class EmulatedSGLangEngine(EmulatorClient, SGLangEngine):
         memory_saver: bool = True,
         weights_cpu_backup: bool = False,
         device: str = "cpu",
+        server_args: dict[str, Any] | None = None,
     ) -> EmulatedSGLangEngine:
         """A fresh reference engine (own processes, or a thread) behind a new emulated server.
         `server`: the server class (tests pass one that mounts SGLang's own FastAPI app);
         `memory_saver`, `weights_cpu_backup`: the server's --enable-memory-saver and
-        --enable-weights-cpu-backup; `device`: the device it reports (`EmulatedSGLang`)."""
+        --enable-weights-cpu-backup; `device`: the device it reports; `server_args`: more of its
+        resolved args (`EmulatedSGLang`)."""
 
         def new_engine() -> ReferenceEngine:
             if in_thread:
@@ -812,6 +829,6 @@ class EmulatedSGLangEngine(EmulatorClient, SGLangEngine):
         emu = make(
             new_engine(), version=version, api_key=api_key, admin_api_key=admin_api_key, decoder=decoder,
             validate=validate, new_engine=new_engine, memory_saver=memory_saver, weights_cpu_backup=weights_cpu_backup,
-            device=device,
+            device=device, server_args=server_args,
         )  # fmt: skip
         return cls(name, emu)
