@@ -246,5 +246,74 @@ def test_a_source_without_the_models_config_is_refused_at_idle_and_config_fixes_
         ctx.close()
     ctx = protocol.RefitContext(TorchSource(state, config=config), SGLangTensorTransport(), engines, mode="colocated")
     clean_refits_verify(ctx, model, "sglang-cuda/tp2", engines)
-    with pytest.raises(ValueError, match="names no attention head counts"):
+    with pytest.raises(ValueError, match="names no positive integer head counts"):
         TorchSource(state, config={"hidden_size": 64})
+
+
+def test_head_counts_that_are_not_the_models_are_refused_naming_them() -> None:
+    """A config that is not this model's would split k and v wrongly: every rank's checksum would
+    fail (or a wrongly split server's would pass). Refused in IDLE instead, saying why."""
+    import numpy as np
+
+    shapes = {n: tuple(t.shape) for n, t in _qkv(4, 2, False).items()}  # head size 8: q 32 rows, k/v 16
+    for counts, said in [
+        ({"num_attention_heads": 4, "num_key_value_heads": 4}, "heads of different sizes (k_proj 16 rows / 4 heads"),
+        ({"num_attention_heads": 4, "num_key_value_heads": 3}, "16 rows do not divide into 3 heads"),
+        ({"num_attention_heads": 4}, "heads of different sizes"),  # KV heads default to the heads
+    ]:
+        problems = sc.unmappable(shapes, 2, "sglang-cuda", heads_by_name(shapes, counts))
+        assert problems and said in problems[0], (counts, problems)
+    for bad in (0, -1, "2", True, 2.0):
+        kv = {n: bad for n in shapes if "k_proj" in n or "v_proj" in n}
+        assert any("is not a positive integer" in p for p in sc.unmappable(shapes, 2, "sglang-cuda", kv)), bad
+    from refit.buckets import head_counts
+
+    assert head_counts({"num_attention_heads": np.int64(4), "num_key_value_heads": np.int64(2)}) == (4, 2)
+    assert head_counts({"num_attention_heads": 4.0, "num_key_value_heads": 2.0}) == (4, 2)
+    assert head_counts({"num_attention_heads": True}) is None
+
+
+def test_a_silent_fault_that_cannot_act_on_an_engine_is_refused_when_armed() -> None:
+    from refit.drivers.reference import ReferenceEngine
+    from refit.errors import EngineError
+
+    engine = ReferenceEngine.in_thread("one", _config(), seed=0)
+    try:
+        for kind, why in (("kv_replica", "KV heads replicated over TP ranks"), ("swap_tp", "needs TP ranks")):
+            with pytest.raises(EngineError, match=why):
+                engine.arm_fault(kind, "load", bucket=None, seconds=0.0, timeout=5)
+    finally:
+        engine.close()
+
+
+@pytest.mark.e2e
+def test_a_trace_recorded_before_runs_knew_head_counts_still_replays(tmp_path: Any) -> None:
+    """Such a trace verified a TP layout by splitting k and v evenly (right when there are as many KV
+    heads as ranks). Its start has no `layout_heads` and its plan no head counts: replay gives the
+    even split it was verified with instead of refusing the unknown head counts."""
+    import json
+
+    from refit.replay import replay
+
+    config = ModelConfig(num_kv_heads=2)
+    engines = [EmulatedSGLangEngine.start("s0", config=config, tp=2, validate=validate_body, in_thread=False)]
+    model = _trained(config)
+    path = tmp_path / "new.jsonl"
+    ctx = protocol.RefitContext(TorchSource(model), SGLangTensorTransport(), engines, mode="colocated", trace=path)
+    try:
+        assert protocol.run(ctx).ok
+    finally:
+        ctx.close()
+        engines[0].close()
+    assert replay(path).same
+    old = tmp_path / "old.jsonl"
+    lines = []
+    for line in path.read_text().splitlines():
+        event = json.loads(line)
+        event.pop("layout_heads", None)
+        for m in event.get("manifests") or []:
+            m.pop("heads", None)
+        lines.append(json.dumps(event))
+    old.write_text("\n".join(lines) + "\n")
+    report = replay(old)
+    assert report.divergence is None and report.same, str(report.divergence)

@@ -135,12 +135,20 @@ def head_counts(config: Any) -> tuple[int, int] | None:
     num_key_value_heads), Megatron's (num_attention_heads, num_query_groups), refit's ModelConfig
     (num_heads, num_kv_heads), or a mapping of the same keys; None when it names no head count."""
 
+    import operator
+
     def get(key: str) -> Any:
-        return config.get(key) if isinstance(config, Mapping) else getattr(config, key, None)
+        value = config.get(key) if isinstance(config, Mapping) else getattr(config, key, None)
+        if value is None or isinstance(value, bool):
+            return None
+        try:
+            return operator.index(value)  # numpy's integers too
+        except TypeError:
+            return int(value) if isinstance(value, float) and value.is_integer() else None
 
     heads = get("num_attention_heads") or get("num_heads")
     kv = get("num_key_value_heads") or get("num_query_groups") or get("num_kv_heads") or heads
-    if isinstance(heads, int) and isinstance(kv, int) and heads > 0 and kv > 0:
+    if heads is not None and kv is not None and heads > 0 and kv > 0:
         return heads, kv
     return None
 

@@ -289,13 +289,30 @@ class ReplayRanks(Ranks):
     def _metas(self) -> list[TensorMeta]:
         plans = [e for e in self.script.plans if e["seq"] >= self.script.current_run().get("seq", 0)]
         manifests = plans[0].get("manifests", []) if plans else []
-        return [
+        metas = [
             TensorMeta(name, dtype, tuple(shape), heads)
             for m in manifests
             for name, dtype, shape, heads in zip(
                 m["names"], m["dtypes"], m["shapes"], m.get("heads") or [None] * len(m["names"]), strict=True
             )
         ]
+        return _legacy_heads(metas, self.script.current_run())
+
+
+def _legacy_heads(metas: list[TensorMeta], start: dict[str, Any]) -> list[TensorMeta]:
+    """A trace recorded before runs knew head counts (its start has no `layout_heads`) verified an
+    engine layout splitting k and v evenly over its TP ranks: as many KV heads as ranks does the same."""
+    from dataclasses import replace
+
+    from refit.buckets import HEAD_SUFFIXES
+    from refit.drivers.sglang_checksums import tp_of
+
+    tp = tp_of(str(start.get("digest") or ""))
+    if start.get("layout_heads") or tp is None:
+        return metas
+    kv = {s for s, what in HEAD_SUFFIXES.items() if what == "kv_heads"}
+    return [replace(m, heads=tp) if m.heads is None and m.name.partition("layers.")[2].partition(".")[2] in kv
+            else m for m in metas]  # fmt: skip
 
 
 class ReplaySource(Source):

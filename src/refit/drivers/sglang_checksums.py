@@ -227,6 +227,9 @@ def unmappable(
     problems: list[str] = []
     parts: dict[str, set[int]] = {}
     unknown: list[str] = []
+    problems += head_problems(shapes, heads or {})
+    if problems:
+        return problems
     for name, shape in shapes.items():
         if any(p in name for p in NOT_PARAMETERS):
             continue
@@ -280,8 +283,33 @@ def unmappable(
             f"{unknown[0]}{f' and {len(unknown) - 1} more' if len(unknown) > 1 else ''}: the model's KV head count "
             f"is not known, and over TP {tp} the server replicates KV heads when there are fewer than ranks, so "
             "their rows cannot be mapped (give the source the model's config: TorchSource(model) for a module with "
-            "a `config`, else TorchSource(..., config=hf_config))"
+            "a `config`, else TorchSource(..., config=hf_config); a Source of your own sets TensorMeta.heads, "
+            "refit.buckets.attention_heads)"
         )
+    return problems
+
+
+def head_problems(shapes: Mapping[str, tuple[int, ...]], heads: Mapping[str, int]) -> list[str]:
+    """Head counts that cannot be the model's: not a positive integer, not dividing the tensor's
+    rows, or giving q and k/v heads of different sizes in one layer (a config that is not this
+    model's would split k and v wrongly, and fail every rank's checksum or pass a wrong one)."""
+    problems: list[str] = []
+    sizes: dict[str, dict[str, int]] = {}  # layer -> {suffix: head size}
+    for name, n in heads.items():
+        rows = shapes.get(name, ())
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            problems.append(f"{name}: head count {n!r} is not a positive integer")
+        elif rows and rows[0] % n:
+            problems.append(f"{name}: {rows[0]} rows do not divide into {n} heads (is the config this model's?)")
+        elif rows:
+            prefix, _, rest = name.partition("layers.")
+            layer, _, suffix = rest.partition(".")
+            sizes.setdefault(f"{prefix}layers.{layer}", {})[suffix] = rows[0] // n
+    for layer, by in sizes.items():
+        if len(set(by.values())) > 1:
+            said = ", ".join(f"{s.split('.')[1]} {shapes[f'{layer}.{s}'][0]} rows / {heads[f'{layer}.{s}']} heads"
+                             for s in sorted(by))  # fmt: skip
+            problems.append(f"{layer}: the head counts give heads of different sizes ({said}): not this model's config")
     return problems
 
 

@@ -53,7 +53,10 @@ class TorchSource(Source):
         self._model = model
         self._config = config if config is not None else getattr(model, "config", None)
         if config is not None and head_counts(config) is None:
-            raise ValueError(f"torch source: config {type(config).__name__} names no attention head counts")
+            raise ValueError(
+                f"torch source: config {type(config).__name__} names no positive integer head counts "
+                "(num_attention_heads and num_key_value_heads, or num_heads and num_kv_heads)"
+            )
         self._send_aliases = send_aliases
         self._rename = rename
         self._dtype = dtype

@@ -224,7 +224,7 @@ class _Run(Recording):
                 raise RefitError(
                     f"verify by {self.digest_kind} digests cannot cover what the trainer sends: {'; '.join(gaps[:3])}"
                     + (f"; and {len(gaps) - 3} more" if len(gaps) > 3 else "")
-                    + " (send whole fused parameters, or pass verify='off')",
+                    + " (or pass verify='probe' or 'off')",
                     state="IDLE",
                 )
         self.read_epochs("IDLE")
@@ -735,7 +735,7 @@ def _lead(ctx: RefitContext) -> RefitResult:
         max_staleness=ctx.max_staleness, kv=ctx.kv,
         pause_mode=ctx.pause_mode, bucket_bytes=ctx.bucket_bytes, deadline_s=ctx.deadline_s,
         cleanup_grace_s=ctx.cleanup_grace_s, retries=ctx.retries, call_timeout_s=ctx.call_timeout_s, verify=ctx.verify,
-        digest=r.digest_kind, digest_point=ctx.digest_point,
+        digest=r.digest_kind, digest_point=ctx.digest_point, layout_heads=True,
         digest_written=[e.name for e, k in zip(r.engines, r.written_kind, strict=True) if k],
         ranks=ctx.ranks.world if ctx.ranks else 1, transport=ctx.transport.kind, collective=ctx.transport.collective,
         shares_storages=ctx.transport.shares_storages or None,

@@ -415,6 +415,17 @@ class EngineCore:
                 self.replicas_differ.append(name)  # the ranks sharing a KV head hold different bytes
         return out
 
+    def cannot_fault(self, kind: str) -> str | None:
+        """Why a silent fault of `kind` would change nothing on this engine (None: it can act)."""
+        if kind == "swap_tp" and self.comm.size == 1:
+            return "it needs TP ranks (this engine has one)"
+        if kind == "kv_replica" and (self.layout.kv_replicas == 1 or self.config.num_kv_heads == 1):
+            return (
+                f"it needs KV heads replicated over TP ranks and a second KV head (this engine: "
+                f"{self.config.num_kv_heads} KV heads over {self.comm.size} ranks)"
+            )
+        return None
+
     def rank_shards(self) -> list[dict[str, torch.Tensor]]:
         """Each TP rank's own rows (or columns) of every sharded HF tensor, as that rank holds them,
         in rank order: what a server that hashes each rank's parameters reads (ranks sharing a KV

@@ -364,6 +364,8 @@ class EngineServer:
     def _arm_fault(self, kind: str, call: str, bucket: int | None = None, seconds: float = 0.0) -> None:
         if kind not in FAULT_KINDS:
             raise EngineError("bad_request", f"fault kind {kind!r}; known {FAULT_KINDS}")
+        if (why := self.core.cannot_fault(kind)) is not None:  # it would change nothing: refused, not "injected"
+            raise EngineError("bad_request", f"fault kind {kind!r} cannot act on this engine: {why}")
         self.armed[(call, bucket)] = (kind, float(seconds))
 
     def _probe(self, target_version: int) -> dict[str, Any]:
