@@ -34,6 +34,7 @@ What it has, and why each part exists:
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from collections import deque
 from collections.abc import Collection, Sequence
@@ -255,6 +256,7 @@ class _Session:
     broken: str | None = None  # why a bucket was refused: every later bucket is refused too
     written: Any = None  # `refit.wsum.Written`: the served tensors hashed as they are written (begin's digest)
     deferred: list[tuple[str, torch.Tensor]] = field(default_factory=list)  # late_copy: views copied at finalize
+    staged: bool = False  # into a second copy of the weights while the first is served (`swap` serves it)
 
 
 class EngineCore:
@@ -285,6 +287,9 @@ class EngineCore:
         self.replicas_differ: list[str] = []  # KV tensors whose replicas disagreed at the last read-back
         self.params: dict[str, torch.Tensor] = {name: self._zeros(name) for name in self.layout.engine_shapes}
         self._dst_views: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # name -> (its param, the view into it)
+        # while a staged copy is written (begin(..., staged=True) until swap or discard): the weights
+        # and head generation serves; `params` and `head_serving` are then the staged copy
+        self._live: tuple[dict[str, torch.Tensor], torch.Tensor] | None = None
         self._load_checkpoint(seed)
         self.head_serving = self._head()
         self.version = version
@@ -442,15 +447,22 @@ class EngineCore:
         if self.weights_released:
             raise EngineError("weights_released", "weight memory is released; resume it first")
 
-    def begin(self, plan: Sequence[BucketManifest] | None, digest: str | None = None) -> None:
+    def begin(self, plan: Sequence[BucketManifest] | None, digest: str | None = None, staged: bool = False) -> None:
         """Open a weight-update session for `plan`, validated whole against the model first. With
         `plan=None` (an engine API whose session names no plan, as SGLang's begin_weight_update),
         each bucket is validated on arrival and finalize cannot check completeness. `digest="wsum"`
         (a single-rank engine): every served tensor is hashed as the session writes it, the digest
-        fused into the copy, so `verify` reads back only what was not written whole."""
+        fused into the copy, so `verify` reads back only what was not written whole. `staged`
+        (atomic refits): the session writes a second copy of the weights, made now from the served
+        one, while generation goes on serving the first; finalize and verify act on the copy, `swap`
+        serves it, `discard` drops it (`staging_bytes` of memory while it lives)."""
         if self.session is not None:
             raise EngineError("session_open", "a weight-update session is already open; finalize it first")
+        if self._live is not None:
+            raise EngineError("staged", "a staged copy of the weights is held; swap or discard it first")
         self._require_weights()
+        if staged and plan is None:
+            raise EngineError("bad_request", "a staged session needs its plan (what it writes is checked whole first)")
         if plan is None:
             self.session = _Session(plan=None)
             self.sessions += 1
@@ -494,7 +506,11 @@ class EngineCore:
         if problems:
             shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
             raise EngineError("bad_manifest", shown)
-        self.session = _Session(plan={m.index: m for m in plan})
+        if staged:  # the copy the session writes; generation keeps the served one until `swap`
+            self._live = (self.params, self.head_serving)
+            self.params = {k: v.clone() for k, v in self.params.items()}
+            self.head_serving = self.head_serving.clone()
+        self.session = _Session(plan={m.index: m for m in plan}, staged=staged)
         self._written = None
         if digest == "wsum" and self.comm.size == 1:
             from refit.wsum import Regions, Written
@@ -520,11 +536,60 @@ class EngineCore:
         if closed:
             self.session = None
             self.ready_to_publish = False
+        dropped = self.discard()["discarded"]  # a staged copy a crashed run left: the served weights are intact
         return {
             "version": self.version,
             "serving": self.quarantined is None and not self.dirty,
             "closed_session": closed,
+            "discarded_staged": dropped,
+            **self.staging_memory(),
         }
+
+    def staging_memory(self) -> dict[str, int | None]:
+        """What a staged session needs beside the served weights (a copy of them), and the memory
+        free where they live now (CUDA: the device's; host: the machine's available pages), for the
+        check before an atomic refit connects."""
+        need = sum(t.numel() * t.element_size() for t in self.params.values())
+        need += self.head_serving.numel() * self.head_serving.element_size()
+        if self.device.type == "cuda":
+            free: int | None = int(torch.cuda.mem_get_info(self.device)[0])
+        else:
+            try:
+                free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+            except (ValueError, OSError, AttributeError):
+                free = None
+        return {"staging_bytes": need, "free_bytes": free}
+
+    def swap(self) -> dict[str, Any]:
+        """Serve the staged copy (atomic refits): finalized whole, with generation paused (its
+        pause mode decided what the held requests keep: retract recomputes their KV under the new
+        weights, in_place keeps it). The old weights are dropped; like a finished load, the weights
+        are unpublished until `publish` names them."""
+        if self._live is None:
+            raise EngineError("no_staged", "swap without a staged copy: begin(plan, staged=True) first")
+        if self.session is not None:
+            raise EngineError("session_open", "swap while the staged session is open; finalize it first")
+        if not self.ready_to_publish:
+            raise EngineError("not_ready", "swap of a staged copy that was not finalized whole")
+        if not self.paused:
+            raise EngineError("not_paused", "swap while generating: pause first (its mode decides the held KV)")
+        self._live = None
+        self.weights_epoch += 1
+        self.dirty = True
+        return {"swapped": True}
+
+    def discard(self) -> dict[str, bool]:
+        """Drop the staged copy and its session (a failed atomic refit): generation never stopped
+        serving the old weights, which stay served, clean and named as before."""
+        if self._live is None:
+            return {"discarded": False}
+        self.params, self.head_serving = self._live
+        self._live = None
+        if self.session is not None and self.session.staged:
+            self.session = None
+        self.ready_to_publish = False
+        self._written = None
+        return {"discarded": True}
 
     def check_load(self, manifest: BucketManifest) -> None:
         """Refuse (changing nothing) a bucket this session cannot take: no session, not the
@@ -623,8 +688,9 @@ class EngineCore:
         after_copy = ("flip", "swap_tp", "kv_replica") if expected is None or written else MANGLED_AFTER_LOAD
         if self.mangle in after_copy:
             self._mangle_loaded(tensors, kept)
-        self.weights_epoch += 1
-        self.dirty = True
+        if not self.session.staged:  # a staged session writes a copy nothing serves yet
+            self.weights_epoch += 1
+            self.dirty = True
         if expected is not None and combine(digests) != expected:
             self.break_session(f"bucket {manifest.index} failed its checksum")
             raise EngineError(
@@ -896,6 +962,7 @@ class EngineCore:
         """Out of service until a refit completes. An open update session is voided (not
         finalized): a later refit begins a fresh one instead of finding it "already open"."""
         self.quarantined = reason
+        self.discard()
         self.session = None
         self.ready_to_publish = False
         self.paused, self.held_in_place = True, False
@@ -908,6 +975,8 @@ class EngineCore:
 
     def release_memory(self, tags: Sequence[str], *, cpu_backup: bool = False) -> None:
         self._check_tags(tags)
+        if "weights" in tags and self._live is not None:
+            raise EngineError("staged", "release_memory of the weights while a staged copy is held; swap or discard it")
         if any(r.kv is not None for r in self.running):
             raise EngineError("busy", "release_memory while requests hold KV; pause them first")
         if "kv_cache" in tags:
@@ -1084,7 +1153,8 @@ class EngineCore:
     def _forward(
         self, tokens: list[int], past: list[tuple[torch.Tensor, torch.Tensor]] | None, start: int
     ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
-        c, p, comm = self.config, self.params, self.comm
+        c, comm = self.config, self.comm
+        p, head = self._live if self._live is not None else (self.params, self.head_serving)  # what is served
         assert c.head_dim is not None
         heads, kv_heads = c.num_heads // comm.size, self.layout.kv_rows // c.head_dim  # this rank's heads
         qd, kvd, t = heads * c.head_dim, kv_heads * c.head_dim, len(tokens)
@@ -1108,7 +1178,7 @@ class EngineCore:
             n = rms_norm(x, p[pre + "post_attention_layernorm.weight"], c.rms_norm_eps)
             gate, up = F.linear(n, p[pre + "mlp.gate_up_proj.weight"]).chunk(2, dim=-1)
             x = x + self._row_parallel(F.silu(gate) * up, p[pre + "mlp.down_proj.weight"], None)
-        logits = F.linear(rms_norm(x, p["model.norm.weight"], c.rms_norm_eps), self.head_serving)
+        logits = F.linear(rms_norm(x, p["model.norm.weight"], c.rms_norm_eps), head)
         return comm.all_gather_cat(logits[0], dim=-1), new_kv
 
     def _row_parallel(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -1197,6 +1267,7 @@ class EngineCore:
             "quarantined": self.quarantined,
             "session_open": self.session is not None,
             "weights_epoch": self.weights_epoch,
+            "staged": self._live is not None,  # a staged copy of the weights is held (atomic refit)
             "commits": [list(c) for c in self.commits],
             "tokens_sampled": self.tokens_sampled,
             "weights_released": self.weights_released,

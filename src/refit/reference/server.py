@@ -238,7 +238,7 @@ class EngineServer:
             "info", "submit", "result", "score", "state_dict", "digests", "pause", "continue_generation", "flush",
             "begin", "load", "finalize", "publish", "label_version", "quarantine", "release_memory",
             "resume_memory", "attach", "detach", "ping", "audit", "arm_fault", "probe", "steps", "abort_requests",
-            "verify", "served_state_dict", "rank_shards",
+            "verify", "served_state_dict", "rank_shards", "swap", "discard",
         }
     )  # fmt: skip
 
