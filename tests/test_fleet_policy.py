@@ -232,3 +232,43 @@ def test_a_bound_changed_to_nonsense_between_runs_is_refused_before_anything_mov
     with pytest.raises(ConfigError, match="max_staleness"):
         protocol.run(c)
     assert not any(e.info()["paused"] for e in engines)
+
+
+def test_a_held_engine_keeps_its_requests_and_they_go_on_under_the_version_that_reaches_it(tmp_path: Path) -> None:
+    """A hold is not a quarantine: the engine merely behind keeps the requests it was generating
+    (paused, their KV dropped), refuses new ones, and once a refit reaches it they go on under the
+    version it publishes: none ended, each token labelled with the version it was sampled under."""
+    from refit.invariants.tokens import check_token_versions, published_versions
+    from refit.reference.model import ModelConfig
+
+    config = ModelConfig(max_seq_len=1024)
+    engines = [ReferenceEngine.in_thread(f"h{i}", config, seed=0) for i in range(2)]
+    model = TinyLlama(config, seed=0)
+    c = protocol.RefitContext(
+        TorchSource(model), SharedMemoryTransport(), engines, bucket_bytes=SMALL_BUCKET, retries=0,
+        trace=tmp_path / "t.jsonl",
+    )  # fmt: skip
+    try:
+        running = engines[1].submit(PROMPT, 900)
+        while engines[1].info()["tokens_sampled"] < 20:
+            time.sleep(0.002)
+        result = _refit(c, model, 1, _begin_refused(1))
+        assert result.engines["h1"].status == "stale" and result.engines["h0"].status == "updated"
+        time.sleep(0.2)
+        info = engines[1].info()
+        assert not running.done() and info["waiting"] == 1 and info["paused"]  # kept, not ended
+        with pytest.raises(EngineError, match="stale: it holds version 0"):
+            engines[1].generate(PROMPT, 3)
+        again = _refit(c, model, 2, None)
+        assert again.ok and again.engines["h1"].status == "updated"
+        out = running.result(timeout=120)
+        assert out["finish_reason"] == "length" and len(out["weight_versions"]) == 900
+        assert out["weight_versions"][0] == 0 and out["weight_versions"][-1] == 2
+        assert set(out["weight_versions"]) == {0, 2}  # version 1 never served on this engine
+        events = _checked(c)
+        commits = engines[1].info()["commits"]
+        assert check_token_versions(commits, [out], engine="h1", published=published_versions(events, "h1")) == []
+    finally:
+        c.close()
+        for e in engines:
+            e.close()

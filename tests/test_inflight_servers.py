@@ -68,3 +68,40 @@ def test_in_place_with_kept_kv_is_refused_naming_the_server(server: str) -> None
             )  # fmt: skip
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("server", SERVERS)
+def test_a_held_server_keeps_its_requests_until_a_refit_reaches_it(server: str) -> None:
+    """max_staleness=0: the server whose flush was refused is held (STALE) by pausing it with its
+    requests kept (SGLang: retract; vLLM: keep), not aborted; the next refit brings it back and the
+    request it was generating finishes under the new version."""
+    _, transport, _ = SERVERS[server]
+    if server == "sglang":
+        engines: list[Any] = [EmulatedSGLangEngine.start(f"s{i}", config=CFG, in_thread=True) for i in range(2)]
+    else:
+        engines = [EmulatedVLLMEngine.start(f"v{i}", config=CFG, in_thread=True, backend="ipc") for i in range(2)]
+    model = TinyLlama(CFG, seed=0)
+    ctx = protocol.RefitContext(TorchSource(model), transport(), engines, mode="colocated", retries=0)
+    try:
+        running = engines[1].submit([5, 6, 7, 8], 400)
+        behind = engines[1].server.engine
+        while behind.info()["tokens_sampled"] < 20:
+            time.sleep(0.002)
+        perturbed(model, seed=1)
+        # (before begin: a vLLM begin that may have run moves its weights away, which only a quarantine answers)
+        ctx.faults = protocol.FaultPlan().fail_at("invalidating", engine=1, call="flush", kind="raise")
+        first = protocol.run(ctx)
+        assert first.engines[engines[1].name].status == "stale", first.engines
+        time.sleep(0.2)
+        assert not running.done() and behind.info()["waiting"] + behind.info()["running"] == 1
+        ctx.faults = None
+        perturbed(model, seed=2)
+        second = protocol.run(ctx)
+        assert second.ok and second.engines[engines[1].name].status == "updated", second.error
+        out = running.result(timeout=120)
+        assert out["finish_reason"] == "length" and len(out["weight_versions"]) == 400
+        assert set(out["weight_versions"]) == {0, 2} and out["weight_versions"] == sorted(out["weight_versions"])
+    finally:
+        ctx.close()
+        for e in engines:
+            e.close()

@@ -463,7 +463,10 @@ class EngineDriver(ABC):
     `digest_kinds` (the `refit.verify` digest kinds its `verify` reports; empty: it cannot report
     what it serves, so a run that verifies by digest refuses it); `written_digests` (kinds it can
     hash as it writes: `begin(plan, kind)` asks it to, and its `verify` then reads back only what
-    was not written whole); `probes` (its `verify` answers a probe, even while paused).
+    was not written whole); `probes` (its `verify` answers a probe, even while paused);
+    `holds_requests` (`quarantine(reason, keep_requests=True)` keeps its requests waiting instead
+    of ending them: the version policy's hold of an engine merely behind; without it a hold ends
+    them as a quarantine does).
     """
 
     supports_in_place_pause: ClassVar[bool] = False
@@ -475,6 +478,7 @@ class EngineDriver(ABC):
     digest_kinds: ClassVar[frozenset[str]] = frozenset()
     written_digests: ClassVar[frozenset[str]] = frozenset()
     probes: ClassVar[bool] = False
+    holds_requests: ClassVar[bool] = False
     no_digests: ClassVar[str | None] = None  # why `digest_kinds` is empty, for the refusal (optional)
 
     name: str
@@ -532,6 +536,8 @@ class EngineDriver(ABC):
 
     @abstractmethod
     def quarantine(self, reason: str, *, timeout: float) -> None: ...
+
+    # (a driver with `holds_requests` takes `quarantine(reason, keep_requests: bool = False, *, timeout)`)
 
     def verify(self, kind: str | None, probe: Sequence[Any] | None = None, *, timeout: float) -> dict[str, Any]:
         """Digests of the weights as the engine will serve them (see `digest_kinds`), and the

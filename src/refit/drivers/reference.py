@@ -59,6 +59,7 @@ class ReferenceEngine(EngineDriver):
     supports_in_place_pause = True
     pause_modes = frozenset({"abort", "retract", "in_place"})
     transports = frozenset({"shm", "broadcast", "ipc", "sglang_tensor"})
+    holds_requests = True  # a hold keeps its requests waiting (quarantine(reason, keep_requests=True))
     digest_kinds = frozenset({"xxh3", "wsum"})
     probes = True
 
@@ -228,8 +229,8 @@ class ReferenceEngine(EngineDriver):
     def continue_generation(self, *, timeout: float) -> None:
         self.client.call("continue_generation", timeout=timeout)
 
-    def quarantine(self, reason: str, *, timeout: float) -> None:
-        self.client.call("quarantine", reason, timeout=timeout)
+    def quarantine(self, reason: str, keep_requests: bool = False, *, timeout: float) -> None:
+        self.client.call("quarantine", reason, keep_requests, timeout=timeout)
 
     def verify(self, kind: str | None, probe: Sequence[Any] | None = None, *, timeout: float) -> dict[str, Any]:
         return self.client.call("verify", kind, probe, timeout=timeout)

@@ -218,6 +218,7 @@ class SGLangEngine(HttpEngineDriver):
         "under the old weights"
     )
     transports = frozenset({"sglang_tensor", "sglang_broadcast"})
+    holds_requests = True  # a hold pauses keeping the requests (quarantine's keep_requests)
     memory_tags = frozenset({"weights", "kv_cache", "cuda_graph"})
 
     def __init__(
@@ -650,13 +651,17 @@ class SGLangEngine(HttpEngineDriver):
         self._call("POST", "/continue_generation", "continue_generation", timeout=end - time.monotonic(), body={})
         self._ledger.vouch()  # the runner continues only weights a version names
 
-    def quarantine(self, reason: str, *, timeout: float) -> None:
+    def quarantine(self, reason: str, keep_requests: bool = False, *, timeout: float) -> None:
         """Stop serving (pause, aborting what runs) and close any update session this run left open
-        (a later begin would fail on it); the server stays paused until a refit completes."""
+        (a later begin would fail on it); the server stays paused until a refit completes. A hold
+        (`keep_requests`, the version policy's STALE) pauses with "retract" instead where the server
+        has it: SGLang keeps the requests queued, their KV recomputed once generation continues
+        (managers/scheduler.py `pause_generation`); this driver refuses new ones meanwhile."""
         end = time.monotonic() + timeout
         self._quarantined = reason
         self._ledger.reset()
-        self._call("POST", "/pause_generation", "quarantine", timeout=timeout, body={"mode": "abort"})
+        mode = "retract" if keep_requests and "retract" in self._caps().pause_modes else "abort"
+        self._call("POST", "/pause_generation", "quarantine", timeout=timeout, body={"mode": mode})
         if self._caps().session:  # paused now: closing a session takes no lock from generation
             status, data = self._request(
                 "POST", "/end_weight_update", "quarantine", timeout=end - time.monotonic(), body={}

@@ -173,6 +173,7 @@ class VLLMEngine(HttpEngineDriver):
     begin_moves_weights = True  # start_weight_update moves every layer to the meta device (layerwise reload)
     pause_modes = frozenset({"abort", "retract"})
     transports = frozenset({"vllm_nccl", "vllm_ipc"})
+    holds_requests = True  # a hold pauses keeping the requests (quarantine's keep_requests)
     memory_tags = frozenset({"weights", "kv_cache"})
 
     def __init__(
@@ -517,12 +518,15 @@ class VLLMEngine(HttpEngineDriver):
         self._call("POST", "/resume", "continue_generation", timeout=end - time.monotonic())
         self._ledger.vouch()  # the runner continues only weights a version names
 
-    def quarantine(self, reason: str, *, timeout: float) -> None:
-        """Stop serving (new requests get 503) and finish a session this run may have left open."""
+    def quarantine(self, reason: str, keep_requests: bool = False, *, timeout: float) -> None:
+        """Stop serving (new requests get 503) and finish a session this run may have left open. A
+        hold (`keep_requests`, the version policy's STALE) pauses with mode "keep": vLLM keeps the
+        requests it runs, to go on once it is resumed."""
         end = time.monotonic() + timeout
         self._quarantined = reason
         self._ledger.reset()
-        self._call("POST", "/pause", "quarantine", timeout=timeout, params={"mode": "abort", "clear_cache": "false"})
+        params = {"mode": "keep" if keep_requests else "abort", "clear_cache": "false"}
+        self._call("POST", "/pause", "quarantine", timeout=timeout, params=params)
         if self._session_unknown:
             status, data = self._request(
                 "POST", "/finish_weight_update", "quarantine", timeout=end - time.monotonic(), body={}

@@ -48,6 +48,7 @@ class Engine:
     incarnation: str
     previous_version: int | None  # None: stale (new incarnation, or left unversioned earlier)
     begin_moves_weights: bool = False  # its driver's capability: a begin alone makes its weights unusable
+    holds_requests: bool = False  # its driver's capability: a hold keeps its requests (quarantine's keep_requests)
     position: EngineMachine = field(default_factory=EngineMachine)
     weights: FactMachine = field(default_factory=lambda: FactMachine("weights"))
     failure: FactMachine = field(default_factory=lambda: FactMachine("failure"))
@@ -287,7 +288,7 @@ class Ledger:
             return [*steps, Step("quarantine", quarantine, (reason,))]
         if hold is not None and e.position.can(EV.HOLD):  # clean, but held out of service
             e.held = hold
-            return [*steps, Step("quarantine", quarantine, (hold,))]
+            return [*steps, Step("quarantine", quarantine, (hold, True) if e.holds_requests else (hold,))]
         if e.state == E.PAUSED:
             return [Step("continue_generation", cont), *kv_steps]
         return steps

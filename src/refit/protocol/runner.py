@@ -101,12 +101,10 @@ class _Run(Recording):
         self.transport = ctx.transport
         drivers, ranks = faults.wrap(ctx.faults, ctx.engines, ctx.ranks, self.fault_fired)
         self.waves = Waves(drivers, ranks, session.lane, self.budget, self.clock, ctx.ranks.world if ctx.ranks else 1)
+        caps = [(bool(getattr(d, "begin_moves_weights", False)), bool(getattr(d, "holds_requests", False)))
+                for d in ctx.engines]  # fmt: skip
         self.ledger = Ledger(
-            self.version,
-            [
-                Engine(i, d.name, d.tp_size, d.name, None, bool(getattr(d, "begin_moves_weights", False)))
-                for i, d in enumerate(ctx.engines)
-            ],
+            self.version, [Engine(i, d.name, d.tp_size, d.name, None, *caps[i]) for i, d in enumerate(ctx.engines)]
         )
         self.engines = self.ledger.engines
         self.trainer = FactMachine("trainer")

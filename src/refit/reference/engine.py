@@ -958,13 +958,20 @@ class EngineCore:
         self.waiting.clear()
         return len(reqs)
 
-    def quarantine(self, reason: str) -> None:
-        """Out of service until a refit completes. An open update session is voided (not
-        finalized): a later refit begins a fresh one instead of finding it "already open"."""
+    def quarantine(self, reason: str, keep_requests: bool = False) -> None:
+        """Out of service until a refit completes: new requests are refused. An open update
+        session is voided (not finalized): a later refit begins a fresh one instead of finding it
+        "already open". Its requests end ("quarantined"), unless `keep_requests` (a hold: the
+        version policy's STALE, clean weights merely behind): then they wait, their KV dropped, and
+        go on under the version the refit that reaches it publishes."""
         self.quarantined = reason
         self.discard()
         self.session = None
         self.ready_to_publish = False
+        if keep_requests:
+            self.pause("retract")
+            self.held_in_place = False
+            return
         self.paused, self.held_in_place = True, False
         for req in [*self.running, *self.waiting]:
             self._finish(req, "quarantined")
