@@ -15,7 +15,7 @@ from refit import protocol
 from refit.drivers.sglang_transport import SGLangTensorTransport
 from refit.drivers.torch_source import TorchSource
 from refit.drivers.vllm_transport import VLLMIPCTransport
-from refit.errors import ConfigError
+from refit.errors import ConfigError, EngineError
 from refit.reference.model import ModelConfig, TinyLlama
 from refit.testing.sglang_server import EmulatedSGLangEngine
 from refit.testing.vllm_server import EmulatedVLLMEngine
@@ -94,6 +94,8 @@ def test_a_held_server_keeps_its_requests_until_a_refit_reaches_it(server: str) 
         assert first.engines[engines[1].name].status == "stale", first.engines
         time.sleep(0.2)
         assert not running.done() and behind.info()["waiting"] + behind.info()["running"] == 1
+        with pytest.raises(EngineError, match="stale: it holds version 0"):  # the driver refuses new ones
+            engines[1].generate([1, 2, 3], 2, timeout=5)
         ctx.faults = None
         perturbed(model, seed=2)
         second = protocol.run(ctx)

@@ -384,7 +384,10 @@ def test_a_quarantined_vllm_stays_out_of_service_through_the_next_offload(traine
     assert "/wake_up" not in [r for _, r in engine.server.requests]
     with pytest.raises(EngineError) as err:
         engine.generate(PROMPT, 2, timeout=5)
-    assert err.value.kind == "paused"  # still 503: nothing resumed it
+    assert err.value.kind == "quarantined"  # the driver refuses it first
+    body = {"model": "m", "prompt": list(PROMPT), "max_tokens": 2}  # past the driver: the server itself
+    assert httpx.post(f"{engine.url}/v1/completions", json=body, timeout=5).status_code == 503  # nothing resumed it
+    assert httpx.get(f"{engine.url}/is_paused", timeout=5).json() == {"is_paused": True}
 
 
 def test_vllm_without_dev_mode_has_no_weight_routes(vllm_engines) -> None:

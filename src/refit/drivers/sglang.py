@@ -660,7 +660,7 @@ class SGLangEngine(HttpEngineDriver):
         end = time.monotonic() + timeout
         self._quarantined = reason
         self._ledger.reset()
-        mode = "retract" if keep_requests and "retract" in self._caps().pause_modes else "abort"
+        mode = "retract" if keep_requests and "retract" in self.pause_modes else "abort"  # (0.5.21+: retract)
         self._call("POST", "/pause_generation", "quarantine", timeout=timeout, body={"mode": mode})
         if self._caps().session:  # paused now: closing a session takes no lock from generation
             status, data = self._request(
@@ -682,7 +682,10 @@ class SGLangEngine(HttpEngineDriver):
     def generate(
         self, prompt: Sequence[int], max_new_tokens: int, *, timeout: float = DEFAULT_TIMEOUT
     ) -> dict[str, Any]:
-        """Greedy generation through POST /generate: {"output", "weight_versions" (one per token)}."""
+        """Greedy generation through POST /generate: {"output", "weight_versions" (one per token)}.
+        Refused (EngineError "quarantined") while this driver holds the engine out of service: the
+        server itself would only queue the request until a refit continues it."""
+        self._check_serving()
         body = {
             "input_ids": list(prompt),
             "sampling_params": {"max_new_tokens": int(max_new_tokens), "temperature": 0.0},

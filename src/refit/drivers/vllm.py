@@ -519,9 +519,10 @@ class VLLMEngine(HttpEngineDriver):
         self._ledger.vouch()  # the runner continues only weights a version names
 
     def quarantine(self, reason: str, keep_requests: bool = False, *, timeout: float) -> None:
-        """Stop serving (new requests get 503) and finish a session this run may have left open. A
-        hold (`keep_requests`, the version policy's STALE) pauses with mode "keep": vLLM keeps the
-        requests it runs, to go on once it is resumed."""
+        """Stop serving (new requests get 503; this driver refuses them itself) and finish a session
+        this run may have left open. A hold (`keep_requests`, the version policy's STALE) pauses with
+        mode "keep": vLLM keeps the requests it runs, to go on once it is resumed (v1/engine/core.py
+        `pause_scheduler`; keep does not reject new requests, the driver does)."""
         end = time.monotonic() + timeout
         self._quarantined = reason
         self._ledger.reset()
@@ -548,7 +549,10 @@ class VLLMEngine(HttpEngineDriver):
         self, prompt: Sequence[int], max_new_tokens: int, *, timeout: float = DEFAULT_TIMEOUT
     ) -> dict[str, Any]:
         """Greedy completion of token ids through POST /v1/completions, with the token ids and the
-        weight version of each token: {"output", "weight_versions", "finish_reason"}."""
+        weight version of each token: {"output", "weight_versions", "finish_reason"}. Refused
+        (EngineError "quarantined") while this driver holds the engine out of service (a hold
+        pauses with mode=keep, under which vLLM queues new requests instead of answering 503)."""
+        self._check_serving()
         end = time.monotonic() + timeout
         body = {
             "model": self._model(timeout), "prompt": list(prompt), "max_tokens": int(max_new_tokens),

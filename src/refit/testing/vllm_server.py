@@ -206,6 +206,7 @@ class EmulatedVLLM(EmulatedServer):
             self.rejecting = True
         else:  # keep: frozen; clearing the cache drops their KV (recomputed after the resume)
             self._engine("pause", "retract" if clear else "in_place")
+            self.rejecting = False  # v1/engine/core.py pause_generation: keep queues new requests
         if clear:
             self._reset_cache()
         return {"status": "paused"}
