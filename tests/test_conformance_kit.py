@@ -28,6 +28,7 @@ def test_the_reference_driver_conforms() -> None:
     assert coverage.paths["retry"] > 0 and coverage.paths["first attempt"] > 0
     assert {"raise", "corrupt", "kill", "hang"} <= set(coverage.kinds)
     assert coverage.checks["weights read back"] > 0 and coverage.checks["in-flight requests"] > 0
+    assert coverage.checks["in-flight requests held in place"] > 0  # pause_mode="in_place", kv="keep" drawn
 
 
 class ForgetsToFlush(ReferenceEngine):

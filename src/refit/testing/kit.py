@@ -167,13 +167,17 @@ class DriverStateMachine(RuleBasedStateMachine):
     @initialize(
         n=st.integers(1, 3),
         mode=st.sampled_from(["colocated", "disaggregated"]),
-        pause_mode=st.sampled_from(["abort", "retract"]),
+        pause_mode=st.sampled_from(["abort", "retract", "in_place"]),
         max_staleness=st.sampled_from([0, None]),
     )
     def setup(self, n: int, mode: str, pause_mode: str, max_staleness: int | None) -> None:
         from refit.drivers.torch_source import TorchSource
 
         self.engines = [self.timed(type(self).factory(f"kit{i}")) for i in range(n)]
+        if pause_mode == "in_place" and (
+            mode == "colocated" or not all(e.supports_in_place_pause for e in self.engines)
+        ):  # held in place with their own KV: disaggregated runs of engines that can (kv="keep")
+            pause_mode = "retract"
         self.model = type(self).model_factory()
         self.snapshots[0] = _clone(self.model.state_dict())  # every engine starts from this checkpoint
         self.ctx = protocol.RefitContext(
@@ -182,6 +186,7 @@ class DriverStateMachine(RuleBasedStateMachine):
             engines=self.engines,
             mode=mode,  # type: ignore[arg-type]
             pause_mode=pause_mode,  # type: ignore[arg-type]
+            kv="keep" if pause_mode == "in_place" else "recompute",
             bucket_bytes=type(self).bucket_bytes,
             deadline_s=10.0,
             cleanup_grace_s=2.0,
@@ -484,6 +489,8 @@ class DriverStateMachine(RuleBasedStateMachine):
         for driver, fut in self.inflight:  # on every engine: one that served them half-updated may be quarantined now
             if _alive(driver) and self.check_request(driver, fut, serving=driver.name in serving):
                 cov.checks["in-flight requests"] += 1
+                if self.ctx is not None and self.ctx.kv == "keep":
+                    cov.checks["in-flight requests held in place"] += 1
         self.inflight = []
         for driver, served in refusals:
             self.check_refuses(driver, served)
@@ -563,10 +570,29 @@ class DriverStateMachine(RuleBasedStateMachine):
             return False  # refused, or lost with the engine: nothing was served
         out = fut.result()
         if isinstance(out, dict) and out.get("weight_versions") is not None:  # tokens are checked per version
-            self.check_tokens(engine, list(out.get("prompt") or INFLIGHT_PROMPT), out, default_version=None)
+            checked = out
+            if self.ctx is not None and self.ctx.kv == "keep":  # held in place with KV of older weights
+                checked = self._kept_kv(engine, out)
+            self.check_tokens(engine, list(out.get("prompt") or INFLIGHT_PROMPT), checked, default_version=None)
             self.check_commit_points(engine, out)
             return True
         return False
+
+    def _kept_kv(self, engine: EngineDriver, out: dict[str, Any]) -> dict[str, Any]:
+        """kv="keep": a request held in place across a switch goes on with KV computed under the old
+        weights (off-policy by design, docs/async.md), so only its tokens before the first switch are
+        held to their version's weights; an engine that counts the KV positions its forwards read
+        from other weights (`stale_kv_tokens`) must count none for a request whose tokens all came
+        from one weights epoch (such a read is a prefix cached under old weights, reused)."""
+        versions = list(out["weight_versions"])
+        first = next((i for i in range(1, len(versions)) if versions[i] != versions[i - 1]), len(versions))
+        epochs, stale = out.get("weights_epochs"), out.get("stale_kv_tokens")
+        if isinstance(stale, int) and stale and isinstance(epochs, list) and len(set(epochs)) <= 1:
+            raise AssertionError(
+                f"kv_keep: engine {engine.name} read {stale} KV positions of other weights for a request whose "
+                "every token came from one weights epoch (an old prefix reused after a switch?)"
+            )
+        return {**out, "output": list(out.get("output") or [])[:first], "weight_versions": versions[:first]}
 
     def check_commit_points(self, engine: EngineDriver, out: dict[str, Any]) -> None:
         """token_version: where the engine reports each token's weights epoch and its commit points
