@@ -172,6 +172,13 @@ def test_the_lock_actor_is_shared_and_bounded(engines: list[RayEngine]) -> None:
         assert engines[0].info()["version"] == 0
         assert first.release("someone-else") and first.holder is None
         ray.kill(first.actor)  # the lock actor is gone: the run fails on the lock, inside its budget
+        end = time.monotonic() + 20  # (ray.kill returns before the actor is dead: a run may still reach it)
+        while time.monotonic() < end:
+            try:
+                _ = first.holder  # raises once the actor is dead
+            except Exception:
+                break
+            time.sleep(0.05)
         t0 = time.monotonic()
         with pytest.raises(DriverCallError, match=r"lock\.acquire failed: ActorDiedError"):
             protocol.run(ctx)

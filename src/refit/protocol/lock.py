@@ -107,7 +107,9 @@ def take_for_run(r: Any) -> None:
         r.emit("lock", "acquire", owner=r.owner, outcome="busy", holder=holder)
         r.emit("run", "end", result="busy")
         raise RefitBusyError(f"engines {[e.name for e in r.engines]} are being refit by another run", state="IDLE")
-    if hasattr(lock, "acquisitions"):  # optional: lets a steady-state run know nobody refit in between
+    # optional: lets a steady-state run know nobody refit in between. Looked up on the class: on a
+    # remote lock the attribute is a call (hasattr would make it outside this bound and this guard)
+    if getattr(type(lock), "acquisitions", None) is not None:
         with contextlib.suppress(Exception):
             r.lock_taken = int(within(on_thread(lambda: lock.acquisitions), lock_deadline.remaining(), "the lock"))
     r.emit("lock", "acquire", owner=r.owner, outcome="ok", holder=holder, taken=r.lock_taken)
