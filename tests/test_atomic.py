@@ -8,15 +8,23 @@ weights' own, bit for bit, and every token after the swap the new weights'."""
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from refit.errors import EngineError
+from refit import invariants, protocol
+from refit.drivers.reference import ReferenceEngine
+from refit.drivers.shm import SharedMemoryTransport
+from refit.drivers.torch_source import TorchSource
+from refit.errors import ConfigError, EngineError
 from refit.invariants.tokens import check_token_versions
+from refit.reference.client import start_thread
 from refit.reference.engine import EngineCore
 from refit.reference.model import ModelConfig, TinyLlama
+from refit.replay import replay
+from refit.trace import load_trace
 
 from .conftest import perturbed
 from .test_reference_engine import plan_for
@@ -161,3 +169,245 @@ def test_the_engine_reports_what_a_staged_copy_needs() -> None:
     weights = sum(t.numel() * t.element_size() for t in core.params.values())
     assert memory["staging_bytes"] == weights + core.head_serving.numel() * core.head_serving.element_size()
     assert memory["free_bytes"] is None or memory["free_bytes"] > 0
+
+
+# ---- atomic refits driven by the protocol (`RefitContext(atomic=True)`) --------------------------
+
+
+def _pauses_only_to_swap(events: list[dict], engine: str) -> None:
+    """Each run paused `engine` only in SWAPPING, after its copy was finalized (and verified), and
+    its pause, flush, swap, publish and continue went in one engine call (one round trip)."""
+    calls = [e for e in events if e.get("kind") == "call" and e.get("engine") == engine and e.get("run")]
+    for run in {c["run"] for c in calls}:
+        mine = [c for c in calls if c["run"] == run]
+        names = [c["event"] for c in mine]
+        if "swap" not in names:
+            continue
+        pauses = [c for c in mine if c["event"] == "pause"]
+        assert [p["state"] for p in pauses] == ["SWAPPING"]
+        last_write = max(c["seq"] for c in mine if c["event"] in ("load", "finalize", "verify"))
+        assert pauses[0]["seq"] > last_write
+        wave = [c for c in mine if c.get("batch") == pauses[0]["batch"]]
+        assert [c["event"] for c in wave] == ["pause", "flush", "swap", "publish", "continue_generation"]
+
+
+@pytest.fixture
+def atomic_fleet(tmp_path: Path):
+    engines = [ReferenceEngine.in_thread(f"a{i}", CFG, seed=0, max_running=REQUESTS) for i in range(2)]
+    model = TinyLlama(CFG, seed=0)
+    made: list[protocol.RefitContext] = []
+
+    def ctx(**kw: Any) -> protocol.RefitContext:
+        kw.setdefault("retries", 0)
+        c = protocol.RefitContext(
+            TorchSource(model), SharedMemoryTransport(), kw.pop("engines", engines), bucket_bytes=16 << 10,
+            atomic=True, trace=tmp_path / f"t{len(made)}.jsonl", **kw,
+        )  # fmt: skip
+        made.append(c)
+        return c
+
+    yield engines, model, ctx
+    for c in made:
+        c.close()
+    for e in engines:
+        e.close()
+
+
+def _checked(c: protocol.RefitContext) -> list[dict]:
+    c.close()
+    _, events, _ = load_trace(Path(c.trace))  # type: ignore[arg-type]
+    assert invariants.check_trace(events) == []
+    assert replay(Path(c.trace)).divergence is None  # type: ignore[arg-type]
+    return events
+
+
+def test_an_atomic_refit_generates_while_the_copies_are_written_and_pauses_only_to_swap(atomic_fleet) -> None:
+    engines, model, ctx = atomic_fleet
+    c = ctx()
+    futures = [engines[0].submit(p, TOKENS * 4) for p in _prompts()]
+    for step in (1, 2, 3):
+        perturbed(model, seed=step)
+        result = protocol.run(c)
+        assert result.ok, result.error
+        assert {n: o.status for n, o in result.engines.items()} == {"a0": "updated", "a1": "updated"}
+        assert set(result.phase_seconds) >= {"STAGING", "TRANSFERRING", "SWAPPING"}
+        assert "PAUSING" not in result.phase_seconds and "INVALIDATING" not in result.phase_seconds
+    outs = [f.result(timeout=120) for f in futures]
+    assert [o["finish_reason"] for o in outs] == ["length"] * REQUESTS  # none aborted
+    info = engines[0].info()
+    assert info["tokens_while_staged"] > 0  # tokens were sampled while the copies were written
+    assert not info["staged"] and info["version"] == 3
+    assert check_token_versions(info["commits"], outs, engine="a0") == []
+    sd = model.state_dict()
+    assert all(torch.equal(engines[1].state_dict()[n], t) for n, t in sd.items())
+    events = _checked(c)
+    for name in ("a0", "a1"):
+        _pauses_only_to_swap(events, name)
+    start = next(e for e in events if e.get("event") == "start")
+    assert start["atomic"] is True
+    staging = next(e for e in events if e.get("event") == "staging")
+    assert staging["memory"]["a0"]["staging_bytes"] > 0
+
+
+def test_a_load_that_fails_strands_the_copy_which_is_discarded_and_staged_again(atomic_fleet) -> None:
+    engines, model, ctx = atomic_fleet
+    c = ctx(retries=1, faults=protocol.FaultPlan().fail_at("transferring", engine=1, bucket=1, call="load"))
+    perturbed(model, seed=1)
+    result = protocol.run(c)
+    assert result.ok and result.engines["a1"].status == "updated" and result.engines["a1"].attempts == 2
+    events = _checked(c)
+    a1 = [e["event"] for e in events if e.get("kind") == "call" and e.get("engine") == "a1"]
+    first, second = a1.index("stage"), len(a1) - 1 - a1[::-1].index("stage")
+    assert a1[second - 1] == "discard" and "pause" not in a1[:second]  # generation never stopped for the failure
+    assert a1[first:second].count("finalize") == 1  # the stranded session was finalized once, then discarded
+    assert all(torch.equal(engines[1].state_dict()[n], t) for n, t in model.state_dict().items())
+
+
+def test_a_run_that_fails_before_the_swap_never_pauses_and_changes_nothing(atomic_fleet) -> None:
+    engines, model, ctx = atomic_fleet
+    c = ctx(faults=protocol.FaultPlan().fail_at("transferring", bucket=2, call="pack"))
+    before = [e.state_dict() for e in engines]
+    futures = [engines[1].submit(p, TOKENS) for p in _prompts()]
+    perturbed(model, seed=1)
+    result = protocol.run(c)
+    assert not result.ok and result.state == "FAILED" and result.version is None
+    assert {n: (o.status, o.version, o.serving) for n, o in result.engines.items()} == {
+        "a0": ("unchanged", 0, True), "a1": ("unchanged", 0, True)
+    }  # fmt: skip
+    for e, old in zip(engines, before, strict=True):
+        info = e.info()
+        assert not info["staged"] and info["weights_epoch"] == 0 and not info["quarantined"]
+        assert all(torch.equal(e.state_dict()[n], t) for n, t in old.items())
+    outs = [f.result(timeout=120) for f in futures]
+    assert [o["finish_reason"] for o in outs] == ["length"] * REQUESTS and {
+        v for o in outs for v in o["weight_versions"]
+    } == {0}
+    events = _checked(c)
+    assert not [e for e in events if e.get("kind") == "call" and e.get("event") in ("pause", "quarantine")]
+    assert {e["engine"] for e in events if e.get("event") == "discard" and e.get("outcome") == "ok"} == {"a0", "a1"}
+
+
+class _RefusesOneSwap(EngineCore):
+    """A reference engine that refuses its first swap before changing anything (as it refuses a
+    swap while generating), so the run must leave it on the weights it serves."""
+
+    refused = False
+
+    def swap(self) -> dict[str, Any]:
+        if not self.refused:
+            self.refused = True
+            raise EngineError("not_paused", "swap refused (test): the engine changed nothing")
+        return super().swap()
+
+
+@pytest.mark.parametrize(("max_staleness", "status"), [(0, "stale"), (1, "unchanged")])
+def test_a_refused_swap_discards_the_copy_and_the_version_policy_decides_the_rest(
+    atomic_fleet, max_staleness: int, status: str
+) -> None:
+    engines, model, ctx = atomic_fleet
+    refusing = ReferenceEngine(start_thread("a2", CFG, 0, core=_RefusesOneSwap, max_running=REQUESTS))
+    try:
+        c = ctx(max_staleness=max_staleness, engines=[engines[0], refusing])
+        futures = [refusing.submit(p, 40) for p in _prompts()]
+        perturbed(model, seed=1)
+        result = protocol.run(c)
+        assert result.version == 1 and result.engines["a0"].status == "updated"
+        assert result.engines["a2"].status == status and result.engines["a2"].version == (
+            None if status == "stale" else 0
+        )
+        info = refusing.info()
+        assert not info["staged"] and info["weights_epoch"] == 0
+        if status == "stale":  # held with its requests kept waiting: the next refit brings it back
+            assert info["quarantined"]
+            perturbed(model, seed=2)
+            again = protocol.run(c)
+            assert again.ok and again.engines["a2"].status == "updated"
+        outs = [f.result(timeout=120) for f in futures]
+        assert [o["finish_reason"] for o in outs] == ["length"] * REQUESTS  # none aborted, held or not
+        _checked(c)
+    finally:
+        refusing.close()
+
+
+def test_a_swap_whose_effect_is_unknown_quarantines_the_engine(atomic_fleet) -> None:
+    engines, model, ctx = atomic_fleet
+    c = ctx(faults=protocol.FaultPlan().fail_at("swapping", engine=1, call="swap"))  # raised: effect unknown
+    perturbed(model, seed=1)
+    result = protocol.run(c)
+    assert result.version == 1 and result.engines["a0"].status == "updated"
+    assert result.engines["a1"].status == "quarantined" and not engines[1].info()["staged"]
+    _checked(c)
+
+
+def test_a_copy_that_fails_verification_is_discarded_and_staged_again(atomic_fleet) -> None:
+    engines, model, ctx = atomic_fleet
+    c = ctx(retries=1, faults=protocol.FaultPlan().fail_at("transferring", engine=0, bucket=0, kind="flip"))
+    perturbed(model, seed=1)
+    result = protocol.run(c)
+    assert result.ok and result.engines["a0"].status == "updated" and result.engines["a0"].attempts == 2
+    events = _checked(c)
+    verdicts = [e["ok"] for e in events if e.get("event") == "verified" and e.get("engine") == "a0"]
+    assert verdicts == [False, True]
+    assert all(torch.equal(engines[0].state_dict()[n], t) for n, t in model.state_dict().items())
+
+
+def test_staged_copies_that_do_not_fit_are_refused_before_connect(tmp_path: Path) -> None:
+    need = _fresh(None).probe(1)["staging_bytes"]
+    tight = ReferenceEngine.in_thread("m0", CFG, seed=0, memory_limit=need + need // 2)
+    roomy = ReferenceEngine.in_thread("m1", CFG, seed=0, memory_limit=3 * need)
+    model = perturbed(TinyLlama(CFG, seed=0), seed=1)
+    c = protocol.RefitContext(
+        TorchSource(model), SharedMemoryTransport(), [tight, roomy], atomic=True, trace=tmp_path / "t.jsonl"
+    )
+    try:
+        result = protocol.run(c)
+        assert not result.ok and result.error is not None and result.error.state == "CONNECTING"
+        msg = str(result.error)
+        assert "engine m0 (" in msg and "m1" not in msg
+        assert "GiB" in msg and "atomic=False" in msg
+        assert {o.status for o in result.engines.values()} == {"unchanged"}
+        events = _checked(c)
+        called = {e["event"] for e in events if e.get("kind") == "call" and e.get("side") == "engine"}
+        assert called == {"probe"}  # nothing attached, staged or paused
+    finally:
+        c.close()
+        tight.close()
+        roomy.close()
+
+
+def test_engines_sharing_memory_add_their_copies_up() -> None:
+    from refit.protocol.ledger import Engine, Ledger
+
+    engines = [Engine(i, f"e{i}", 1, f"e{i}", 0) for i in range(3)]
+    for e, free in zip(engines, (300, 250, 100), strict=True):
+        e.staging = {"staging_bytes": 100, "free_bytes": free, "pool": "host" if e.index < 2 else "gpu1"}
+    assert Ledger(1, engines).staging_problems() == []
+    engines[1].staging = {"staging_bytes": 200, "free_bytes": 250, "pool": "host"}
+    (problem,) = Ledger(1, engines).staging_problems()
+    assert "e0, e1" in problem and "shared" in problem
+    engines[2].staging = {"staging_bytes": None, "free_bytes": 100}
+    assert any("e2 did not report" in p for p in Ledger(1, engines).staging_problems())
+    engines[2].staging = {"staging_bytes": 10**12, "free_bytes": None, "pool": "gpu1"}  # free unknown: not refused
+    assert len(Ledger(1, engines).staging_problems()) == 1
+
+
+def test_atomic_is_refused_where_it_cannot_run() -> None:
+    engine = ReferenceEngine.in_thread("r0", CFG, seed=0)
+    try:
+        with pytest.raises(ConfigError, match="colocated refit gives the engines' memory to the trainer"):
+            protocol.RefitContext(
+                TorchSource(TinyLlama(CFG, seed=0)), SharedMemoryTransport(), [engine], mode="colocated", atomic=True
+            )
+        with pytest.raises(ConfigError, match="atomic must be True or False"):
+            protocol.RefitContext(TorchSource(TinyLlama(CFG, seed=0)), SharedMemoryTransport(), [engine], atomic=1)
+    finally:
+        engine.close()
+
+
+def test_an_engine_that_dies_while_staging_leaves_the_others_to_swap(atomic_fleet) -> None:
+    _, model, ctx = atomic_fleet
+    c = ctx(faults=protocol.FaultPlan().fail_at("transferring", engine=1, bucket=1, call="load", kind="kill"))
+    perturbed(model, seed=1)
+    result = protocol.run(c)
+    assert result.version == 1 and result.engines["a0"].status == "updated" and result.engines["a1"].status == "failed"
+    _checked(c)

@@ -29,6 +29,7 @@ def test_the_reference_driver_conforms() -> None:
     assert {"raise", "corrupt", "kill", "hang"} <= set(coverage.kinds)
     assert coverage.checks["weights read back"] > 0 and coverage.checks["in-flight requests"] > 0
     assert coverage.checks["in-flight requests held in place"] > 0  # pause_mode="in_place", kv="keep" drawn
+    assert coverage.checks["atomic runs"] > 0  # swept, and drawn
 
 
 class ForgetsToFlush(ReferenceEngine):
@@ -270,6 +271,21 @@ class ProbeSaysCurrent(_NoAudit):
         return out
 
 
+class StagesIntoServedWeights(ReferenceEngine):
+    """Claims staged sessions but opens an ordinary one (an engine API with no second copy, as
+    SGLang's and vLLM's): in an atomic run its buckets land in the weights it is generating with."""
+
+    def stage(self, plan: Sequence[Any], digest: str | None = None, *, timeout: float) -> None:
+        self.client.call("begin", list(plan), digest, timeout=timeout)
+
+    def swap(self, *, timeout: float) -> None:
+        return None
+
+
+class StagesIntoServedWeightsNoAudit(StagesIntoServedWeights, _NoAudit):
+    """The same with no engine-side record: only the tokens its requests got can show it."""
+
+
 OUTCOME_BROKEN = {
     "kv_fresh": HidesStaleKV,
     "served": AcksWithoutLoading,
@@ -281,6 +297,7 @@ OUTCOME_BROKEN = {
     "served   ": NeverContinues,
     "progress": AttachIsNoop,
     "served    ": ProbeSaysCurrent,
+    "served     ": StagesIntoServedWeightsNoAudit,
 }
 
 
@@ -308,6 +325,7 @@ def test_verification_keeps_these_drivers_from_publishing(driver: type[Reference
 
 BROKEN = {
     "kv_fresh": ForgetsToFlush,
+    "kv_fresh ": StagesIntoServedWeights,
     "finalize_once": FinalizesTwice,
     "version": VersionBeforeFinalize,
     "lock": ReleasesOthersLock,
@@ -321,4 +339,4 @@ def test_the_kit_fails_a_broken_driver_naming_the_invariant(invariant: str, driv
     with pytest.raises(AssertionError) as info:
         check_engine_driver(driver.in_thread, max_examples=30, shrink=False)
     message = str(info.value)
-    assert f"{invariant}:" in message, message
+    assert f"{invariant.strip()}:" in message, message

@@ -113,9 +113,13 @@ def _assert_versioned_at_commit_points(results: list[dict], info: dict, events: 
     assert min(len(set(r["weight_versions"])) for r in results) >= REFITS // 2
 
 
-def test_sixteen_requests_run_through_ten_refits_recomputing_their_kv(tmp_path: Path) -> None:
-    results, weights, events, info = _refits_during_generation(tmp_path, pause_mode="retract")
+@pytest.mark.parametrize("atomic", [False, True], ids=["in_flight", "atomic"])
+def test_sixteen_requests_run_through_ten_refits_recomputing_their_kv(tmp_path: Path, atomic: bool) -> None:
+    results, weights, events, info = _refits_during_generation(tmp_path, pause_mode="retract", atomic=atomic)
     _assert_versioned_at_commit_points(results, info, events)
+    if atomic:  # the copies were written while the requests went on generating with the served weights
+        assert info["tokens_while_staged"] > 0
+        assert {e["state"] for e in events if e.get("event") == "pause"} == {"SWAPPING"}
     assert all(r["stale_kv_tokens"] == 0 for r in results)
     start = next(e for e in events if e.get("event") == "start")
     assert start["kv"] == "recompute" and start["pause_mode"] == "retract"
@@ -134,9 +138,12 @@ def test_sixteen_requests_run_through_ten_refits_recomputing_their_kv(tmp_path: 
     assert compared == REQUESTS * TOKENS
 
 
-def test_held_in_place_requests_keep_their_kv_and_new_ones_never_reuse_old_prefixes(tmp_path: Path) -> None:
+@pytest.mark.parametrize("atomic", [False, True], ids=["in_flight", "atomic"])
+def test_held_in_place_requests_keep_their_kv_and_new_ones_never_reuse_old_prefixes(
+    tmp_path: Path, atomic: bool
+) -> None:
     results, _, events, info = _refits_during_generation(
-        tmp_path, pause_mode="in_place", kv="keep", mode="disaggregated"
+        tmp_path, pause_mode="in_place", kv="keep", mode="disaggregated", atomic=atomic
     )
     _assert_versioned_at_commit_points(results, info, events)
     assert all(r["num_retractions"] == 0 for r in results)  # held in place, not retracted

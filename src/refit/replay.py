@@ -393,6 +393,7 @@ class ReplayEngine(EngineDriver):
     probes = True
     pause_modes = frozenset({"abort", "retract", "in_place"})
     supports_in_place_pause = True
+    stages = True
 
     def __init__(self, name: str, script: _Script) -> None:
         self.name = name
@@ -457,7 +458,7 @@ class ReplayEngine(EngineDriver):
         raise RuntimeError("replay engines answer through run_steps_async")
 
     resume_memory = attach = detach = pause = flush = begin = load = finalize = _unused  # type: ignore[assignment]
-    publish = continue_generation = quarantine = _unused  # type: ignore[assignment]
+    publish = continue_generation = quarantine = stage = swap = discard = _unused  # type: ignore[assignment]
 
 
 class ReplayLock:
@@ -535,6 +536,7 @@ def replay(path: str | Path, loaded: tuple[dict[str, Any], list[dict[str, Any]],
         if ctx.max_staleness is not None and ctx.max_staleness < 0:
             raise NotATrace(f"run {start.get('run')}: max_staleness {ctx.max_staleness} is not a count")
         ctx.kv = start.get("kv", "recompute")  # none recorded: a run before the policy was explicit
+        ctx.atomic = start.get("atomic") is True  # none recorded: a run that paused for the transfer
         ctx.verify = start.get("verify", "off")
         transport.digest_kind = start.get("digest") or "xxh3"
         ctx.digest_point = start.get("digest_point", "served")

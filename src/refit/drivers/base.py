@@ -445,6 +445,13 @@ class EngineDriver(ABC):
                              bucket and finalized), `continue_generation()`.
       RESTORING (colocated)  `resume_memory(["kv_cache"])`.
       QUARANTINING           `quarantine(reason)`: out of service until a refit completes.
+      atomic runs (`stages`) STAGING `stage(plan)`: as `begin`, into a second copy of the weights
+                             while generation goes on serving the first (loads, finalize and
+                             verify then act on the copy); SWAPPING, paused and flushed: `swap()`
+                             serves the copy (publish follows); any state: `discard()` drops the
+                             copy, leaving the served weights exactly as they were. Its probe
+                             reports "staging_bytes" (what a copy needs), "free_bytes" (None:
+                             unknown) and "pool" (engines naming one pool share that memory).
       abort before pausing   `release_memory(["weights"])` (colocated): give back what OFFLOADING
                              took, so the engine is as it was before the run.
       disconnect             `detach()`.
@@ -466,7 +473,8 @@ class EngineDriver(ABC):
     was not written whole); `probes` (its `verify` answers a probe, even while paused);
     `holds_requests` (`quarantine(reason, keep_requests=True)` keeps its requests waiting instead
     of ending them: the version policy's hold of an engine merely behind; without it a hold ends
-    them as a quarantine does).
+    them as a quarantine does); `stages` (atomic runs: `stage`, `swap`, `discard`; otherwise
+    the runner refuses `atomic=True`, with `no_stage` as the reason).
     """
 
     supports_in_place_pause: ClassVar[bool] = False
@@ -479,6 +487,8 @@ class EngineDriver(ABC):
     written_digests: ClassVar[frozenset[str]] = frozenset()
     probes: ClassVar[bool] = False
     holds_requests: ClassVar[bool] = False
+    stages: ClassVar[bool] = False
+    no_stage: ClassVar[str | None] = None  # why `stages` is False, for the refusal
     no_digests: ClassVar[str | None] = None  # why `digest_kinds` is empty, for the refusal (optional)
 
     name: str
@@ -538,6 +548,25 @@ class EngineDriver(ABC):
     def quarantine(self, reason: str, *, timeout: float) -> None: ...
 
     # (a driver with `holds_requests` takes `quarantine(reason, keep_requests: bool = False, *, timeout)`)
+
+    def stage(self, plan: Sequence[BucketManifest], *, timeout: float) -> None:
+        """Atomic runs (`stages`): open a session into a second copy of the weights (as `begin`;
+        with `written_digests`, `stage(plan, kind, *, timeout)`)."""
+        from refit.errors import EngineError
+
+        raise EngineError("unsupported", f"{type(self).__name__} has no staged sessions")
+
+    def swap(self, *, timeout: float) -> None:
+        """Atomic runs: serve the finalized staged copy (paused and flushed)."""
+        from refit.errors import EngineError
+
+        raise EngineError("unsupported", f"{type(self).__name__} has no staged sessions")
+
+    def discard(self, *, timeout: float) -> None:
+        """Atomic runs: drop the staged copy, if any; the served weights stay as they were."""
+        from refit.errors import EngineError
+
+        raise EngineError("unsupported", f"{type(self).__name__} has no staged sessions")
 
     def verify(self, kind: str | None, probe: Sequence[Any] | None = None, *, timeout: float) -> dict[str, Any]:
         """Digests of the weights as the engine will serve them (see `digest_kinds`), and the

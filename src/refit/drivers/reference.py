@@ -60,6 +60,7 @@ class ReferenceEngine(EngineDriver):
     pause_modes = frozenset({"abort", "retract", "in_place"})
     transports = frozenset({"shm", "broadcast", "ipc", "sglang_tensor"})
     holds_requests = True  # a hold keeps its requests waiting (quarantine(reason, keep_requests=True))
+    stages = True  # atomic runs: a second copy written while generating (`EngineCore.begin(staged=True)`)
     digest_kinds = frozenset({"xxh3", "wsum"})
     probes = True
 
@@ -127,14 +128,20 @@ class ReferenceEngine(EngineDriver):
         version: int = 0,
         serving: bool = True,
         max_running: int = 8,
+        memory_limit: int | None = None,
     ) -> ReferenceEngine:
         """A reference engine on a thread of this process (fast; for unit tests). `max_running`:
-        requests it decodes at once (the rest wait)."""
+        requests it decodes at once (the rest wait); `memory_limit`: bytes its weights may take,
+        staged copies included (`EngineCore`)."""
         from refit.reference.client import start_thread
         from refit.reference.model import ModelConfig
 
         config = config or ModelConfig()
-        return cls(start_thread(name, config, seed, version=version, serving=serving, max_running=max_running))
+        return cls(
+            start_thread(
+                name, config, seed, version=version, serving=serving, max_running=max_running, memory_limit=memory_limit
+            )
+        )
 
     @property
     def incarnation(self) -> str:
@@ -216,6 +223,15 @@ class ReferenceEngine(EngineDriver):
 
     def begin(self, plan: Sequence[BucketManifest], digest: str | None = None, *, timeout: float) -> None:
         self.client.call("begin", list(plan), digest, timeout=timeout)
+
+    def stage(self, plan: Sequence[BucketManifest], digest: str | None = None, *, timeout: float) -> None:
+        self.client.call("stage", list(plan), digest, timeout=timeout)
+
+    def swap(self, *, timeout: float) -> None:
+        self.client.call("swap", timeout=timeout)
+
+    def discard(self, *, timeout: float) -> None:
+        self.client.call("discard", timeout=timeout)
 
     def load(self, payload: Payload, *, timeout: float) -> None:
         self.client.call("load", payload, timeout=timeout)

@@ -219,6 +219,11 @@ class SGLangEngine(HttpEngineDriver):
     )
     transports = frozenset({"sglang_tensor", "sglang_broadcast"})
     holds_requests = True  # a hold pauses keeping the requests (quarantine's keep_requests)
+    no_stage = (
+        "SGLang 0.5.23 writes every update into the live model (model_runner_components/weight_updater.py: "
+        "update_weights_from_tensor, _from_distributed and _from_disk end in model.load_weights) and has no "
+        "second copy to stage into and swap"
+    )
     memory_tags = frozenset({"weights", "kv_cache", "cuda_graph"})
 
     def __init__(

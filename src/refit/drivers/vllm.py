@@ -174,6 +174,11 @@ class VLLMEngine(HttpEngineDriver):
     pause_modes = frozenset({"abort", "retract"})
     transports = frozenset({"vllm_nccl", "vllm_ipc"})
     holds_requests = True  # a hold pauses keeping the requests (quarantine's keep_requests)
+    no_stage = (
+        "vLLM 0.33.0 writes every update into the live parameters (distributed/weight_transfer nccl_engine.py "
+        "and ipc_engine.py call model.load_weights; the layerwise reload copies each layer back in place) and has "
+        "no second copy to stage into and swap"
+    )
     memory_tags = frozenset({"weights", "kv_cache"})
 
     def __init__(

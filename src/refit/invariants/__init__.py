@@ -15,16 +15,20 @@ loads and finalizes again.
                   after its last attempt acked every bucket and finalized; a run that failed
                   before its commit point publishes nothing; published versions strictly
                   increase; an engine whose weights changed or were lost is continued only after
-                  it published. (Audit: no version label while the weights are not finalized.)
-  finalize_once   per engine and attempt: one finalize iff its begin succeeded (at most one when
+                  it published; in an atomic run, only after its staged copy was swapped in, after
+                  its finalize. (Audit: no version label while the weights are not finalized.)
+  finalize_once   per engine and attempt: one finalize iff its begin (or stage) succeeded (at most one when
                   the engine died or hung), after its last load, and no load after it.
                   (Audit: one finalize per update session.)
   pause_continue  every paused engine is continued or quarantined (or reported dead/hung); a
                   continue or quarantine the engine refused, or that was never sent, does not
-                  count; no engine that received a bucket is continued unless it published.
+                  count; no engine that received a bucket (atomic runs: whose copy was swapped in)
+                  is continued unless it published.
                   (Audit: never continued while holding weights no version names.)
   kv_fresh        an attempt's first bucket comes after a successful flush that came after a
-                  successful pause. (Audit: no bucket applied without a flush since the pause.)
+                  successful pause; in an atomic run (buckets land in a copy nothing serves) every
+                  swap does instead. (Audit: no bucket applied to served weights, and no copy
+                  swapped in, without a flush since the pause.)
   paired          trainer offload -> restore in the same run; a transport buffer is released
                   only after every engine it was sent to answered for it (and the trainer's send
                   of it, for collective transports, finished); connect/disconnect
@@ -106,8 +110,19 @@ def _n_buckets(events: Sequence[Event]) -> int:
     return int(plan["buckets"]) if plan else 0
 
 
+def _begins(events: Iterable[Event], engine: str, attempt: int | None = None) -> list[Event]:
+    """An engine's update-session openings: `begin`, or an atomic run's `stage`."""
+    calls = _calls(events, engine=engine, attempt=attempt)
+    return [c for c in calls if c.get("event") in ("begin", "stage")]
+
+
+def _atomic(events: Sequence[Event]) -> bool:
+    """The run stages its updates into copies that only a swap serves (`RefitContext.atomic`)."""
+    return _start(events).get("atomic") is True
+
+
 def _attempts(events: Sequence[Event], engine: str) -> list[int]:
-    return sorted({e.get("attempt", 0) for e in _calls(events, "begin", engine=engine)})
+    return sorted({e.get("attempt", 0) for e in _begins(events, engine)})
 
 
 def _unreachable(events: Sequence[Event], engine: str) -> bool:
@@ -195,7 +210,7 @@ def commit_gate(
     for name in engines:
         tried = _attempts(events, name)
         a = attempt if attempt is not None else (tried[-1] if tried else 0)
-        if not _ok(_calls(events, "begin", engine=name, attempt=a)):
+        if not _ok(_begins(events, name, a)):
             problems.append(f"engine {name} has no open session in attempt {a}")
         acked = {e.get("bucket") for e in _ok(_calls(events, "load", engine=name, attempt=a))}
         missing = sorted(set(range(n_buckets)) - acked)
@@ -284,6 +299,17 @@ def check_version(events: Sequence[Event]) -> list[Violation]:
         before = [e for e in events if e["seq"] < p["seq"]]
         for problem in commit_gate(before, [p["engine"]], n):
             out.append(_v("version", f"published before its refit was complete: {problem}", p, events))
+        if _atomic(events) and p.get("outcome") == "ok":
+            a = p.get("attempt", 0)
+            fins = _ok(_calls(before, "finalize", engine=p["engine"], attempt=a))
+            swaps = [
+                s
+                for s in _ok(_calls(before, "swap", engine=p["engine"], attempt=a))
+                if fins and s["seq"] > fins[0]["seq"]
+            ]
+            if not swaps:
+                msg = f"engine {p['engine']} published in an atomic run without its finalized copy swapped in"
+                out.append(_v("version", msg, p, events))
     if end is not None and end.get("published") is not None:
         if end["published"] != target:
             out.append(
@@ -316,7 +342,7 @@ def check_finalize_once(events: Sequence[Event]) -> list[Violation]:
     complete = _end(events) is not None
     for name in _engines(events):
         for a in sorted({e.get("attempt", 0) for e in _calls(events, engine=name)}):
-            begun = bool(_ok(_calls(events, "begin", engine=name, attempt=a)))
+            begun = bool(_ok(_begins(events, name, a)))
             fins = _calls(events, "finalize", engine=name, attempt=a)
             loads = _calls(events, "load", engine=name, attempt=a)
             expected = 1 if begun else 0
@@ -344,13 +370,15 @@ def check_pause_continue(events: Sequence[Event]) -> list[Violation]:
             out.append(
                 _v("pause_continue", f"engine {name} was paused and neither continued nor quarantined", end, events)
             )
-        loads = _effective(_calls(events, "load", engine=name))
+        # what changes the served weights: buckets, or in an atomic run the swap of a staged copy
+        loads = _effective(_calls(events, "swap" if _atomic(events) else "load", engine=name))
         published = _ok(_calls(events, "publish", engine=name))
         for c in _continues(events, name):
             got = [ld for ld in loads if ld["seq"] < c["seq"]]
             if got and not [p for p in published if p["seq"] < c["seq"]]:
-                acked = len(_ok(got))
-                msg = f"engine {name} was continued after a partial transfer ({acked} buckets acked) without publishing"
+                acked = len(_ok(_calls(events, "load", engine=name)))
+                what = "a swap" if _atomic(events) else "a partial transfer"
+                msg = f"engine {name} was continued after {what} ({acked} buckets acked) without publishing"
                 out.append(_v("pause_continue", msg, c, events))
     return out
 
@@ -368,13 +396,21 @@ def _covers(before: Event, after: Event) -> bool:
 
 def check_kv_fresh(events: Sequence[Event]) -> list[Violation]:
     out: list[Violation] = []
+    atomic = _atomic(events)
     for name in _engines(events):
-        for a in sorted({e.get("attempt", 0) for e in _calls(events, "load", engine=name)}):
-            first = _calls(events, "load", engine=name, attempt=a)[0]
+        # the first call that changes what the engine serves, per attempt: its first bucket, or
+        # (atomic runs, whose buckets land in a copy) each swap
+        if atomic:
+            firsts = [s for s in _calls(events, "swap", engine=name) if s.get("effect") != "none"]
+        else:
+            attempts = sorted({e.get("attempt", 0) for e in _calls(events, "load", engine=name)})
+            firsts = [_calls(events, "load", engine=name, attempt=a)[0] for a in attempts]
+        for first in firsts:
             flushes = [f for f in _calls(events, "flush", engine=name) if f["seq"] < first["seq"] and _covers(f, first)]
             pauses = [p for p in _calls(events, "pause", engine=name) if flushes and _covers(p, flushes[-1])]
             if not flushes:
-                msg = f"engine {name} received bucket {first.get('bucket')} before its KV cache was flushed"
+                what = "swapped its copy in" if atomic else f"received bucket {first.get('bucket')}"
+                msg = f"engine {name} {what} before its KV cache was flushed"
                 out.append(_v("kv_fresh", msg, first, events))
             elif not [p for p in pauses if p["seq"] < flushes[-1]["seq"]]:
                 msg = f"engine {name} was flushed before it was paused: requests could refill the cache"
@@ -527,7 +563,7 @@ def check_engine_audit(
     """What one engine did, whatever its driver reported. Records are dicts with `t`, `op`, `ok`,
     `session`, `dirty_before`, `ready_before`, `bucket`, `version` (see refit.reference.server)."""
     out: list[Violation] = []
-    paused = flushed = False
+    paused = flushed = staged = False
     finalizes: dict[int, int] = {}
     sessions: list[int] = []
     voided: set[int] = set()  # sessions a quarantine closed without finalizing
@@ -548,9 +584,22 @@ def check_engine_audit(
             paused = flushed = False
         elif op == "flush" and ok and paused:
             flushed = True
-        elif op == "begin" and ok:
+        elif op in ("begin", "stage") and ok:
             sessions.append(rec["session"])
-        elif op == "load" and ok and not flushed:
+            staged = op == "stage"  # its buckets land in a copy nothing serves until the swap
+        elif op == "discard" and ok and staged:
+            if rec.get("session_open_before"):
+                voided.add(rec["session"])  # a staged session dropped unfinished
+            staged = False
+        elif op == "swap" and ok:
+            if not (paused and flushed):
+                out.append(
+                    Violation(
+                        "kv_fresh", f"engine {engine} swapped its staged copy in without a KV flush since it was paused"
+                    )
+                )
+            staged = False
+        elif op == "load" and ok and not flushed and not staged:
             msg = f"engine {engine} applied bucket {rec.get('bucket')} without a KV flush since it was paused"
             out.append(Violation("kv_fresh", msg))
         elif op == "finalize":

@@ -240,11 +240,15 @@ def check_outcomes(events: Sequence[Event]) -> list[Violation]:
                 why = why or f"reports version {version}, the run's target is {target}"
                 out.append(_v("outcome", f"engine {name} is reported updated but {why}", end))
         elif status == "unchanged":
+            atomic = start.get("atomic") is True  # its buckets land in a copy: only a swap serves them
             landed = [
-                c for c in calls if c.get("event") == "load" and c.get("effect") != "none"
+                c for c in calls if c.get("event") == ("swap" if atomic else "load") and c.get("effect") != "none"
             ]  # a load refused before any effect changes nothing
             if published or landed:
-                what = "published" if published else f"received bucket {landed[0].get('bucket')}"
+                what = (
+                    "published" if published else "swapped its staged copy in" if atomic
+                    else f"received bucket {landed[0].get('bucket')}"
+                )  # fmt: skip
                 out.append(_v("outcome", f"engine {name} is reported unchanged but {what} in this run", end))
             probed = next((c for c in calls if c.get("event") == "probe" and c.get("outcome") == "ok"), None)
             pv = (probed.get("result") or {}).get("version") if probed else None

@@ -104,6 +104,13 @@ class RefitContext:
         old weights, and clear the prefix cache so no request started after the switch reuses an
         old entry). "keep" is off-policy: recorded in the run's start line (and replayed); the
         engines count each request's tokens read from old-weight KV.
+    atomic: stage-then-swap (disaggregated runs, engines that declare `stages`). Each engine writes
+        the new weights into a second copy while it keeps generating with the ones it serves; the
+        copies are finalized and verified first, and generation stops only for one wave that
+        pauses (in `pause_mode`, with the `kv` policy), flushes the cache, swaps the copy in,
+        publishes and continues. The probe reports the memory a copy needs; a run whose copies do
+        not fit is refused before connect. A copy that will not be served is discarded, and its
+        engine goes on exactly as it was.
     bucket_bytes: target bucket size; a larger tensor travels alone, in a buffer of its own.
     deadline_s: the whole run's budget; cleanup_grace_s: extra time must-run cleanup may take
         after the deadline (lock release, continue-or-quarantine, restore); past both, owed
@@ -153,6 +160,7 @@ class RefitContext:
     retries: int = 1
     max_staleness: int | None = 0
     kv: str = "recompute"
+    atomic: bool = False
     call_timeout_s: float | None = None
     lock: EngineLock | None = None
     trace: str | Path | TraceRecorder | None = None
@@ -206,6 +214,7 @@ class RefitContext:
             raise ConfigError(f"retries must be an integer >= 0, got {self.retries!r}")
         self.check_max_staleness()
         self.check_kv()
+        self.check_atomic()
         if isinstance(self.version, bool) or not isinstance(self.version, int) or self.version < 0:
             raise ConfigError(f"version must be an integer >= 0, got {self.version!r}")
         from refit.verify import DIGEST_POINTS, VERIFY_MODES
@@ -222,6 +231,29 @@ class RefitContext:
         problem = kv_problem(self.kv, self.pause_mode, self.mode)
         if problem:
             raise ConfigError(problem)
+
+    def check_atomic(self) -> None:
+        """Atomic mode against the mode and the engines (both may change between runs)."""
+        if not isinstance(self.atomic, bool):
+            raise ConfigError(f"atomic must be True or False, got {self.atomic!r}")
+        if not self.atomic:
+            return
+        if self.mode == "colocated":
+            raise ConfigError(
+                "atomic=True keeps generating while a second copy of the weights is written, and a colocated "
+                "refit gives the engines' memory to the trainer while it trains: use mode='disaggregated', or "
+                "atomic=False"
+            )
+        unable = [e for e in self.engines if not getattr(e, "stages", False)]
+        if unable:
+            reasons = "; ".join(
+                f"{e.name}: {getattr(e, 'no_stage', None) or 'it declares no staged session (EngineDriver.stages)'}"
+                for e in unable
+            )
+            raise ConfigError(
+                "atomic=True writes the new weights into a second copy while generation goes on, and these engines "
+                f"cannot: {reasons}; use atomic=False (pause_mode 'retract' holds requests and continues them)"
+            )
 
     def check_max_staleness(self) -> None:
         """Refuse a version policy that is not None or a count (it may change between runs)."""
@@ -337,6 +369,7 @@ class RefitContext:
             "engines": [f"{type(e).__name__}:{e.name}" for e in self.engines],
             "mode": self.mode,
             "pause_mode": self.pause_mode,
+            "atomic": self.atomic,
             "bucket_bytes": self.bucket_bytes,
             "deadline_s": self.deadline_s,
             "cleanup_grace_s": self.cleanup_grace_s,

@@ -44,13 +44,17 @@ SILENT_CALLS = {"stale_head": "finalize"}  # the call each silent kind corrupts 
 FAULT_CALLS: dict[str, frozenset[str]] = {
     "OFFLOADING": frozenset({"offload", "probe", "resume_memory"}),
     "CONNECTING": frozenset({"probe", "resume_memory", "attach", "detach", "connect", "join", "disconnect"}),
+    "STAGING": frozenset({"stage", "discard"}),  # atomic runs
     "PAUSING": frozenset({"pause"}),
     "INVALIDATING": frozenset({"flush", "begin"}),
     "TRANSFERRING": frozenset({"pack", "send", "load", "release", "abandon"}),
     "POST_PROCESSING": frozenset({"finalize"}),
     "VERIFYING": frozenset({"verify", "digests"}),
     "RECONNECTING": frozenset({"attach", "detach", "connect", "join", "disconnect"}),
-    "CONTINUING": frozenset({"publish", "continue_generation", "quarantine", "release_memory", "detach", "disconnect"}),
+    "SWAPPING": frozenset({"pause", "flush", "swap"}),  # atomic runs
+    "CONTINUING": frozenset(
+        {"publish", "continue_generation", "quarantine", "release_memory", "detach", "disconnect", "discard"}
+    ),
     "RESTORING": frozenset({"restore", "resume_memory", "quarantine", "detach", "disconnect"}),
 }
 HANG_SLACK_S = 0.6  # how far past its budget an injected hang answers (the runner waits budget + 0.5)

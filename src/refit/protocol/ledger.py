@@ -20,6 +20,8 @@ from refit.protocol.answers import wrap_error
 from refit.protocol.context import EngineOutcome
 from refit.states import (
     RETRY_STATES,
+    STAGED_STATES,
+    UNPAUSED_STAGED,
     EngineEvent,
     EngineMachine,
     EngineState,
@@ -62,6 +64,7 @@ class Engine:
     bytes_ok: int = 0
     verdict: dict[str, Any] | None = None  # its last verification (`refit.verify.Verdict`, and seconds)
     held: str | None = None  # why the version policy holds it out of service (its quarantine is a hold)
+    staging: dict[str, Any] | None = None  # its probe's account of the memory a staged copy needs (atomic runs)
 
     @property
     def state(self) -> EngineState:
@@ -78,6 +81,11 @@ class Engine:
     @property
     def published(self) -> bool:
         return self.weights.state == W.LABELLED
+
+    @property
+    def staged(self) -> bool:
+        """Its update writes a second copy (an atomic run's staged session) that nothing serves yet."""
+        return self.state in UNPAUSED_STAGED
 
     @property
     def must_not_serve(self) -> bool:
@@ -117,8 +125,10 @@ class Ledger:
             if isinstance(err.data.get("version"), int):
                 e.previous_version = err.data["version"]  # it keeps serving the version it holds
         call = step.call
-        if call == "load" and effect:
-            e.weights.fire(WE.TOUCH)  # part of it may have landed
+        if call == "load" and effect and not e.staged:
+            e.weights.fire(WE.TOUCH)  # part of it may have landed (a staged copy's is not served)
+        elif call == "swap" and effect:
+            e.weights.fire(WE.TOUCH)  # it may serve the copy: which weights it serves is unknown
         elif call == "begin" and e.begin_moves_weights and effect:
             e.weights.fire(WE.TOUCH)  # it may have begun: weights unusable
         elif call == "pause" and e.position.can(EV.PAUSE):
@@ -153,11 +163,19 @@ class Ledger:
             e.position.fire(EV.OPEN)
             if e.begin_moves_weights:  # unusable until a complete update
                 e.weights.fire(WE.TOUCH)
+        elif call == "stage":
+            e.position.fire(EV.STAGE)  # the served weights stay as they are until the swap
+        elif call == "swap":
+            e.position.fire(EV.SWAP)
+            e.weights.fire(WE.TOUCH)
+        elif call == "discard":
+            e.position.fire(EV.DISCARD)
         elif call == "load":
             assert step.bucket is not None
             e.acked.add(step.bucket)
             e.bytes_ok += self.plan[step.bucket].payload_bytes
-            e.weights.fire(WE.TOUCH)
+            if not e.staged:
+                e.weights.fire(WE.TOUCH)
         elif call == "finalize":
             complete = len(e.acked) == len(self.plan) and e.failure.state == F.NONE
             e.position.fire(EV.FINALIZE if complete else EV.CLOSE)
@@ -179,6 +197,8 @@ class Ledger:
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             return []  # not a version (the driver does not know, or reports nonsense): the runner's record stands
         e.previous_version = version if info.get("serving", True) else None
+        if "staging_bytes" in info:
+            e.staging = {k: info.get(k) for k in ("staging_bytes", "free_bytes", "pool")}
         if version >= self.version:  # a driver whose engine did not refuse
             self.ahead.append(e.name)
             return self.drop(e, step, EngineError("version_ahead", f"engine holds version {version}"))
@@ -188,7 +208,7 @@ class Ledger:
         """Judge an engine's report of what it will serve against what the trainer sent."""
         from refit.verify import judge
 
-        if e.state != E.FINALIZED or e.failure.state != F.NONE:
+        if e.state not in (E.FINALIZED, E.STAGED) or e.failure.state != F.NONE:
             return []  # its attempt did not complete: there is nothing to verify, and it will not publish
         kind = step.args[0] if step.args else None
         asked_probe = len(step.args) > 1 and step.args[1] is not None
@@ -250,19 +270,52 @@ class Ledger:
     # ---- decisions read from the ledger -----------------------------------------------------------
 
     def retryable(self, retries: int) -> list[Engine]:
-        """Engines that failed with an error inside the update, are paused, and have attempts left."""
+        """Engines that failed with an error inside the update and have attempts left: paused, or
+        (atomic runs) holding a copy that will not be swapped, or refused their stage."""
         return [
             e for e in self.engines
-            if e.failure.state == F.ERROR and e.failed_in in RETRY_STATES and e.state == E.PAUSED
-            and e.attempts <= retries
+            if e.failure.state == F.ERROR and e.failed_in in RETRY_STATES and e.attempts <= retries
+            and (e.state in (E.PAUSED, E.STRANDED) or (e.state == E.JOINED and e.failed_in == "STAGING"))
         ]  # fmt: skip
 
     def ready(self, *, verify: bool) -> list[Engine]:
-        """Engines that may publish: verified (or, when the run does not verify, finalized)."""
-        return [e for e in self.engines if e.active and e.state == (E.VERIFIED if verify else E.FINALIZED)]
+        """Engines that may publish: verified (or, when the run does not verify, finalized); in an
+        atomic run, their staged copies (they swap first)."""
+        want = (E.VERIFIED, E.STAGE_VERIFIED) if verify else (E.FINALIZED, E.STAGED)
+        return [e for e in self.engines if e.active and e.state in want]
 
     def owes_finalize(self) -> list[Engine]:
-        return [e for e in self.engines if e.state == E.OPEN and e.reachable]
+        return [e for e in self.engines if e.state in (E.OPEN, E.STAGING) and e.reachable]
+
+    def staging_problems(self) -> list[str]:
+        """Atomic runs, after the probe and before connect: why the engines' staged copies do not
+        fit. Each engine's copy needs `staging_bytes` beside what it serves; engines that report
+        the same memory `pool` (one host's memory, one device) add up against the least `free_bytes`
+        any of them saw. An engine that reports no figure cannot be checked, so it is refused too;
+        one that cannot tell what is free (None) is not."""
+        problems: list[str] = []
+        pools: dict[str, list[tuple[Engine, int, int | None]]] = {}
+        for e in self.engines:
+            if not e.active:
+                continue
+            info = e.staging or {}
+            need, free = info.get("staging_bytes"), info.get("free_bytes")
+            if isinstance(need, bool) or not isinstance(need, int) or need < 0:
+                problems.append(f"engine {e.name} did not report the memory a staged copy of its weights needs")
+                continue
+            free = free if isinstance(free, int) and not isinstance(free, bool) else None
+            pools.setdefault(str(info.get("pool") or e.name), []).append((e, need, free))
+        for pool, members in pools.items():
+            need = sum(n for _, n, _ in members)
+            frees = [f for _, _, f in members if f is not None]
+            if frees and need > min(frees):
+                names = ", ".join(e.name for e, _, _ in members)
+                where = f"(memory pool {pool}, shared)" if len(members) > 1 else f"({pool})"
+                problems.append(
+                    f"engine{'s' if len(members) > 1 else ''} {names} {where} need {_gib(need)} for staged copies of "
+                    f"their weights and {_gib(min(frees))} is free"
+                )
+        return problems
 
     def touched_unpublished(self) -> bool:
         """Some engine's weights changed without being labelled: the connection is not reused."""
@@ -279,6 +332,17 @@ class Ledger:
         if not e.reachable or e.state in (E.SERVING, E.QUARANTINED, E.STALE):
             return []
         kv_steps = [Step("resume_memory", kv, (["kv_cache"],))] if colocated else []
+        if e.state in UNPAUSED_STAGED or e.state == E.PAUSED_STAGED:  # atomic: its copy will not be served
+            paused = e.state == E.PAUSED_STAGED
+            if paused and e.must_not_serve:
+                return [Step("quarantine", quarantine, (reason,))]  # (a quarantine drops the copy too)
+            steps = [Step("discard", cont)]  # then as it was: serving (never paused), or paused
+            if hold is not None:
+                e.held = hold
+                return [*steps, Step("quarantine", quarantine, (hold, True) if e.holds_requests else (hold,))]
+            return [*steps, Step("continue_generation", cont), *kv_steps] if paused else steps
+        if e.state in STAGED_STATES:  # SWAPPED: it serves the copy, unpublished
+            return [Step("quarantine", quarantine, (reason,))]
         if e.state == E.PUBLISHED:
             return [Step("continue_generation", cont), *kv_steps]
         steps: list[Step] = []
@@ -325,3 +389,7 @@ class Ledger:
 
     def outcomes(self, *, colocated: bool) -> dict[str, EngineOutcome]:
         return {e.name: self.outcome(e, colocated=colocated) for e in self.engines}
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.2f} GiB"

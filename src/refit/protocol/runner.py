@@ -25,6 +25,13 @@ How a run proceeds (on the leader; other trainer ranks follow, see `refit.protoc
      gets its memory released again, poisoned ones are quarantined. Cleanup is bounded by the
      deadline plus `cleanup_grace_s`; past that, owed calls are still sent with a short floor.
   7. The run's events are checked against `refit.invariants`; a violation raises.
+
+Atomic runs (`RefitContext(atomic=True)`, `execute_atomic`) keep generation going through the
+transfer: the probe wave comes alone (each engine's answer says what a staged copy needs, checked
+before connect), then each engine stages (a session into a second copy), the buckets stream and
+finalize into the copies, the copies are verified, and one wave pauses each ready engine, flushes
+its cache, swaps the copy in and publishes and continues it: generation stops for that wave only.
+An engine that will not swap has its copy discarded and goes on as it was.
 """
 
 from __future__ import annotations
@@ -125,6 +132,7 @@ class _Run(Recording):
         ctx.check_digest_point()  # (it may have changed since the context was made)
         ctx.check_max_staleness()
         ctx.check_kv()
+        ctx.check_atomic()
         self.written_kind = [  # per engine: the digest its begin asks it to compute while writing, if any
             self.digest_kind if ctx.digest_point != "served" and hashes_writes(d, self.digest_kind) else None
             for d in ctx.engines
@@ -137,6 +145,9 @@ class _Run(Recording):
     def execute(self) -> None:
         ctx = self.ctx
         self.prepare()
+        if ctx.atomic:
+            self.execute_atomic()
+            return
         state = "OFFLOADING" if ctx.colocated else "CONNECTING"
         if ctx.colocated:
             self.enter(T.OFFLOAD)
@@ -187,11 +198,58 @@ class _Run(Recording):
         self.commit()
         self.enter(T.FINISH)
 
+    def execute_atomic(self) -> None:
+        """CONNECTING (the probe wave alone, the memory check, connect), STAGING, TRANSFERRING,
+        POST_PROCESSING, VERIFYING into the staged copies while generation goes on; retries discard
+        and stage again (RESTAGE); then SWAPPING and CONTINUING in one wave (`commit`)."""
+        ctx = self.ctx
+        self.enter(T.CONNECT)
+        members = self.engines
+        self.topology = self.session.topology
+        self.wave({e: [Step("probe", "CONNECTING", (self.version,))] for e in members})
+        self.check_probes()
+        self.require_engines("after the probe")
+        problems = self.ledger.staging_problems()
+        if problems:
+            raise RefitError(
+                "atomic refit refused before connect, nothing moved: " + "; ".join(problems)
+                + " (free memory on the engines, or pass atomic=False to refit in place)",
+                state="CONNECTING",
+            )  # fmt: skip
+        self.emit("run", "staging", memory={e.name: e.staging for e in self.engines if e.active})
+        if self.needs_connect(members):
+            self.connect([e for e in members if e.active], "CONNECTING")
+            self.require_engines("attached to the transport")
+        self.enter(T.STAGE)
+        self.wave({e: [self.begin_step(e)] for e in members if e.active})
+        self.require_engines("staging a copy of the weights")
+        opened = [e for e in self.engines if e.active and e.state == E.STAGING]
+        if self.group_differs(opened):  # a member left before any byte moved: the group without it
+            self.enter(T.RECONNECT)
+            self.connect(opened, "RECONNECTING")
+        self.stream([e for e in opened if e.active])
+        while retry := (self.ledger.retryable(ctx.retries) if self.deadline.remaining() > 0 else []):
+            self.attempt += 1
+            for e in retry:
+                self.ledger.begin_attempt(e, self.attempt)
+            if self.session.connection.state == Connection.BROKEN or self.group_differs(retry):
+                self.enter(T.RECONNECT)
+                self.connect(retry, "RECONNECTING")
+            self.enter(T.RESTAGE)
+            self.wave({
+                e: [*([Step("discard", "STAGING")] if e.state == E.STRANDED else []), self.begin_step(e)]
+                for e in retry if e.active
+            })  # fmt: skip
+            self.stream([e for e in retry if e.active and e.state == E.STAGING])
+        self.commit()
+        self.enter(T.FINISH)
+
     def begin_step(self, e: Engine) -> Step:
         """INVALIDATING's `begin(plan)`; with the digest kind as well where the engine hashes what
         it writes (`written_digests`) and the run verifies at the write (`digest_point`)."""
         kind = self.written_kind[e.index]
-        return Step("begin", "INVALIDATING", (self.plan,) if kind is None else (self.plan, kind))
+        call, state = ("stage", "STAGING") if self.ctx.atomic else ("begin", "INVALIDATING")
+        return Step(call, state, (self.plan,) if kind is None else (self.plan, kind))
 
     def group_differs(self, engines: list[Engine]) -> bool:
         """A collective group is all-or-nothing per bucket: an attempt streams through it only when
@@ -551,7 +609,7 @@ class _Run(Recording):
             raise self.ledger.first_error or DriverCallError(
                 "no engine completed the update", state=str(self.machine.state)
             )
-        self.enter(T.PUBLISH)
+        self.enter(T.SWAP if ctx.atomic else T.PUBLISH)
         for e in ready:
             problems = invariants.commit_gate(
                 self.events, [e.name], len(self.plan), attempt=e.attempt, verified=self.verifying
@@ -559,7 +617,12 @@ class _Run(Recording):
             if problems:
                 raise InvariantViolation("commit gate refused to publish: " + "; ".join(problems), state="CONTINUING")
         kv = [Step("resume_memory", "RESTORING", (["kv_cache"],))] if ctx.colocated else []
-        publish = [Step("publish", "CONTINUING", (self.version,)), Step("continue_generation", "CONTINUING"), *kv]
+        # atomic: generation stops only for this wave; the cache is flushed while paused, before the swap
+        swap = [Step("pause", "SWAPPING", (ctx.pause_mode,)), Step("flush", "SWAPPING"), Step("swap", "SWAPPING")]
+        publish = [
+            *(swap if ctx.atomic else []), Step("publish", "CONTINUING", (self.version,)),
+            Step("continue_generation", "CONTINUING"), *kv,
+        ]  # fmt: skip
         plan: dict[Engine, list[Step]] = {}
         for e in self.engines:
             if e in ready:
@@ -636,7 +699,7 @@ class _Run(Recording):
         reason = f"refit to version {self.version} (run {self.run_id}): it refused to continue"
         refused = [
             e for e, steps in plan.items()
-            if steps and e.reachable and e.state in (E.PAUSED, E.FINALIZED, E.VERIFIED, E.PUBLISHED)
+            if steps and e.reachable and e.state in (E.PAUSED, E.FINALIZED, E.VERIFIED, E.PUBLISHED, E.PAUSED_STAGED)
             and any(s.call == "continue_generation" for s in steps)
         ]  # fmt: skip
         if refused:
@@ -730,7 +793,7 @@ def _lead(ctx: RefitContext) -> RefitResult:
     r.emit(
         "run", "start", previous_version=r.previous_version, owner=r.owner, engines=[e.name for e in r.engines],
         incarnations=[e.incarnation for e in r.engines], engine_tp=[e.tp for e in r.engines], mode=ctx.mode,
-        max_staleness=ctx.max_staleness, kv=ctx.kv,
+        max_staleness=ctx.max_staleness, kv=ctx.kv, atomic=ctx.atomic or None,
         pause_mode=ctx.pause_mode, bucket_bytes=ctx.bucket_bytes, deadline_s=ctx.deadline_s,
         cleanup_grace_s=ctx.cleanup_grace_s, retries=ctx.retries, call_timeout_s=ctx.call_timeout_s, verify=ctx.verify,
         digest=r.digest_kind, digest_point=ctx.digest_point, layout_heads=True,

@@ -211,12 +211,13 @@ def start_thread(
     serving: bool = True,
     core: type[EngineCore] = EngineCore,
     max_running: int = 8,
+    memory_limit: int | None = None,
 ) -> EngineClient:
     """Run an engine on a thread of this process (same loop as the process version). `core`: an
     EngineCore subclass (tests use one to host an engine-side bug behind a correct driver);
-    `max_running`: requests decoded at once (the rest wait)."""
+    `max_running`: requests decoded at once (the rest wait); `memory_limit`: see EngineCore."""
     ours, theirs = LocalChannel.pair()
-    engine = core(config, seed, version=version, serving=serving, max_running=max_running)
+    engine = core(config, seed, version=version, serving=serving, max_running=max_running, memory_limit=memory_limit)
     server = EngineServer(engine, name, in_process=True)
     thread = threading.Thread(target=serve, args=(theirs, server), name=f"refit-engine-{name}", daemon=True)
     thread.start()

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import socket
 import time
 from collections import deque
 from collections.abc import Collection, Sequence
@@ -272,13 +273,17 @@ class EngineCore:
         serving: bool = True,
         comm: Comm | None = None,
         device: str = "cpu",
+        memory_limit: int | None = None,
     ) -> None:
         """`serving=False` starts the engine out of service until a refit completes (a recovered
         engine must not answer requests with checkpoint weights before it has the current ones).
         `comm`: this process is one TP rank of the engine (every rank runs every request; the
         weights are sharded, the scheduler state replicated). `device`: where the weights, KV and
-        forward live (a CUDA engine has one TP rank: its TP collectives are gloo's)."""
+        forward live (a CUDA engine has one TP rank: its TP collectives are gloo's). `memory_limit`:
+        the bytes its weights may take, staged copies included (as a server's static memory
+        fraction bounds it): the probe reports what is left as free for a staged copy."""
         self.config = config
+        self.memory_limit = memory_limit
         self.comm = comm or Comm()
         self.device = torch.device(device)
         if self.device.type != "cpu" and self.comm.size > 1:
@@ -297,6 +302,7 @@ class EngineCore:
         self.commits: list[tuple[int, int]] = [(version, 0)]  # (version, weights epoch) served whole
         self.held_in_place = False  # paused in place: requests keep their KV across the update
         self.tokens_sampled = 0  # tokens generated so far, every request
+        self.tokens_while_staged = 0  # of those, sampled while a staged copy was held (atomic refits)
         self._written: tuple[Any, int] | None = None  # the last finalized session's Written, and the epoch it hashed
         self._regions: tuple[Any, Any, Any] | None = None  # (params, serving head, their `wsum.Regions`)
         self.dirty = False  # weights differ from what `version` names
@@ -522,6 +528,10 @@ class EngineCore:
         self.sessions += 1
         self.ready_to_publish = False
 
+    def stage(self, plan: Sequence[BucketManifest], digest: str | None = None) -> None:
+        """`begin(plan, digest, staged=True)`: the atomic refit's session into a second copy."""
+        self.begin(plan, digest, staged=True)
+
     def probe(self, target_version: int) -> dict[str, Any]:
         """The engine's own account before a refit: its version, whether it serves, and any update
         session a crashed run left open (voided here: its weights are then unnamed until a refit
@@ -547,18 +557,29 @@ class EngineCore:
 
     def staging_memory(self) -> dict[str, int | None]:
         """What a staged session needs beside the served weights (a copy of them), and the memory
-        free where they live now (CUDA: the device's; host: the machine's available pages), for the
-        check before an atomic refit connects."""
+        free where they live now (CUDA: the device's; host: the machine's available pages; less
+        where `memory_limit` leaves less), for the check before an atomic refit connects. `pool`
+        names that memory: engines on one host (or one device) share it. With TP every rank
+        holds a copy of its shard: the need is the head's times the ranks (host memory)."""
         need = sum(t.numel() * t.element_size() for t in self.params.values())
         need += self.head_serving.numel() * self.head_serving.element_size()
+        held = need + (need if self._live is not None else 0)  # what the weights take now
+        need *= self.comm.size
         if self.device.type == "cuda":
             free: int | None = int(torch.cuda.mem_get_info(self.device)[0])
+            index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+            pool = f"{socket.gethostname()}/cuda:{torch.cuda.get_device_properties(index).uuid}"
         else:
+            pool = f"{socket.gethostname()}/host"
             try:
                 free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
             except (ValueError, OSError, AttributeError):
                 free = None
-        return {"staging_bytes": need, "free_bytes": free}
+        if self.memory_limit is not None:
+            left = max(self.memory_limit - held * self.comm.size, 0)
+            free = left if free is None else min(free, left)
+            pool = f"{pool}/{id(self)}"  # its own budget: not shared with other engines
+        return {"staging_bytes": need, "free_bytes": free, "pool": pool}
 
     def swap(self) -> dict[str, Any]:
         """Serve the staged copy (atomic refits): finalized whole, with generation paused (its
@@ -1140,6 +1161,8 @@ class EngineCore:
         req.versions.append(self.version)
         req.epochs.append(self.weights_epoch)
         self.tokens_sampled += 1
+        if self._live is not None:
+            self.tokens_while_staged += 1  # generated with the served weights while a staged copy is written
         if len(req.output) >= req.max_new_tokens:
             self.running.remove(req)
             self._finish(req, "length")
@@ -1277,6 +1300,7 @@ class EngineCore:
             "staged": self._live is not None,  # a staged copy of the weights is held (atomic refit)
             "commits": [list(c) for c in self.commits],
             "tokens_sampled": self.tokens_sampled,
+            "tokens_while_staged": self.tokens_while_staged,
             "weights_released": self.weights_released,
             "kv_released": self.kv_released,
             "running": len(self.running),

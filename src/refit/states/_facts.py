@@ -5,9 +5,10 @@ I/O or time; a move the table lacks raises `IllegalTransition`.
 
 Per engine and run:
 - **Weights**: what the engine's weights are relative to the versions refit names. KEPT (what it
-  held when the run began), CHANGED (a bucket may have landed, a begin that moves weights ran, or
-  a publish failed, so its label is unknown), LOST (its weight memory came back with contents not
-  reported intact), LABELLED (published: it holds this run's version and says so).
+  held when the run began), CHANGED (a bucket may have landed, a begin that moves weights ran, a
+  staged copy may have been swapped in, or a publish failed, so its label is unknown; an atomic
+  run's buckets land in a copy nothing serves, so only its swap touches), LOST (its weight memory
+  came back with contents not reported intact), LABELLED (published: it holds this run's version and says so).
 - **Failure**: why it left the current attempt. NONE (in it), ERROR (an error answer: it may be
   retried), TIMEOUT (hung), DEADLINE (the run had no time left for its call), DEAD. A worse reason
   replaces a milder one; DEAD is final; REJOIN puts an engine back into an attempt (a retry, or a
@@ -48,7 +49,8 @@ class Weights(StrEnum):
 
 
 class WeightsEvent(StrEnum):
-    TOUCH = "touch"  # a load acked or failed with effect; a begin that moves weights; a failed publish
+    # a load (not staged) or a swap, acked or failed with effect; a begin that moves weights; a failed publish
+    TOUCH = "touch"
     LOSE = "lose"  # weight memory resumed without intact contents, or its resume failed
     LABEL = "label"  # publish succeeded
 

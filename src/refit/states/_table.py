@@ -19,12 +19,22 @@ failure of the run itself (trainer side, deadline, no engine left) moves to ABOR
 the run may quarantine poisoned engines and always ends latched in FAILED. DONE and FAILED have
 no exits.
 
+Atomic runs (`RefitContext(atomic=True)`, stage-then-swap) never pause to transfer: from
+CONNECTING they `stage` (STAGING: each engine opens a session into a second copy of its weights
+and goes on generating with the first), stream and finalize into the copies, verify them, then
+`swap` (SWAPPING: one wave pauses each ready engine, flushes its cache, serves the copy, and
+publishes and continues it, the publish in CONTINUING). A retry discards the copy and stages
+again (`restage`); an engine that will not swap has its copy discarded, never quarantined for it.
+
 The engine table. One per engine and run (h11 keeps one state per role): where that engine
 stands in the update. Under a version policy (`RefitContext(max_staleness=k)`), an engine that did
 not take the version others published and would serve one more than k versions behind it is held
-(`hold`: STALE, out of service) instead of continued. Facts that are not positions (whether its
-weights changed or were lost, why it left the attempt) are kept beside it; outcomes are derived
-from both.
+(`hold`: STALE, out of service) instead of continued. In an atomic run an engine stages
+(STAGING, STAGED, STAGE_VERIFIED) while it keeps serving, pauses only with its copy ready
+(PAUSED_STAGED), and its weights change only at `swap` (SWAPPED); a copy that will not be served
+(STRANDED, or any staged position the run leaves) is discarded, back to where the engine was.
+Facts that are not positions (whether its weights changed or were lost, why it left the attempt)
+are kept beside it; outcomes are derived from both.
 """
 
 from enum import StrEnum
@@ -34,12 +44,14 @@ class RefitState(StrEnum):
     IDLE = "IDLE"
     OFFLOADING = "OFFLOADING"
     CONNECTING = "CONNECTING"
+    STAGING = "STAGING"
     PAUSING = "PAUSING"
     INVALIDATING = "INVALIDATING"
     TRANSFERRING = "TRANSFERRING"
     POST_PROCESSING = "POST_PROCESSING"
     VERIFYING = "VERIFYING"
     RECONNECTING = "RECONNECTING"
+    SWAPPING = "SWAPPING"
     CONTINUING = "CONTINUING"
     RESTORING = "RESTORING"
     DONE = "DONE"
@@ -51,6 +63,7 @@ class RefitState(StrEnum):
 class Trigger(StrEnum):
     OFFLOAD = "offload"
     CONNECT = "connect"
+    STAGE = "stage"
     PAUSE = "pause"
     INVALIDATE = "invalidate"
     TRANSFER = "transfer"
@@ -59,6 +72,8 @@ class Trigger(StrEnum):
     VERIFY = "verify"
     RECONNECT = "reconnect"
     RETRY = "retry"
+    RESTAGE = "restage"
+    SWAP = "swap"
     PUBLISH = "publish"
     RESTORE = "restore"
     FINISH = "finish"
@@ -73,12 +88,14 @@ T = Trigger
 ACTIVE_STATES: tuple[RefitState, ...] = (
     S.OFFLOADING,
     S.CONNECTING,
+    S.STAGING,
     S.PAUSING,
     S.INVALIDATING,
     S.TRANSFERRING,
     S.POST_PROCESSING,
     S.VERIFYING,
     S.RECONNECTING,
+    S.SWAPPING,
     S.CONTINUING,
     S.RESTORING,
 )
@@ -86,7 +103,7 @@ TERMINAL_STATES: tuple[RefitState, ...] = (S.DONE, S.FAILED)
 # inside the update: an engine that fails here (an error, not a hang or a death) is retried when
 # the run allows retries, its next attempt beginning the update again (VERIFYING: what it would
 # serve is not what was sent)
-RETRY_STATES: tuple[RefitState, ...] = (S.INVALIDATING, S.TRANSFERRING, S.POST_PROCESSING, S.VERIFYING)
+RETRY_STATES: tuple[RefitState, ...] = (S.STAGING, S.INVALIDATING, S.TRANSFERRING, S.POST_PROCESSING, S.VERIFYING)
 
 # (trigger, sources, destination), in the order of the happy path, then recovery, then failure.
 TRANSITIONS: tuple[tuple[Trigger, tuple[RefitState, ...], RefitState], ...] = (
@@ -94,15 +111,21 @@ TRANSITIONS: tuple[tuple[Trigger, tuple[RefitState, ...], RefitState], ...] = (
     (T.CONNECT, (S.IDLE, S.OFFLOADING), S.CONNECTING),
     (T.PAUSE, (S.CONNECTING,), S.PAUSING),
     (T.INVALIDATE, (S.PAUSING,), S.INVALIDATING),
-    (T.TRANSFER, (S.INVALIDATING, S.RECONNECTING), S.TRANSFERRING),  # RECONNECTING: a group rebuilt first
+    # atomic runs: a staged session instead of pause, flush and begin (generation goes on)
+    (T.STAGE, (S.CONNECTING,), S.STAGING),
+    # RECONNECTING: a group rebuilt first; STAGING: an atomic run's copies are open
+    (T.TRANSFER, (S.INVALIDATING, S.RECONNECTING, S.STAGING), S.TRANSFERRING),
     (T.NEXT_BUCKET, (S.TRANSFERRING,), S.TRANSFERRING),
     (T.POST_PROCESS, (S.TRANSFERRING,), S.POST_PROCESSING),
-    (T.PUBLISH, (S.POST_PROCESSING, S.VERIFYING), S.CONTINUING),  # POST_PROCESSING: verify="off"
+    # POST_PROCESSING: verify="off"; SWAPPING: an atomic run's publish rides the swap wave
+    (T.PUBLISH, (S.POST_PROCESSING, S.VERIFYING, S.SWAPPING), S.CONTINUING),
     (T.VERIFY, (S.POST_PROCESSING,), S.VERIFYING),
+    (T.SWAP, (S.POST_PROCESSING, S.VERIFYING), S.SWAPPING),  # atomic: pause, flush, swap, then publish
     (T.RESTORE, (S.CONTINUING,), S.RESTORING),
     (T.FINISH, (S.CONTINUING, S.RESTORING), S.DONE),
-    (T.RECONNECT, (S.INVALIDATING, S.POST_PROCESSING, S.VERIFYING), S.RECONNECTING),
+    (T.RECONNECT, (S.INVALIDATING, S.STAGING, S.POST_PROCESSING, S.VERIFYING), S.RECONNECTING),
     (T.RETRY, (S.POST_PROCESSING, S.VERIFYING, S.RECONNECTING), S.INVALIDATING),
+    (T.RESTAGE, (S.POST_PROCESSING, S.VERIFYING, S.RECONNECTING), S.STAGING),  # atomic: discard, stage again
     (T.FAIL, (S.IDLE, *ACTIVE_STATES), S.ABORTING),  # IDLE: the ranks' metadata or the plan was refused
     (T.QUARANTINE, (S.ABORTING,), S.QUARANTINING),
     (T.LATCH, (S.ABORTING, S.QUARANTINING), S.FAILED),
@@ -120,6 +143,13 @@ class EngineState(StrEnum):
     QUARANTINED = "QUARANTINED"  # kept out of service until a refit completes
     STALE = "STALE"  # clean, held out of service by the version policy (max_staleness) until a refit reaches it
     GONE = "GONE"  # died or stopped answering: only a restart helps
+    # atomic runs: a second copy of the weights is written while the served one keeps generating
+    STAGING = "STAGING"  # a staged session open: one finalize owed, and a swap or a discard
+    STAGED = "STAGED"  # the copy finalized whole (verify="off": it may swap)
+    STAGE_VERIFIED = "STAGE_VERIFIED"  # what the copy will serve is what the trainer sent: it may swap
+    STRANDED = "STRANDED"  # a copy that will not be swapped (closed incomplete, or rejected): owed a discard
+    PAUSED_STAGED = "PAUSED_STAGED"  # paused for the swap, the copy not yet served
+    SWAPPED = "SWAPPED"  # paused, serving the copy: it may publish
 
 
 class EngineEvent(StrEnum):
@@ -134,9 +164,15 @@ class EngineEvent(StrEnum):
     QUARANTINE = "quarantine"
     HOLD = "hold"  # did not take the version others published and is too far behind it to serve
     LOSE = "lose"
+    STAGE = "stage"  # a staged session opened (atomic runs)
+    SWAP = "swap"  # the staged copy is served
+    DISCARD = "discard"  # the staged copy is dropped: the served weights are as they were
 
 
 E, EV = EngineState, EngineEvent
+# an atomic run's positions between its stage and its publish (a quarantine drops the copy)
+STAGED_STATES: tuple[EngineState, ...] = (E.STAGING, E.STAGED, E.STAGE_VERIFIED, E.STRANDED, E.PAUSED_STAGED, E.SWAPPED)
+UNPAUSED_STAGED: tuple[EngineState, ...] = (E.STAGING, E.STAGED, E.STAGE_VERIFIED, E.STRANDED)
 
 ENGINE_TRANSITIONS: tuple[tuple[EngineEvent, tuple[EngineState, ...], EngineState], ...] = (
     (EV.PAUSE, (E.JOINED,), E.PAUSED),
@@ -145,9 +181,22 @@ ENGINE_TRANSITIONS: tuple[tuple[EngineEvent, tuple[EngineState, ...], EngineStat
     (EV.CLOSE, (E.OPEN,), E.PAUSED),
     (EV.VERIFY, (E.FINALIZED,), E.VERIFIED),
     (EV.REJECT, (E.FINALIZED,), E.PAUSED),
-    (EV.PUBLISH, (E.FINALIZED, E.VERIFIED), E.PUBLISHED),
+    (EV.STAGE, (E.JOINED,), E.STAGING),
+    (EV.FINALIZE, (E.STAGING,), E.STAGED),
+    (EV.CLOSE, (E.STAGING,), E.STRANDED),
+    (EV.VERIFY, (E.STAGED,), E.STAGE_VERIFIED),
+    (EV.REJECT, (E.STAGED,), E.STRANDED),
+    (EV.PAUSE, (E.STAGED, E.STAGE_VERIFIED), E.PAUSED_STAGED),
+    (EV.SWAP, (E.PAUSED_STAGED,), E.SWAPPED),
+    (EV.DISCARD, (E.STAGING, E.STAGED, E.STAGE_VERIFIED, E.STRANDED), E.JOINED),  # never paused: as it was
+    (EV.DISCARD, (E.PAUSED_STAGED,), E.PAUSED),
+    (EV.PUBLISH, (E.FINALIZED, E.VERIFIED, E.SWAPPED), E.PUBLISHED),
     (EV.CONTINUE, (E.PAUSED, E.PUBLISHED), E.SERVING),
-    (EV.QUARANTINE, (E.JOINED, E.PAUSED, E.OPEN, E.FINALIZED, E.VERIFIED, E.PUBLISHED), E.QUARANTINED),
+    (EV.QUARANTINE, (E.JOINED, E.PAUSED, E.OPEN, E.FINALIZED, E.VERIFIED, E.PUBLISHED, *STAGED_STATES), E.QUARANTINED),
     (EV.HOLD, (E.JOINED, E.PAUSED), E.STALE),
-    (EV.LOSE, (E.JOINED, E.PAUSED, E.OPEN, E.FINALIZED, E.VERIFIED, E.PUBLISHED, E.SERVING, E.STALE), E.GONE),
+    (
+        EV.LOSE,
+        (E.JOINED, E.PAUSED, E.OPEN, E.FINALIZED, E.VERIFIED, E.PUBLISHED, E.SERVING, E.STALE, *STAGED_STATES),
+        E.GONE,
+    ),
 )

@@ -169,11 +169,14 @@ class DriverStateMachine(RuleBasedStateMachine):
         mode=st.sampled_from(["colocated", "disaggregated"]),
         pause_mode=st.sampled_from(["abort", "retract", "in_place"]),
         max_staleness=st.sampled_from([0, None]),
+        atomic=st.booleans(),
     )
-    def setup(self, n: int, mode: str, pause_mode: str, max_staleness: int | None) -> None:
+    def setup(self, n: int, mode: str, pause_mode: str, max_staleness: int | None, atomic: bool = False) -> None:
         from refit.drivers.torch_source import TorchSource
 
         self.engines = [self.timed(type(self).factory(f"kit{i}")) for i in range(n)]
+        # stage-then-swap: disaggregated runs of engines that stage (`EngineDriver.stages`)
+        atomic = atomic and mode == "disaggregated" and all(getattr(e, "stages", False) for e in self.engines)
         if pause_mode == "in_place" and (
             mode == "colocated" or not all(e.supports_in_place_pause for e in self.engines)
         ):  # held in place with their own KV: disaggregated runs of engines that can (kv="keep")
@@ -197,8 +200,12 @@ class DriverStateMachine(RuleBasedStateMachine):
             max_staleness=max_staleness,
             # a driver that reports digests is verified before every publish, as users get it by default
             verify="digest" if digest_kind_for(transport.digest_kind, self.engines) else "off",
+            atomic=atomic,
         )
-        _note(f"{n} engines, {mode}, pause {pause_mode}, verify {self.ctx.verify}, max_staleness {max_staleness}")
+        _note(
+            f"{n} engines, {mode}{', atomic' if atomic else ''}, pause {pause_mode}, verify {self.ctx.verify}, "
+            f"max_staleness {max_staleness}"
+        )
 
     # ---- rules --------------------------------------------------------------------------------
 
@@ -208,13 +215,16 @@ class DriverStateMachine(RuleBasedStateMachine):
 
     def fault_states(self) -> list[str]:
         """States a fault can fire in: offload/restore exist only in colocated runs, RECONNECTING
-        only with a collective transport, VERIFYING only when the run verifies."""
+        only with a collective transport, VERIFYING only when the run verifies, STAGING and
+        SWAPPING only in atomic runs (which never pass PAUSING or INVALIDATING)."""
         assert self.ctx is not None
+        skipped = ("PAUSING", "INVALIDATING") if self.ctx.atomic else ("STAGING", "SWAPPING")
         return [
             str(s) for s in ACTIVE_STATES
             if (self.ctx.colocated or s not in ("OFFLOADING", "RESTORING"))
             and (self.ctx.transport.collective or s != "RECONNECTING")
             and (self.ctx.verify != "off" or s != "VERIFYING")
+            and s not in skipped
         ]  # fmt: skip
 
     @rule(data=st.data(), retries=st.integers(0, 1), path=st.sampled_from(["transfer", "retry", "transfer", "other"]))
@@ -240,8 +250,9 @@ class DriverStateMachine(RuleBasedStateMachine):
         after a raise at the middle bucket dropped it from the first attempt."""
         n = self.n_buckets()
         mid = n // 2  # the first attempt's loads before `mid` pass a fault keyed to them; `mid` fails
+        atomic = self.ctx is not None and self.ctx.atomic
         return [
-            ("INVALIDATING", "begin", None, 1),
+            ("STAGING", "stage", None, 1) if atomic else ("INVALIDATING", "begin", None, 1),
             ("TRANSFERRING", "load", 0, 1 if mid > 0 else 0),
             ("TRANSFERRING", "load", n - 1, 0),
             ("POST_PROCESSING", "finalize", None, 0),
@@ -698,6 +709,8 @@ class DriverStateMachine(RuleBasedStateMachine):
                 cov.paths[path] += 1
         for o in result.engines.values():
             cov.outcomes[o.status] += 1
+        if self.ctx is not None and self.ctx.atomic:
+            cov.checks["atomic runs"] += 1
 
     def _audit(self, engine: EngineDriver) -> tuple[list[dict[str, Any]], float] | None:
         """The engine's own record of what it did, and when that record was taken."""
@@ -859,6 +872,13 @@ def check_engine_driver(
         try:
             machine.setup(n=2, mode="colocated", pause_mode="retract", max_staleness=None)
             sweep(machine)
+        finally:
+            machine.teardown()
+        machine = Machine()  # and atomic runs, where the driver's engines stage
+        try:
+            machine.setup(n=2, mode="disaggregated", pause_mode="retract", max_staleness=0, atomic=True)
+            if machine.ctx is not None and machine.ctx.atomic:
+                sweep(machine)
         finally:
             machine.teardown()
     phases = [Phase.explicit, Phase.reuse, Phase.generate] + ([Phase.shrink] if shrink else [])
