@@ -70,6 +70,25 @@ def test_in_place_with_kept_kv_is_refused_naming_the_server(server: str) -> None
         engine.close()
 
 
+@pytest.mark.parametrize(
+    ("server", "reason"),
+    [
+        ("sglang", r"SGLang 0\.5\.23 writes every update into the live model \(model_runner_components/weight_updater"),
+        ("vllm", r"vLLM 0\.33\.0 writes every update into the live parameters \(distributed/weight_transfer"),
+    ],
+)
+def test_atomic_refits_are_refused_naming_what_the_server_lacks(server: str, reason: str) -> None:
+    """Neither server can stage a second copy of the weights to swap in: atomic=True is refused
+    when the context is made, naming the version and where it loads into the live weights."""
+    start, transport, _ = SERVERS[server]
+    engine = start()
+    try:
+        with pytest.raises(ConfigError, match=reason):
+            protocol.RefitContext(TorchSource(TinyLlama(CFG, seed=0)), transport(), [engine], atomic=True)
+    finally:
+        engine.close()
+
+
 @pytest.mark.parametrize("server", SERVERS)
 def test_a_held_server_keeps_its_requests_until_a_refit_reaches_it(server: str) -> None:
     """max_staleness=0: the server whose flush was refused is held (STALE) by pausing it with its
