@@ -39,9 +39,19 @@ def kinds(transport: str) -> tuple[str, ...]:
     return tuple(k for k in KINDS if k != "corrupt") if transport == "broadcast_direct" else KINDS
 
 
-def cases(transport: str = "shm") -> list[tuple[str, str, str, int, int | None]]:
+ATOMIC_ONLY = ("STAGING", "SWAPPING")  # states only atomic runs pass
+ATOMIC_SKIPS = ("OFFLOADING", "RESTORING", "PAUSING", "INVALIDATING")  # (atomic runs are disaggregated)
+
+
+def states(atomic: bool) -> list[str]:
+    """The states a run of the matrix passes (RECONNECTING: only where a group is rebuilt)."""
+    skipped = ATOMIC_SKIPS if atomic else ATOMIC_ONLY
+    return [str(s) for s in ACTIVE_STATES if s != "RECONNECTING" and s not in skipped]
+
+
+def cases(transport: str = "shm", *, atomic: bool = False) -> list[tuple[str, str, str, int, int | None]]:
     out = []
-    for state in (s for s in ACTIVE_STATES if s != "RECONNECTING"):
+    for state in states(atomic):
         buckets = [0, N_BUCKETS // 2, N_BUCKETS - 1] if state == "TRANSFERRING" else [None]
         for kind in kinds(transport):
             for engine in (0, 1):
@@ -55,12 +65,13 @@ def cases(transport: str = "shm") -> list[tuple[str, str, str, int, int | None]]
 
 def run_case(
     transport: str, state: str, kind: str, engine: int | None, bucket: int | None, *, steady: bool = False,
-    call: str | None = None, max_staleness: int | None = None,
+    call: str | None = None, max_staleness: int | None = None, atomic: bool = False,
 ) -> list[str]:  # fmt: skip
     """One refit with one fault; returns every violation found (empty: the case passed). `steady`:
     a disaggregated context whose first refit succeeds; the fault hits its second, whose bucket 0
     rides the pause wave (every engine where the first left it). `call`: only that call faults.
-    `max_staleness`: the run's version policy (0: an engine left behind is held, not continued)."""
+    `max_staleness`: the run's version policy (0: an engine left behind is held, not continued).
+    `atomic`: a disaggregated run that stages the weights into copies and swaps them in."""
     engines = [ReferenceEngine.in_thread(f"m{i}", CONFIG, seed=0) for i in range(2)]
     model = perturbed(TinyLlama(CONFIG, seed=0), seed=7)
     versions = {0: TinyLlama(CONFIG, seed=0).state_dict(), 1: {k: v.clone() for k, v in model.state_dict().items()}}
@@ -71,9 +82,10 @@ def run_case(
         retries = 1
     faults.fail_at(state, engine=engine, bucket=bucket, kind=kind, call=call)
     ctx = protocol.RefitContext(
-        TorchSource(model), TRANSPORTS[transport](), engines, mode="disaggregated" if steady else "colocated",
-        bucket_bytes=64 << 10, deadline_s=5.0, cleanup_grace_s=2.0, call_timeout_s=0.3, retries=retries,
-        faults=None if steady else faults, max_staleness=max_staleness,
+        TorchSource(model), TRANSPORTS[transport](), engines,
+        mode="disaggregated" if steady or atomic else "colocated", atomic=atomic, bucket_bytes=64 << 10,
+        deadline_s=5.0, cleanup_grace_s=2.0, call_timeout_s=0.3, retries=retries, faults=None if steady else faults,
+        max_staleness=max_staleness,
     )  # fmt: skip
     found: list[str] = []
     try:
@@ -142,15 +154,14 @@ def serving_problems(
     return []
 
 
-def check_matrix(transport: str, *, max_staleness: int | None = None) -> None:
+def check_matrix(transport: str, *, max_staleness: int | None = None, atomic: bool = False) -> None:
     """Every case of one transport's matrix; no invariant violation in any."""
-    matrix = cases(transport)
-    run = functools.partial(run_case, max_staleness=max_staleness)
+    matrix = cases(transport, atomic=atomic)
+    run = functools.partial(run_case, max_staleness=max_staleness, atomic=atomic)
     n = len(kinds(transport))
     extra = n if transport.startswith("broadcast") else 0
-    assert (
-        len(matrix) == 9 * n * 2 + n * 2 * 2 + extra
-    )  # 9 states x kinds x 2 engines, + 2 more buckets in TRANSFERRING
+    k = len(states(atomic))  # 9 (colocated: OFFLOADING to RESTORING), 7 (atomic: CONNECTING to CONTINUING)
+    assert len(matrix) == k * n * 2 + n * 2 * 2 + extra  # states x kinds x 2 engines, + 2 more buckets in TRANSFERRING
     violations = {case: problems for case in matrix if (problems := run(*case))}
     redone = [case for case, problems in violations.items() if problems == [p for p in problems if "did not fire" in p]]
     for case in redone:  # the fault missed its step because something else failed first (a slow rendezvous): once more
@@ -158,9 +169,9 @@ def check_matrix(transport: str, *, max_staleness: int | None = None) -> None:
             del violations[case]
         else:
             violations[case] = problems
-    policy = "" if max_staleness is None else f", max_staleness {max_staleness}"
+    policy = ("" if max_staleness is None else f", max_staleness {max_staleness}") + (", atomic" if atomic else "")
     SUMMARY.append(
-        f"fault matrix ({transport}{policy}): {len(matrix)} cases (9 states x {n} kinds x 2 engines, x 3 buckets in "
+        f"fault matrix ({transport}{policy}): {len(matrix)} cases ({k} states x {n} kinds x 2 engines, x 3 buckets in "
         f"TRANSFERRING"
         + (f", + RECONNECTING x {n} kinds" if extra else "")
         + f"), {sum(len(v) for v in violations.values())} invariant violations"

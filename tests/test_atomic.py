@@ -411,3 +411,26 @@ def test_an_engine_that_dies_while_staging_leaves_the_others_to_swap(atomic_flee
     result = protocol.run(c)
     assert result.version == 1 and result.engines["a0"].status == "updated" and result.engines["a1"].status == "failed"
     _checked(c)
+
+
+def test_the_async_rl_example_runs_without_stopping_generation_for_the_transfer() -> None:
+    """examples/async_rl.py as a user runs it (a subprocess, two engine processes): five atomic
+    refits while requests are in flight, none aborted, tokens generated while the copies were
+    written, samples filtered by their staleness."""
+    import re
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(
+        [sys.executable, str(root / "examples" / "async_rl.py")], capture_output=True, text=True, timeout=300,
+        check=False, cwd=root,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    assert sum(line.startswith("iteration ") for line in lines) == 5
+    assert "published version 5" in proc.stdout
+    last = re.fullmatch(
+        r"0 requests aborted; (\d+) tokens were generated while the new weights were written", lines[-1]
+    )
+    assert last is not None and int(last.group(1)) > 0, lines[-1]

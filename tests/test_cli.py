@@ -263,6 +263,8 @@ def test_a_passing_demo_without_trace_leaves_no_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    # torch's inductor (imported by torch itself) makes its cache directory under the temp dir on first use
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path.parent / "torchinductor"))
     assert main(FAST_DEMO) == 0
     assert "trace:" not in capsys.readouterr().out
     assert list(tmp_path.iterdir()) == []

@@ -17,7 +17,7 @@ from refit.protocol.lock import LocalLock
 from refit.reference.client import start_thread
 from refit.reference.engine import EngineCore
 from refit.reference.model import ModelConfig
-from refit.testing import check_engine_driver
+from refit.testing import Coverage, DriverStateMachine, check_engine_driver, sweep
 
 from .conftest import SUMMARY
 
@@ -297,7 +297,6 @@ OUTCOME_BROKEN = {
     "served   ": NeverContinues,
     "progress": AttachIsNoop,
     "served    ": ProbeSaysCurrent,
-    "served     ": StagesIntoServedWeightsNoAudit,
 }
 
 
@@ -325,7 +324,6 @@ def test_verification_keeps_these_drivers_from_publishing(driver: type[Reference
 
 BROKEN = {
     "kv_fresh": ForgetsToFlush,
-    "kv_fresh ": StagesIntoServedWeights,
     "finalize_once": FinalizesTwice,
     "version": VersionBeforeFinalize,
     "lock": ReleasesOthersLock,
@@ -340,3 +338,30 @@ def test_the_kit_fails_a_broken_driver_naming_the_invariant(invariant: str, driv
         check_engine_driver(driver.in_thread, max_examples=30, shrink=False)
     message = str(info.value)
     assert f"{invariant.strip()}:" in message, message
+
+
+@pytest.mark.parametrize(
+    ("invariant", "driver"),
+    [("kv_fresh", StagesIntoServedWeights), ("served", StagesIntoServedWeightsNoAudit)],
+    ids=["StagesIntoServedWeights", "StagesIntoServedWeightsNoAudit"],
+)
+def test_the_kits_atomic_sweep_fails_a_driver_that_writes_into_the_served_weights(
+    invariant: str, driver: type[ReferenceEngine]
+) -> None:
+    """The sweep of atomic runs alone (the colocated sweep passes these drivers: they break only
+    what stage-then-swap promises): the engine's audit names the buckets applied to the weights
+    it served, and without an audit the tokens its requests got show it."""
+
+    class Machine(DriverStateMachine):
+        coverage = Coverage()
+
+    Machine.factory = staticmethod(driver.in_thread)  # type: ignore[assignment]
+    machine = Machine()
+    try:
+        machine.setup(n=2, mode="disaggregated", pause_mode="retract", max_staleness=0, atomic=True)
+        assert machine.ctx is not None and machine.ctx.atomic
+        with pytest.raises(AssertionError) as info:
+            sweep(machine)
+    finally:
+        machine.teardown()
+    assert f"{invariant}:" in str(info.value), str(info.value)

@@ -22,6 +22,14 @@ def test_fault_matrix_shm_with_one_version_in_service() -> None:
     check_matrix("shm", max_staleness=0)
 
 
+def test_fault_matrix_atomic() -> None:
+    """Atomic runs (stage, then swap): every state they pass (CONNECTING, STAGING, TRANSFERRING,
+    POST_PROCESSING, VERIFYING, SWAPPING, CONTINUING) x kind x engine; an engine a fault left
+    behind is held (`max_staleness=0`), and no engine ever serves weights its version does not
+    name."""
+    check_matrix("shm", max_staleness=0, atomic=True)
+
+
 # the steady state's pause wave (probe, pause, flush, begin, load of bucket 0) and bucket 0's pack
 STEADY_STATES = (("CONNECTING", None), ("PAUSING", None), ("INVALIDATING", None), ("TRANSFERRING", 0))
 

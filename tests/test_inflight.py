@@ -138,12 +138,9 @@ def test_sixteen_requests_run_through_ten_refits_recomputing_their_kv(tmp_path: 
     assert compared == REQUESTS * TOKENS
 
 
-@pytest.mark.parametrize("atomic", [False, True], ids=["in_flight", "atomic"])
-def test_held_in_place_requests_keep_their_kv_and_new_ones_never_reuse_old_prefixes(
-    tmp_path: Path, atomic: bool
-) -> None:
+def test_held_in_place_requests_keep_their_kv_and_new_ones_never_reuse_old_prefixes(tmp_path: Path) -> None:
     results, _, events, info = _refits_during_generation(
-        tmp_path, pause_mode="in_place", kv="keep", mode="disaggregated", atomic=atomic
+        tmp_path, pause_mode="in_place", kv="keep", mode="disaggregated"
     )
     _assert_versioned_at_commit_points(results, info, events)
     assert all(r["num_retractions"] == 0 for r in results)  # held in place, not retracted

@@ -33,12 +33,13 @@ What it has, and why each part exists:
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import socket
 import time
 from collections import deque
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -401,6 +402,20 @@ class EngineCore:
         if tied_to is None or not torch.equal(head, state[tied_to]):
             state[SERVED_HEAD] = head
         return state
+
+    @contextlib.contextmanager
+    def serving_view(self) -> Iterator[None]:
+        """Reads inside see the weights generation serves, even while a staged copy is written
+        (`params` is then the copy: what `verify` reads, what a swap will serve)."""
+        if self._live is None:
+            yield
+            return
+        staged = self.params, self.head_serving
+        self.params, self.head_serving = self._live
+        try:
+            yield
+        finally:
+            self.params, self.head_serving = staged
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """The weights read back and unfused, in HF names (what a refit's check compares); every TP

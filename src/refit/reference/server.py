@@ -375,7 +375,13 @@ class EngineServer:
         return {"pid": os.getpid(), "name": self.name}
 
     def _state_dict(self) -> dict[str, Any]:
-        return self.core.hf_state_dict()
+        """The weights it serves (a staged copy is not served until its swap)."""
+        with self.core.serving_view():
+            return self.core.hf_state_dict()
+
+    def _digests(self) -> dict[str, int]:
+        with self.core.serving_view():
+            return self.core.digests()
 
     def _audit(self) -> list[dict[str, Any]]:
         return list(self.core.audit)
