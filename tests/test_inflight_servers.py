@@ -11,13 +11,13 @@ from typing import Any
 
 import pytest
 
-from refit import protocol
+from refit import protocol, staleness
 from refit.drivers.sglang_transport import SGLangTensorTransport
 from refit.drivers.torch_source import TorchSource
 from refit.drivers.vllm_transport import VLLMIPCTransport
 from refit.errors import ConfigError, EngineError
 from refit.reference.model import ModelConfig, TinyLlama
-from refit.testing.sglang_server import EmulatedSGLangEngine
+from refit.testing.sglang_server import EmulatedSGLang, EmulatedSGLangEngine
 from refit.testing.vllm_server import EmulatedVLLMEngine
 
 from .conftest import perturbed
@@ -126,3 +126,39 @@ def test_a_held_server_keeps_its_requests_until_a_refit_reaches_it(server: str) 
         ctx.close()
         for e in engines:
             e.close()
+
+
+class _NoSpans(EmulatedSGLang):
+    """SGLang before it reported per-token spans (0.5.23's utils/weight_versions.py
+    add_weight_versions_to_meta_info): meta_info carries the request's weight_version alone."""
+
+    def op_generate(self, obj: Any) -> dict[str, Any]:
+        out = super().op_generate(obj)
+        out["meta_info"].pop("weight_versions", None)
+        return out
+
+
+def test_without_spans_tokens_are_versioned_only_where_no_commit_point_fell_inside_the_request() -> None:
+    """A server that labels only the request: a request no refit touched gets its label on every
+    token; one a refit landed in gets None per token (which weights sampled each is unknown, so
+    `refit.staleness` refuses it) instead of the last version on all of them."""
+    engine = EmulatedSGLangEngine.start("s0", config=CFG, in_thread=True, server=_NoSpans)
+    model = TinyLlama(CFG, seed=0)
+    ctx = protocol.RefitContext(TorchSource(model), SGLangTensorTransport(), [engine], mode="colocated")
+    try:
+        before = engine.generate([1, 2, 3], 8)
+        assert before["weight_versions"] == [0] * 8
+        straddling = engine.submit([5, 6, 7], 300)
+        behind = engine.server.engine
+        while behind.info()["tokens_sampled"] < 8 + 40:
+            time.sleep(0.005)
+        perturbed(model, seed=1)
+        assert protocol.run(ctx).ok
+        out = straddling.result(timeout=120)
+        assert out["finish_reason"] == "length" and out["weight_versions"] == [None] * 300
+        with pytest.raises(ValueError, match="a weight version is a non-negative int, got None"):
+            staleness.lag(out["weight_versions"], current=1)
+        assert engine.generate([1, 2, 3], 4)["weight_versions"] == [1] * 4
+    finally:
+        ctx.close()
+        engine.close()

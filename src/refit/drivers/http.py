@@ -48,6 +48,9 @@ class UpdateLedger:
         self.session = FactMachine("update")
         self.plan: dict[int, BucketManifest] | None = None
         self.acked: set[int] = set()
+        # the commit points this driver saw, counted: a session opened (the weights may change from
+        # there), a server found mid-update, weights vouched for again (continued, or a new process)
+        self.changes = 0
 
     @property
     def dirty(self) -> bool:
@@ -65,17 +68,20 @@ class UpdateLedger:
     def taint(self) -> None:
         """Found paused on first contact (a crashed trainer mid-update?): not serving until named."""
         self.plan = None
+        self.changes += 1
         self.session.fire(UpdateEvent.TAINT)
 
     def vouch(self) -> None:
         """The weights are a version again: a continue the runner asked for (it continues only
         weights a version names), or a new server process (its checkpoint)."""
         self.plan = None
+        self.changes += 1
         self.session.fire(UpdateEvent.VOUCH)
 
     def opening(self) -> None:
         """Before the begin request: from here the server may hold a partial update."""
         self.plan = None
+        self.changes += 1
         self.session.fire(UpdateEvent.OPEN)
 
     def begin(self, plan: Sequence[BucketManifest]) -> None:
@@ -412,6 +418,23 @@ def versions_per_token(spans: Sequence[dict[str, Any]] | None, n: int) -> list[i
         for i in range(int(span["start"]), min(int(span["end"]), n)):
             versions[i] = label_version(span["version"])
     return versions
+
+
+def token_versions(
+    spans: Sequence[dict[str, Any]] | None, label: Any, n: int, *, changed: bool
+) -> list[int | None] | None:
+    """Each of a request's `n` output tokens' version: from the server's weight_versions spans
+    where it gives them; else from its request-level `label` where no commit point fell inside the
+    request (`changed`: the driver opened an update, found one, or vouched for weights again while
+    it ran), since weights change only at commit points; else None per token (which version
+    sampled each is unknown: `refit.staleness` refuses such a sample). None: the server names no
+    version at all."""
+    versions = versions_per_token(spans, n)
+    if versions is not None:
+        return versions
+    if label is None:
+        return None
+    return [None] * n if changed else [label_version(label)] * n
 
 
 def version_tuple(text: str | None) -> tuple[int, ...] | None:

@@ -81,7 +81,7 @@ from typing import TYPE_CHECKING, Any
 
 from refit.buckets import BucketManifest
 from refit.drivers.base import ConnectInfo, PauseMode, Payload
-from refit.drivers.http import HttpEngineDriver, label_version, message_of, version_tuple, versions_per_token
+from refit.drivers.http import HttpEngineDriver, label_version, message_of, token_versions, version_tuple
 from refit.errors import EngineDied, EngineError
 
 if TYPE_CHECKING:
@@ -695,6 +695,7 @@ class SGLangEngine(HttpEngineDriver):
             "input_ids": list(prompt),
             "sampling_params": {"max_new_tokens": int(max_new_tokens), "temperature": 0.0},
         }
+        changes = self._ledger.changes
         data = self._call("POST", "/generate", "generate", timeout=timeout, body=body, serving=True)
         meta = data.get("meta_info") or {}
         output = [int(t) for t in data.get("output_ids") or []]
@@ -705,11 +706,12 @@ class SGLangEngine(HttpEngineDriver):
             "finish_reason": reason.get("type") if isinstance(reason, dict) else reason,
             "num_retractions": int(meta.get("num_retractions") or 0),
         }
-        versions = versions_per_token(meta.get("weight_versions"), len(output))
+        # spans only for a request that straddled an update (0.5.23); a server that gives none, only
+        # the request's label: per token where no commit point of this driver fell inside the request
+        changed = self._ledger.changes != changes
+        versions = token_versions(meta.get("weight_versions"), meta.get("weight_version"), len(output), changed=changed)
         if versions is not None:
             out["weight_versions"] = versions
-        elif "weight_version" in meta:
-            out["weight_versions"] = [label_version(meta["weight_version"])] * len(output)
         return out
 
     def info(self, *, timeout: float = DEFAULT_TIMEOUT) -> dict[str, Any]:
