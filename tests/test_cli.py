@@ -444,3 +444,18 @@ def test_the_demos_verify_help_says_what_vllm_verifies_by() -> None:
     assert "neither yet" not in text
     assert "vLLM's own checksums" in text
     assert demo.verify_mode(cli._parser()[0].parse_args(["demo", "--engine", "vllm"])) == "digest"
+
+
+def test_demo_atomic_stages_while_generating_and_stops_only_to_swap(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([*FAST_DEMO, "--mode", "disaggregated", "--atomic"]) == 0
+    out = capsys.readouterr().out
+    assert "(atomic: stage, then swap)" in out
+    head = next(line for line in out.splitlines() if line.startswith("refit ver"))
+    assert head.split()[3:10] == ["connect", "stage", "transfer", "post", "verify", "swap", "continue"]
+    assert "tokens equal" in out or " equal " in out
+
+
+def test_demo_atomic_in_a_colocated_run_is_refused_saying_why(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([*FAST_DEMO, "--atomic"]) == 2
+    err = capsys.readouterr().err
+    assert "colocated refit gives the engines' memory to the trainer" in err and "Traceback" not in err

@@ -225,9 +225,10 @@ def _bench_gpu(args: argparse.Namespace) -> int:
     print(f"bench {what}: shapes {', '.join(shapes)}; {args.refits} timed refits per path ...", file=sys.stderr)
     if what == "gpu":
         paths = tuple(p for p in (args.paths or ",".join(bench_gpu.PATHS)).split(",") if p)
-        unknown = [p for p in paths if p not in bench_gpu.PATHS]
+        known = (*bench_gpu.PATHS, *bench_gpu.EXTRA_PATHS)
+        unknown = [p for p in paths if p not in known]
         if unknown:
-            print(f"refit bench gpu: unknown path(s) {unknown}; the paths are {list(bench_gpu.PATHS)}", file=sys.stderr)
+            print(f"refit bench gpu: unknown path(s) {unknown}; the paths are {list(known)}", file=sys.stderr)
             return 2
         report = bench_gpu.gpu(
             shapes, refits=args.refits, bucket_mb=args.bucket_mb or 512, tick=tick, verify=args.verify or "off",
@@ -462,6 +463,11 @@ def _demo_arguments(p: argparse.ArgumentParser) -> None:
         help="held requests' KV: recomputed under the new weights, or kept (off-policy; with --pause-mode in_place) "
         "(default recompute)",
     )  # fmt: skip
+    p.add_argument(
+        "--atomic", action="store_true",
+        help="stage, then swap (with --mode disaggregated): engines write the new weights into a second copy while "
+        "they keep generating, and stop only for the swap",
+    )  # fmt: skip
     p.add_argument("--bucket-bytes", type=_count(1), default=64 << 10, help="bucket size in bytes (default 64 KiB)")
     p.add_argument("--deadline", type=_seconds, default=60.0, help="seconds each refit may take (default 60)")
     p.add_argument("--retries", type=_count(0), default=1, help="retries for an engine whose update failed (default 1)")
@@ -583,7 +589,10 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     )  # fmt: skip
     bench_p.add_argument("--shapes", default="7b,1.5b", help="gpu, broadcast: model shapes (default 7b,1.5b)")
     bench_p.add_argument(
-        "--paths", default=None, help="gpu: which paths, comma-separated (default floor,seed,flattened,ipc,ipc_512)"
+        "--paths",
+        default=None,
+        help="gpu: which paths, comma-separated (default floor,seed,flattened,ipc,ipc_512; also atomic: path (b) "
+        "in atomic refits, decoding throughout)",
     )
     bench_p.add_argument("--no-checksums", action="store_true", help="transport: turn corruption detection off")
     bench_p.add_argument(

@@ -192,7 +192,7 @@ def _run_ray(args: argparse.Namespace) -> int:
         print(f"actors ready in {time.perf_counter() - t0:.1f}s", flush=True)
         ctx = protocol.RefitContext(
             source=None, transport=make_transport(args.transport), engines=engines, ranks=trainer.ranks,
-            mode=args.mode, pause_mode=args.pause_mode, kv=args.kv, bucket_bytes=args.bucket_bytes,
+            mode=args.mode, pause_mode=args.pause_mode, kv=args.kv, atomic=args.atomic, bucket_bytes=args.bucket_bytes,
             deadline_s=args.deadline, retries=args.retries, call_timeout_s=args.call_timeout, trace=trace,
             verify=verify_mode(args),
         )  # fmt: skip
@@ -278,7 +278,8 @@ def _run_one_trainer(args: argparse.Namespace) -> int:
     try:
         ctx = protocol.RefitContext(
             source=TorchSource(model, optimizer=opt), transport=make_transport(args.transport, args.engine),
-            engines=engines, mode=args.mode, pause_mode=args.pause_mode, kv=args.kv, bucket_bytes=args.bucket_bytes,
+            engines=engines, mode=args.mode, pause_mode=args.pause_mode, kv=args.kv, atomic=args.atomic,
+            bucket_bytes=args.bucket_bytes,
             deadline_s=args.deadline, retries=args.retries, call_timeout_s=args.call_timeout, trace=trace,
             verify=verify_mode(args),
         )  # fmt: skip
@@ -291,7 +292,8 @@ def _run_one_trainer(args: argparse.Namespace) -> int:
         return 2
     n_params = sum(p.numel() for p in model.parameters())
     print(
-        f"model: {n_params:,} fp32 params ({n_params * 4 / 2**20:.2f} MiB) | mode {args.mode} | pause "
+        f"model: {n_params:,} fp32 params ({n_params * 4 / 2**20:.2f} MiB) | mode {args.mode}"
+        f"{' (atomic: stage, then swap)' if args.atomic else ''} | pause "
         f"{args.pause_mode} | engine {args.engine} | transport {args.transport} | "
         f"bucket {args.bucket_bytes / 1024:.0f} KiB | "
         f"deadline {args.deadline:g}s | verify {verify_mode(args)}{_digest_note(ctx)}"
@@ -327,7 +329,7 @@ def _run_ranks(args: argparse.Namespace) -> int:
     )
     spec = {
         "engines": args.engines, "engine_tp": args.engine_tp, "transport": args.transport, "mode": args.mode,
-        "pause_mode": args.pause_mode, "kv": args.kv, "refits": args.refits, "steps": args.steps,
+        "pause_mode": args.pause_mode, "kv": args.kv, "atomic": args.atomic, "refits": args.refits, "steps": args.steps,
         "bucket_bytes": args.bucket_bytes,
         "deadline": args.deadline, "call_timeout": args.call_timeout, "retries": args.retries, "seed": args.seed,
         "verify": verify_mode(args),

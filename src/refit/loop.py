@@ -33,6 +33,9 @@ PHASES = (
     "RESTORING",
 )
 SHORT = ("offload", "connect", "pause", "inval", "transfer", "post", "verify", "continue", "restore")
+# atomic runs (stage, then swap): no offload, pause or invalidate; generation stops only in SWAPPING
+ATOMIC_PHASES = ("CONNECTING", "STAGING", "TRANSFERRING", "POST_PROCESSING", "VERIFYING", "SWAPPING", "CONTINUING")
+ATOMIC_SHORT = ("connect", "stage", "transfer", "post", "verify", "swap", "continue")
 
 
 def make_transport(kind: str, engine: str = "reference") -> Any:
@@ -108,6 +111,8 @@ LEGEND = f"""columns:
   loss               the trainer's loss after its optimizer steps
   offload..restore   seconds in each phase (offload and restore: colocated only; verify: comparing what each
                      engine reports it will serve with what the trainer sent); total s: the whole refit
+                     (--atomic: connect, stage, transfer, post, verify while the engines generate, then swap:
+                     the one wave that stops generation, and continue)
   rt                 control round trips (2 in steady state; the first refit also connects)
   bkts, KiB          buckets and KiB moved; peak KiB: the most extra trainer memory the refit held
   tokens             the engines' greedy tokens vs the trainer's (equal | DIFFER)
@@ -116,14 +121,14 @@ LEGEND = f"""columns:
   weights            the engines' weights read back vs the trainer's, bit for bit (exact | DIFFER)"""
 
 
-def header() -> str:
-    h = f"{'refit':>5} {'ver':>3} {'loss':>6} " + " ".join(f"{s:>8}" for s in SHORT)
+def header(atomic: bool = False) -> str:
+    h = f"{'refit':>5} {'ver':>3} {'loss':>6} " + " ".join(f"{s:>8}" for s in (ATOMIC_SHORT if atomic else SHORT))
     h += f" {'total s':>8} {'rt':>2} {'bkts':>4} {'KiB':>6} {'peak KiB':>8}"
     return h + f" {'tokens':>6} {'max|dlogit|':>11} {'prev':>8} {'weights':>7}"
 
 
-def row(r: int, result: protocol.RefitResult, loss: float, check: dict[str, Any]) -> str:
-    cells = " ".join(f"{result.phase_seconds.get(p, 0.0):8.4f}" for p in PHASES)
+def row(r: int, result: protocol.RefitResult, loss: float, check: dict[str, Any], atomic: bool = False) -> str:
+    cells = " ".join(f"{result.phase_seconds.get(p, 0.0):8.4f}" for p in (ATOMIC_PHASES if atomic else PHASES))
     return (
         f"{r:>5} {result.version:>3} {loss:6.3f} {cells} {result.seconds:8.4f} {result.round_trips:>2} "
         f"{result.buckets:>4} {result.bytes_moved / 1024:6.0f} {result.trainer_peak_bytes / 1024:8.0f}"
@@ -156,7 +161,7 @@ def refit_loop(
     prints). Returns one summary per refit."""
     say = print if (echo and leader) else (lambda *a, **k: None)
     say(LEGEND)
-    say(header())
+    say(header(ctx.atomic))
     out: list[dict[str, Any]] = []
     for r in range(1, refits + 1):
         ref = trainer.reference()
@@ -187,7 +192,7 @@ def refit_loop(
                 except Exception:  # counted and reported below
                     lost += 1
             if result.ok:
-                say(row(r, result, loss, entry["check"]))
+                say(row(r, result, loss, entry["check"], ctx.atomic))
                 retried = [o for o in result.engines.values() if o.attempts > 1]
                 if retried:  # why each was retried: its first attempt's error, without the bracketed context
                     why = [f"{o.name} ({(o.error or 'failed').split(' [')[0]})" for o in retried]

@@ -28,6 +28,7 @@ DEFAULT_SPEC: dict[str, Any] = {
     "mode": "colocated",
     "pause_mode": "retract",
     "kv": "recompute",
+    "atomic": False,
     "refits": 2,
     "steps": 3,
     "bucket_bytes": 64 << 10,
@@ -137,6 +138,7 @@ def worker(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
         ctx = protocol.RefitContext(
             source=TorchSource(model, optimizer=opt), transport=make_transport(spec["transport"]), engines=engines,
             mode=spec["mode"], pause_mode=spec["pause_mode"], kv=spec.get("kv", "recompute"),
+            atomic=bool(spec.get("atomic", False)),
             bucket_bytes=spec["bucket_bytes"],
             deadline_s=spec["deadline"], call_timeout_s=spec["call_timeout"], retries=spec["retries"],
             verify=spec.get("verify", "digest"), trace=spec["trace"] if rank == 0 else None,
