@@ -13,6 +13,13 @@ For each shape (Qwen2.5-7B and 1.5B, bf16, Qwen2 layout), side by side in one ru
              sends references, the engine does one device-to-device copy per byte; its buckets
              are signals of at least 2 GiB (`signal_bytes`)
   ipc_512    path (b) with the other paths' 512 MiB buckets (what each bucket's message costs)
+  atomic     (asked for by name: `--paths atomic`) path (b) in an atomic refit, disaggregated, with
+             requests decoding throughout: the engine writes a second copy while it generates,
+             and stops only for the swap wave (`RefitContext(atomic=True)`, pause in_place,
+             kv="keep"). Per refit, on the engine's clock: blocked (the swap wave's pause start ->
+             continue end) and staged (stage -> swap); decode throughput while a copy is written
+             (tokens sampled while staged / seconds staged) against the same engine's throughput
+             over idle windows between refits
 Each path runs through `protocol.run` (colocated, abort pause): a connecting refit, then timed
 refits, each after an in-place "optimizer step" (every weight negated: new bits, same storages).
 Per refit, from the engine's own clock (its audit; CLOCK_MONOTONIC): the stall (pause start ->
@@ -60,6 +67,7 @@ SHAPES: dict[str, ModelConfig] = {
     ),
 }  # fmt: skip
 PATHS = ("floor", "seed", "flattened", "ipc", "ipc_512")
+EXTRA_PATHS = ("atomic",)  # run only when named
 STALL_PARTS = ("stall", "pre", "transfer", "post")  # refit_times' keys a per-mode breakdown gives
 
 
@@ -333,8 +341,13 @@ def gpu(
             if path == "floor":
                 continue
             mode = verify if path == "ipc" else "off"
-            row = run_path(path, config, state, refits=refits, bucket_mb=bucket_mb, tick=tick, verify=mode)
-            row["bucket_bytes"] = max(bucket_mb << 20, getattr(_transport(path), "signal_bytes", 0))  # ipc: its signals
+            if path == "atomic":
+                row = run_atomic(config, state, refits=refits, bucket_mb=bucket_mb, tick=tick)
+            else:
+                row = run_path(path, config, state, refits=refits, bucket_mb=bucket_mb, tick=tick, verify=mode)
+            row["bucket_bytes"] = max(
+                bucket_mb << 20, getattr(_transport("ipc" if path == "atomic" else path), "signal_bytes", 0)
+            )  # ipc: its signals
             row["ratio_to_floor"] = round(row["ms_stall"] / floor, 3)
             row["transfer_ratio_to_floor"] = round(row["ms_transfer"] / floor, 3)
             rows[path] = row
@@ -361,6 +374,77 @@ def gpu(
     return report
 
 
+def run_atomic(
+    config: ModelConfig, state: dict[str, torch.Tensor], *, refits: int, bucket_mb: int, requests: int = 8,
+    tick: Callable[[str], None] = lambda s: None, idle_s: float = 1.0,
+) -> dict[str, Any]:  # fmt: skip
+    """Atomic refits over path (b) into an engine process decoding `requests` requests throughout
+    (each to the shape's max_seq_len): a connecting refit, then `refits` timed ones, each after an
+    idle window of `idle_s` in which the engine's decode throughput is measured."""
+    engine = ReferenceEngine.spawn("gpu-atomic", config, seed=0, device="cuda")
+    ctx = protocol.RefitContext(
+        TorchSource(state), IPCTransport(), [engine], mode="disaggregated", atomic=True, pause_mode="in_place",
+        kv="keep", bucket_bytes=bucket_mb << 20, deadline_s=300.0, verify="off",
+    )  # fmt: skip
+    length = config.max_seq_len - 8
+    blocked, staged, idle_rates, staged_rates, phases = [], [], [], [], []
+    try:
+        futures = [engine.submit([i + 1, 2, 3, 4, 5, 6, 7, 8], length) for i in range(requests)]
+        engine_base = engine.info()["gpu_allocated_bytes"]
+        for i in range(refits + 1):  # the first refit connects (opens handles): not counted
+            before = engine.info()
+            t0 = time.monotonic()
+            time.sleep(idle_s)  # the engine decodes, no refit: its own throughput
+            mid = engine.info()
+            idle_rates.append((mid["tokens_sampled"] - before["tokens_sampled"]) / (time.monotonic() - t0))
+            _step(state)
+            _sync()
+            since = time.monotonic()
+            result = protocol.run(ctx).raise_for_error()
+            after = engine.info()
+            tick(f"atomic refit {i + 1}/{refits + 1}")
+            if i == 0:
+                continue
+            window = _window(engine.audit(), since)
+            if window is None:
+                raise RuntimeError("the engine's audit shows no swap wave for this refit")
+            blocked.append(window[1] - window[0])
+            held = after["seconds_staged"] - mid["seconds_staged"]
+            staged.append(held)
+            staged_rates.append((after["tokens_while_staged"] - mid["tokens_while_staged"]) / held)
+            phases.append(result.phase_seconds)
+        if any(f.done() for f in futures) and any(f.result()["finish_reason"] != "length" for f in futures if f.done()):
+            raise RuntimeError("a request in flight through the atomic refits did not finish by length")
+        info = engine.info()
+        got = engine.digests(timeout=600)
+        want = {name: tensor_digest(t) for name, t in state.items()}
+        nbytes = result.bytes_moved
+        engine.client.call("abort_requests", timeout=60)
+    finally:
+        ctx.close()
+        engine.close()
+    idle = statistics.median(idle_rates[1:] or idle_rates)
+    during = statistics.median(staged_rates)
+    return {
+        "ms_stall": round(statistics.median(blocked) * 1e3, 3),
+        "ms_stall_p90": round(_percentile(blocked, 0.9) * 1e3, 3),
+        "ms_transfer": round(statistics.median(staged) * 1e3, 3),  # staged: stage -> swap, while decoding
+        "gbps": round(nbytes / statistics.median(staged) / 1e9, 1),
+        "peak_extra_gpu_bytes": int(info["gpu_peak_bytes"] - engine_base),  # the staged copy
+        "bit_exact": got == want,
+        "mismatched": sorted(k for k in want if got.get(k) != want[k])[:5],
+        "bytes": nbytes,
+        "refits": refits,
+        "requests": requests,
+        "request_tokens": length,
+        "decode_tokens_per_s_idle": round(idle, 1),
+        "decode_tokens_per_s_while_staged": round(during, 1),
+        "decode_throughput_ratio": round(during / idle, 3),
+        "tokens_while_staged": info["tokens_while_staged"],
+        "runner_phase_ms": {k: round(statistics.median(p.get(k, 0.0) for p in phases) * 1e3, 3) for k in phases[-1]},
+    }
+
+
 def table(report: dict[str, Any]) -> str:
     head = f"refit bench gpu: {report['device']}, torch {report['torch']}, {report['bucket_bytes'] >> 20} MiB buckets"
     lines = [head]
@@ -377,6 +461,14 @@ def table(report: dict[str, Any]) -> str:
                 f"    {path:<10} {stall:>9} {r['ms_transfer']:>9.2f} {r['gbps']:>7.0f} {r['ratio_to_floor']:>11.2f} "
                 f"{r['peak_extra_gpu_bytes'] / 1e9:>9.2f}  {r['bit_exact']}"
             )
+            if "decode_throughput_ratio" in r:
+                lines.append(
+                    f"    {'':<10} atomic: generation blocked {r['ms_stall']:.2f} ms per refit "
+                    f"({r['ratio_to_floor']:.3f} x floor; the staged copy written in {r['ms_transfer']:.1f} ms while "
+                    f"decoding); decode {r['decode_tokens_per_s_while_staged']:.0f} tok/s while staged vs "
+                    f"{r['decode_tokens_per_s_idle']:.0f} idle ({r['decode_throughput_ratio']:.3f}), "
+                    f"{r['requests']} requests of {r['request_tokens']} tokens"
+                )
             if "verified_stall_ratio" in r:
                 lines.append(
                     f"    {'':<10} verify off / digest / digest read back (rotating refits): stall "

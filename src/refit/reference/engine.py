@@ -304,6 +304,8 @@ class EngineCore:
         self.held_in_place = False  # paused in place: requests keep their KV across the update
         self.tokens_sampled = 0  # tokens generated so far, every request
         self.tokens_while_staged = 0  # of those, sampled while a staged copy was held (atomic refits)
+        self.seconds_staged = 0.0  # time staged copies were held, from each stage to its swap or discard
+        self._staged_at: float | None = None
         self._written: tuple[Any, int] | None = None  # the last finalized session's Written, and the epoch it hashed
         self._regions: tuple[Any, Any, Any] | None = None  # (params, serving head, their `wsum.Regions`)
         self.dirty = False  # weights differ from what `version` names
@@ -528,6 +530,7 @@ class EngineCore:
             shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
             raise EngineError("bad_manifest", shown)
         if staged:  # the copy the session writes; generation keeps the served one until `swap`
+            self._staged_at = time.monotonic()
             self._live = (self.params, self.head_serving)
             self.params = {k: v.clone() for k, v in self.params.items()}
             self.head_serving = self.head_serving.clone()
@@ -610,9 +613,15 @@ class EngineCore:
         if not self.paused:
             raise EngineError("not_paused", "swap while generating: pause first (its mode decides the held KV)")
         self._live = None
+        self._unstage()
         self.weights_epoch += 1
         self.dirty = True
         return {"swapped": True}
+
+    def _unstage(self) -> None:
+        if self._staged_at is not None:
+            self.seconds_staged += time.monotonic() - self._staged_at
+            self._staged_at = None
 
     def discard(self) -> dict[str, bool]:
         """Drop the staged copy and its session (a failed atomic refit): generation never stopped
@@ -621,6 +630,7 @@ class EngineCore:
             return {"discarded": False}
         self.params, self.head_serving = self._live
         self._live = None
+        self._unstage()
         if self.session is not None and self.session.staged:
             self.session = None
         self.ready_to_publish = False
@@ -1316,6 +1326,7 @@ class EngineCore:
             "commits": [list(c) for c in self.commits],
             "tokens_sampled": self.tokens_sampled,
             "tokens_while_staged": self.tokens_while_staged,
+            "seconds_staged": round(self.seconds_staged, 6),
             "weights_released": self.weights_released,
             "kv_released": self.kv_released,
             "running": len(self.running),
