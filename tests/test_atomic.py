@@ -364,7 +364,7 @@ def test_staged_copies_that_do_not_fit_are_refused_before_connect(tmp_path: Path
         assert not result.ok and result.error is not None and result.error.state == "CONNECTING"
         msg = str(result.error)
         assert "engine m0 (" in msg and "m1" not in msg
-        assert "GiB" in msg and "atomic=False" in msg
+        assert "MiB" in msg and "atomic=False" in msg
         assert {o.status for o in result.engines.values()} == {"unchanged"}
         events = _checked(c)
         called = {e["event"] for e in events if e.get("kind") == "call" and e.get("side") == "engine"}
@@ -434,3 +434,45 @@ def test_the_async_rl_example_runs_without_stopping_generation_for_the_transfer(
         r"0 requests aborted; (\d+) tokens were generated while the new weights were written", lines[-1]
     )
     assert last is not None and int(last.group(1)) > 0, lines[-1]
+
+
+def test_a_probe_verifies_the_staged_copy_not_the_weights_still_served(atomic_fleet) -> None:
+    _, model, ctx = atomic_fleet
+    c = ctx(verify="probe")
+    perturbed(model, seed=1)
+    result = protocol.run(c)
+    assert result.ok, result.error
+    assert all(o.verify is not None and o.verify["ok"] for o in result.engines.values())
+    _checked(c)
+
+
+def test_atomic_over_a_broadcast_group(tmp_path: Path) -> None:
+    """A collective transport: bucket-wise (a member whose load is corrupted is retried, its
+    group rebuilt, and the healthy member is not held for it) and per-tensor broadcasts received
+    straight into the copy (nothing served changes until the swap: every token at a commit point)."""
+    from refit.drivers.broadcast import BroadcastTransport
+
+    for transport, faults in (
+        (BroadcastTransport(), protocol.FaultPlan().fail_at("transferring", engine=1, bucket=1, kind="corrupt")),
+        (BroadcastTransport(ops="tensor", checksums=False, direct_bytes=16 << 10), None),
+    ):
+        engines = [ReferenceEngine.in_thread(f"b{i}", CFG, seed=0, max_running=REQUESTS) for i in range(2)]
+        model = perturbed(TinyLlama(CFG, seed=0), seed=1)
+        c = protocol.RefitContext(
+            TorchSource(model), transport, engines, bucket_bytes=16 << 10, atomic=True, retries=1, faults=faults,
+            trace=tmp_path / f"{transport.ops}.jsonl", deadline_s=60.0, call_timeout_s=5.0,
+        )  # fmt: skip
+        try:
+            futures = [engines[0].submit(p, TOKENS) for p in _prompts()]
+            result = protocol.run(c)
+            assert result.ok and {o.status for o in result.engines.values()} == {"updated"}, result.engines
+            outs = [f.result(timeout=120) for f in futures]
+            info = engines[0].info()
+            assert check_token_versions(info["commits"], outs, engine="b0") == [] and not info["dirty"]
+            for e in engines:
+                assert all(torch.equal(e.state_dict()[n], t) for n, t in model.state_dict().items())
+            _checked(c)
+        finally:
+            c.close()
+            for e in engines:
+                e.close()

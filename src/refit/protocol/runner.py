@@ -533,7 +533,7 @@ class _Run(Recording):
         self.session.connection.fire(CE.BREAK)
         who = ", ".join(failed) if failed else "the trainer's send"
         for e in self.engines:
-            if e.active and e.state == E.OPEN and len(e.acked) < len(self.plan):
+            if e.active and e.state in (E.OPEN, E.STAGING) and len(e.acked) < len(self.plan):
                 reason = RuntimeError(f"the transport group broke at bucket {k} ({who} failed)")
                 self.drop(e, Step("load", "TRANSFERRING", bucket=k), reason)
 
@@ -553,6 +553,7 @@ class _Run(Recording):
             if step.call != "verify":
                 self.apply(e, step, res, batch, state)
         owed = self.ledger.owes_finalize()
+        state = state or "POST_PROCESSING"
         if owed:
             complete = len(self.plan)  # only an engine that acked every bucket may have something to verify
             tails = {

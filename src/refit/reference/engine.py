@@ -839,7 +839,7 @@ class EngineCore:
             block = self._dst_view(meta.name)
             if block.is_contiguous() and tuple(block.shape) == meta.shape and dtype_name(block.dtype) == meta.dtype:
                 out[meta.name] = block
-        if out:
+        if out and not self.session.staged:  # (a staged copy is written: nothing served changes)
             self.weights_epoch += 1
             self.dirty = True
         return out
@@ -1262,9 +1262,13 @@ class EngineCore:
             out["digests"], out["read_back"] = self._digests(kind)
         if probe is not None:
             answers = []
-            for prompt, ids in probe:
-                row = torch.log_softmax(self.score(prompt)[-1].float(), dim=-1)
-                answers.append(row[torch.tensor(list(ids), dtype=torch.long, device=row.device)].tolist())
+            live, self._live = self._live, None  # a staged copy is what the probe checks: it will serve it
+            try:
+                for prompt, ids in probe:
+                    row = torch.log_softmax(self.score(prompt)[-1].float(), dim=-1)
+                    answers.append(row[torch.tensor(list(ids), dtype=torch.long, device=row.device)].tolist())
+            finally:
+                self._live = live
             out["logprobs"] = answers
         out["seconds"] = round(time.perf_counter() - t0, 6)
         return out
