@@ -8,6 +8,7 @@ weights' own, bit for bit, and every token after the swap the new weights'."""
 from __future__ import annotations
 
 import itertools
+import time
 from pathlib import Path
 from typing import Any
 
@@ -476,3 +477,51 @@ def test_atomic_over_a_broadcast_group(tmp_path: Path) -> None:
             c.close()
             for e in engines:
                 e.close()
+
+
+def test_an_engine_that_hangs_while_staging_is_held_once_it_answers(atomic_fleet) -> None:
+    """It stopped answering while it generated (never paused): it is reported failed, and its
+    discard and the version policy's hold, sent anyway, run once it answers, so it does not go on
+    serving the old version beside the new one."""
+    from refit.protocol.faults import HANG_SLACK_S
+
+    engines, model, ctx = atomic_fleet
+    c = ctx(call_timeout_s=1.0, faults=protocol.FaultPlan().fail_at("transferring", engine=1, bucket=1, kind="hang"))
+    perturbed(model, seed=1)
+    result = protocol.run(c)
+    assert result.version == 1 and result.engines["a0"].status == "updated"
+    hung = result.engines["a1"]
+    assert hung.status == "failed" and not hung.serving and "discard and hold were sent" in (hung.error or "")
+    deadline = time.monotonic() + 10 + HANG_SLACK_S
+    while engines[1].info()["staged"] or not engines[1].info()["quarantined"]:
+        assert time.monotonic() < deadline, engines[1].info()
+        time.sleep(0.05)
+    with pytest.raises(EngineError):
+        engines[1].generate([1, 2, 3], 2, timeout=0.5)  # held: it refuses, rather than serve version 0
+    c.faults = None
+    perturbed(model, seed=2)
+    assert protocol.run(c).engines["a1"].status == "updated"  # the next refit brings it back
+    _checked(c)
+
+
+@pytest.mark.parametrize(
+    ("tamper", "invariant"),
+    [("stage_as_begin", "kv_fresh"), ("no_flush", "kv_fresh"), ("no_swap", "version"), ("no_pause", "kv_fresh")],
+)
+def test_a_tampered_atomic_trace_is_refused_naming_the_invariant(atomic_fleet, tamper: str, invariant: str) -> None:
+    _, model, ctx = atomic_fleet
+    c = ctx()
+    perturbed(model, seed=1)
+    assert protocol.run(c).ok
+    events = _checked(c)
+    calls = [e for e in events if e.get("kind") == "call" and e.get("engine") == "a0"]
+    if tamper == "stage_as_begin":  # an ordinary session opened while it generates: buckets into what it serves
+        events = [
+            {**e, "event": "begin"} if e is next(x for x in calls if x["event"] == "stage") else e for e in events
+        ]
+    else:
+        gone = {"no_flush": "flush", "no_swap": "swap", "no_pause": "pause"}[tamper]
+        drop = next(x for x in calls if x["event"] == gone)
+        events = [e for e in events if e is not drop]
+    found = invariants.check_trace(events)
+    assert any(v.invariant == invariant and "a0" in v.message for v in found), found

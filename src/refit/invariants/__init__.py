@@ -400,16 +400,18 @@ def check_kv_fresh(events: Sequence[Event]) -> list[Violation]:
     for name in _engines(events):
         # the first call that changes what the engine serves, per attempt: its first bucket, or
         # (atomic runs, whose buckets land in a copy) each swap
-        if atomic:
+        attempts = sorted({e.get("attempt", 0) for e in _calls(events, "load", engine=name)})
+        if atomic:  # and an attempt whose session was not staged loads into what it serves
             firsts = [s for s in _calls(events, "swap", engine=name) if s.get("effect") != "none"]
+            attempts = [a for a in attempts if _calls(events, "begin", engine=name, attempt=a)]
         else:
-            attempts = sorted({e.get("attempt", 0) for e in _calls(events, "load", engine=name)})
-            firsts = [_calls(events, "load", engine=name, attempt=a)[0] for a in attempts]
+            firsts = []
+        firsts += [_calls(events, "load", engine=name, attempt=a)[0] for a in attempts]
         for first in firsts:
             flushes = [f for f in _calls(events, "flush", engine=name) if f["seq"] < first["seq"] and _covers(f, first)]
             pauses = [p for p in _calls(events, "pause", engine=name) if flushes and _covers(p, flushes[-1])]
             if not flushes:
-                what = "swapped its copy in" if atomic else f"received bucket {first.get('bucket')}"
+                what = "swapped its copy in" if first["event"] == "swap" else f"received bucket {first.get('bucket')}"
                 msg = f"engine {name} {what} before its KV cache was flushed"
                 out.append(_v("kv_fresh", msg, first, events))
             elif not [p for p in pauses if p["seq"] < flushes[-1]["seq"]]:

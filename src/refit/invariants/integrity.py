@@ -208,9 +208,13 @@ def check_outcomes(events: Sequence[Event]) -> list[Violation]:
             None,
         )  # fmt: skip
         if dropped is not None:
+            # an atomic run's hung engine that never paused is sent its discard and hold regardless (they run
+            # once it answers: it would otherwise go on serving its old weights)
+            owed = ("discard", "quarantine") if start.get("atomic") is True else ()
             late = [  # a call sent after the drop (one in flight before it, a pipelined bucket, may still answer)
                 c for c in calls
                 if c["seq"] > dropped["seq"] and c.get("outcome") == "ok" and _sent_after(c, dropped)
+                and c.get("event") not in owed
             ]  # fmt: skip
             if late:
                 msg = f"engine {name} answered {late[0].get('event')} after it was dropped as {dropped.get('failure')}"

@@ -65,6 +65,7 @@ class Engine:
     verdict: dict[str, Any] | None = None  # its last verification (`refit.verify.Verdict`, and seconds)
     held: str | None = None  # why the version policy holds it out of service (its quarantine is a hold)
     staging: dict[str, Any] | None = None  # its probe's account of the memory a staged copy needs (atomic runs)
+    lost_from: EngineState | None = None  # where it stood when it died or stopped answering
 
     @property
     def state(self) -> EngineState:
@@ -248,6 +249,7 @@ class Ledger:
         else:
             e.failure.fire(FE.ERR)
         if e.failure.state in (F.DEAD, F.TIMEOUT) and e.position.can(EV.LOSE):
+            e.lost_from = e.state
             e.position.fire(EV.LOSE)
         if before == F.NONE:
             e.failed_in = step.state
@@ -286,6 +288,13 @@ class Ledger:
 
     def owes_finalize(self) -> list[Engine]:
         return [e for e in self.engines if e.state in (E.OPEN, E.STAGING) and e.reachable]
+
+    def hung_generating(self) -> list[Engine]:
+        """Atomic runs: engines that stopped answering while they still generated (never paused in
+        this run): once they answer again they serve their old weights, so they are owed what a
+        clean engine left behind is (its copy discarded, and the version policy's hold)."""
+        unpaused = (E.JOINED, *UNPAUSED_STAGED)
+        return [e for e in self.engines if e.failure.state == F.TIMEOUT and e.lost_from in unpaused]
 
     def staging_problems(self) -> list[str]:
         """Atomic runs, after the probe and before connect: why the engines' staged copies do not

@@ -692,6 +692,29 @@ class _Run(Recording):
         self._settle_wave({e: self.owed(e, cont, quarantine, kv=cont) for e in self.engines if e not in later}, cleanup)
         if later:
             self._settle_wave({e: self.owed(e, cont, quarantine, kv=cont) for e in later}, True)
+        if self.ctx.atomic:
+            self.hold_hung(quarantine)
+
+    def hold_hung(self, state: str) -> None:
+        """Atomic runs: an engine that stopped answering while it generated serves its old weights
+        once it answers again. Where the version policy would hold it, it is sent its discard and
+        the hold anyway (its channel keeps them in order, behind whatever it is stuck in: they run
+        when it answers); the run waits only the cleanup floor, and its outcome stays "failed"."""
+        why = {e: self.hold_reason(e) for e in self.ledger.hung_generating()}
+        plan = {
+            e: [Step("discard", state), Step("quarantine", state, (r, True) if e.holds_requests else (r,))]
+            for e, r in why.items() if r is not None
+        }  # fmt: skip
+        if not plan:
+            return
+        w = self.waves.start(plan, cleanup=True)
+        for e, pairs in self.waves.wait(w).items():
+            for step, res in pairs:
+                self.record(e, step, res, w.batch, state=state)  # recorded; it stays reported as it was
+            e.error = (
+                f"{e.error}; it stopped answering while it generated, so its discard and hold were sent to run once "
+                "it answers"
+            )
 
     def _settle_wave(self, plan: dict[Engine, list[Step]], cleanup: bool) -> None:
         if not any(plan.values()):
