@@ -375,13 +375,13 @@ def gpu(
 
 
 def run_atomic(
-    config: ModelConfig, state: dict[str, torch.Tensor], *, refits: int, bucket_mb: int, requests: int = 8,
+    config: ModelConfig, state: dict[str, torch.Tensor], *, refits: int, bucket_mb: int, requests: int = 64,
     tick: Callable[[str], None] = lambda s: None, idle_s: float = 1.0,
 ) -> dict[str, Any]:  # fmt: skip
     """Atomic refits over path (b) into an engine process decoding `requests` requests throughout
     (each to the shape's max_seq_len): a connecting refit, then `refits` timed ones, each after an
     idle window of `idle_s` in which the engine's decode throughput is measured."""
-    engine = ReferenceEngine.spawn("gpu-atomic", config, seed=0, device="cuda")
+    engine = ReferenceEngine.spawn("gpu-atomic", config, seed=0, device="cuda", max_running=requests)
     ctx = protocol.RefitContext(
         TorchSource(state), IPCTransport(), [engine], mode="disaggregated", atomic=True, pause_mode="in_place",
         kv="keep", bucket_bytes=bucket_mb << 20, deadline_s=300.0, verify="off",

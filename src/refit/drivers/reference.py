@@ -80,13 +80,25 @@ class ReferenceEngine(EngineDriver):
         serving: bool = True,
         tp: int = 1,
         device: str = "cpu",
+        max_running: int = 8,
+        memory_limit: int | None = None,
     ) -> ReferenceEngine:
         """A reference engine in its own process(es). `serving=False` for a recovered engine: it
         refuses requests until a refit completes (miles#1724: replacements served before getting
         weights). `tp`: TP ranks (processes), each holding a shard. `device`: cpu, or a CUDA
-        device (one TP rank) for weights, KV and forward."""
+        device (one TP rank) for weights, KV and forward. `max_running`: requests decoded at once;
+        `memory_limit`: bytes its weights may take, staged copies included (`EngineCore`)."""
         return cls.spawn_many(
-            [name], config, seed, version=version, threads=threads, serving=serving, tp=tp, device=device
+            [name],
+            config,
+            seed,
+            version=version,
+            threads=threads,
+            serving=serving,
+            tp=tp,
+            device=device,
+            max_running=max_running,
+            memory_limit=memory_limit,
         )[0]
 
     @classmethod
@@ -101,8 +113,10 @@ class ReferenceEngine(EngineDriver):
         serving: bool = True,
         tp: int = 1,
         device: str = "cpu",
+        max_running: int = 8,
+        memory_limit: int | None = None,
     ) -> list[ReferenceEngine]:
-        """Several engines (each `tp` processes), started in parallel."""
+        """Several engines (each `tp` processes), started in parallel (the arguments: `spawn`)."""
         from refit.reference.client import await_ready, launch_process
         from refit.reference.model import ModelConfig
 
@@ -112,7 +126,7 @@ class ReferenceEngine(EngineDriver):
         launches = [
             launch_process(
                 n, config or ModelConfig(), seed, version=version, threads=threads, serving=serving, tp=tp,
-                device=device,
+                device=device, max_running=max_running, memory_limit=memory_limit,
             )
             for n in names
         ]  # fmt: skip

@@ -153,6 +153,8 @@ def launch_process(
     serving: bool = True,
     tp: int = 1,
     device: str = "cpu",
+    max_running: int = 8,
+    memory_limit: int | None = None,
 ) -> _Launch:
     """Start an engine process without waiting for it (see `await_ready`).
 
@@ -162,7 +164,7 @@ def launch_process(
     ours, theirs = socket.socketpair()
     spec = {
         "config": config.to_dict(), "seed": seed, "name": name, "version": version, "threads": threads,
-        "serving": serving, "tp": tp, "device": device,
+        "serving": serving, "tp": tp, "device": device, "max_running": max_running, "memory_limit": memory_limit,
     }  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     proc = subprocess.Popen(

@@ -724,7 +724,8 @@ def process_main(fd: int, spec: dict[str, Any]) -> None:
         comm = Comm(_tp_group(store, rank, tp), rank, tp)
     core = EngineCore(
         ModelConfig(**spec["config"]), spec["seed"], version=spec["version"], serving=spec["serving"], comm=comm,
-        device=spec.get("device", "cpu"),
+        device=spec.get("device", "cpu"), max_running=int(spec.get("max_running", 8)),
+        memory_limit=spec.get("memory_limit"),
     )  # fmt: skip
     channel = PipeChannel(conn)
     if rank > 0:
