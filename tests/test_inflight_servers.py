@@ -129,8 +129,10 @@ def test_a_held_server_keeps_its_requests_until_a_refit_reaches_it(server: str) 
 
 
 class _NoSpans(EmulatedSGLang):
-    """SGLang before it reported per-token spans (0.5.23's utils/weight_versions.py
-    add_weight_versions_to_meta_info): meta_info carries the request's weight_version alone."""
+    """A server that labels only the request (no per-token spans, which 0.5.23's
+    utils/weight_versions.py add_weight_versions_to_meta_info adds): meta_info carries the
+    request's weight_version alone. It reports 0.5.22, a version refit does not trust to give
+    spans whenever a request straddled an update."""
 
     def op_generate(self, obj: Any) -> dict[str, Any]:
         out = super().op_generate(obj)
@@ -142,9 +144,9 @@ def test_without_spans_tokens_are_versioned_only_where_no_commit_point_fell_insi
     """A server that labels only the request: a request no refit touched gets its label on every
     token; one a refit landed in gets None per token (which weights sampled each is unknown, so
     `refit.staleness` refuses it) instead of the last version on all of them."""
-    engine = EmulatedSGLangEngine.start("s0", config=CFG, in_thread=True, server=_NoSpans)
+    engine = EmulatedSGLangEngine.start("s0", config=CFG, in_thread=True, server=_NoSpans, version="0.5.22")
     model = TinyLlama(CFG, seed=0)
-    ctx = protocol.RefitContext(TorchSource(model), SGLangTensorTransport(), [engine], mode="colocated")
+    ctx = protocol.RefitContext(TorchSource(model), SGLangTensorTransport(), [engine], mode="colocated", verify="off")
     try:
         before = engine.generate([1, 2, 3], 8)
         assert before["weight_versions"] == [0] * 8

@@ -116,6 +116,10 @@ class Capabilities:
     flattened_bytes     flattened buckets are uint8 with byte offsets (0.5.6+)
     flush_failure_fatal a refused flush inside an update kills the scheduler (<= 0.5.21); refit
                         never asks an update to flush, so this is only reported
+    version_spans       a request that straddled an update carries per-token weight_versions spans
+                        (read in 0.5.23: utils/weight_versions.py add_weight_versions_to_meta_info),
+                        so one without them was sampled under its one label; for an older server
+                        refit does not rely on that (a commit point inside the request: unknown)
     """
 
     version: str | None
@@ -125,6 +129,7 @@ class Capabilities:
     version_route: str
     flattened_bytes: bool
     flush_failure_fatal: bool
+    version_spans: bool = True
 
     @classmethod
     def of(cls, version: str | None) -> Capabilities:
@@ -138,6 +143,7 @@ class Capabilities:
             version_route="/model_info" if v >= (0, 5, 6) else "/get_weight_version",
             flattened_bytes=v >= (0, 5, 6),
             flush_failure_fatal=v <= (0, 5, 21),
+            version_spans=v >= (0, 5, 23),
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -145,6 +151,7 @@ class Capabilities:
             "version": self.version, "session": self.session, "flush_while_paused": self.flush_while_paused,
             "pause_modes": sorted(self.pause_modes), "version_route": self.version_route,
             "flattened_bytes": self.flattened_bytes, "flush_failure_fatal": self.flush_failure_fatal,
+            "version_spans": self.version_spans,
         }  # fmt: skip
 
 
@@ -706,9 +713,11 @@ class SGLangEngine(HttpEngineDriver):
             "finish_reason": reason.get("type") if isinstance(reason, dict) else reason,
             "num_retractions": int(meta.get("num_retractions") or 0),
         }
-        # spans only for a request that straddled an update (0.5.23); a server that gives none, only
-        # the request's label: per token where no commit point of this driver fell inside the request
-        changed = self._ledger.changes != changes
+        # spans only for a request that straddled an update (0.5.23): one without was sampled under its
+        # label; from an older server, the label holds per token only where no commit point of this
+        # driver fell inside the request
+        spans = self.capabilities is not None and self.capabilities.version_spans
+        changed = not spans and self._ledger.changes != changes
         versions = token_versions(meta.get("weight_versions"), meta.get("weight_version"), len(output), changed=changed)
         if versions is not None:
             out["weight_versions"] = versions
