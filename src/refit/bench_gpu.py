@@ -342,6 +342,8 @@ def gpu(
                 continue
             mode = verify if path == "ipc" else "off"
             if path == "atomic":
+                _sync()
+                torch.cuda.empty_cache()  # what the other paths cached is free for the staged copy
                 row = run_atomic(config, state, refits=refits, bucket_mb=bucket_mb, tick=tick)
             else:
                 row = run_path(path, config, state, refits=refits, bucket_mb=bucket_mb, tick=tick, verify=mode)
@@ -383,7 +385,8 @@ def run_atomic(
     idle window of `idle_s` in which the engine's decode throughput is measured."""
     engine = ReferenceEngine.spawn("gpu-atomic", config, seed=0, device="cuda", max_running=requests)
     ctx = protocol.RefitContext(
-        TorchSource(state), IPCTransport(), [engine], mode="disaggregated", atomic=True, pause_mode="in_place",
+        TorchSource(state), IPCTransport(same_devices=True), [engine], mode="disaggregated", atomic=True,
+        pause_mode="in_place",
         kv="keep", bucket_bytes=bucket_mb << 20, deadline_s=300.0, verify="off",
     )  # fmt: skip
     length = config.max_seq_len - 8

@@ -163,19 +163,24 @@ class IPCTransport(Transport):
     shares_storages = True
     digest_kind = "wsum"  # verification hashes on the GPU, where the weights are
 
-    def __init__(self, slots: int = 2, *, signal_bytes: int = 2 << 30, share_cpu: bool = False) -> None:
+    def __init__(
+        self, slots: int = 2, *, signal_bytes: int = 2 << 30, share_cpu: bool = False, same_devices: bool = False
+    ) -> None:
         """`signal_bytes`: the least a bucket covers. A referenced bucket costs no memory, only a
         message and the engine's bookkeeping (about a millisecond on a busy host), so buckets are
         planned at `max(bucket_bytes, signal_bytes)` (0: the context's `bucket_bytes` as given);
         staging buffers, made only for tensors that cannot be referenced, take the plan's size.
         `share_cpu`: move CPU storages into named shared memory and reference them (see the module
-        docstring for what that changes for the trainer); else CPU tensors are staged."""
+        docstring for what that changes for the trainer); else CPU tensors are staged.
+        `same_devices`: the engines run on the trainer's devices although the run is disaggregated
+        (no offload or restore: an atomic refit into an engine that shares the trainer's GPU)."""
         if not isinstance(slots, int) or slots < 1:
             raise ValueError(f"slots must be an integer >= 1, got {slots!r}")
         if not isinstance(signal_bytes, int) or signal_bytes < 0:
             raise ValueError(f"signal_bytes must be an integer >= 0, got {signal_bytes!r}")
         self.slots = slots
         self.signal_bytes = signal_bytes
+        self.same_devices = same_devices
         self.share_cpu = share_cpu
         self.temp_bytes = 0
         self._offered: Storages | None = None
@@ -208,8 +213,11 @@ class IPCTransport(Transport):
 
     def connect(self, plan: Sequence[BucketManifest], topology: Topology, rank: int) -> dict[str, Any]:
 
-        if not topology.colocated:
-            raise ValueError("the ipc transport is colocated only (engines on the trainer's devices)")
+        if not topology.colocated and not self.same_devices:
+            raise ValueError(
+                "the ipc transport is colocated only (engines on the trainer's devices; a disaggregated run on the "
+                "same devices: IPCTransport(same_devices=True))"
+            )
         offered = self._offered  # `share` ran right before: the reset below must not drop it
         self.disconnect()
         self._offered = offered
