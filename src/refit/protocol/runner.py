@@ -180,29 +180,12 @@ class _Run(Recording):
             self.wave({e: head + tail(e) for e in members})
             self.check_probes()
         self.require_engines("paused, flushed and in an update session")
-        opened = [e for e in self.engines if e.active and e.state == E.OPEN]
-        if self.group_differs(opened):  # a member left before any byte moved: the group without it
-            self.enter(T.RECONNECT)
-            self.connect(opened, "RECONNECTING")
-        self.stream([e for e in opened if e.active], start=self.rode)
-        while retry := (self.ledger.retryable(ctx.retries) if self.deadline.remaining() > 0 else []):
-            self.attempt += 1
-            for e in retry:
-                self.ledger.begin_attempt(e, self.attempt)
-            if self.session.connection.state == Connection.BROKEN or self.group_differs(retry):
-                self.enter(T.RECONNECT)
-                self.connect(retry, "RECONNECTING")
-            self.enter(T.RETRY)
-            self.wave({e: [Step("flush", "INVALIDATING"), self.begin_step(e)] for e in retry if e.active})
-            self.stream([e for e in retry if e.active and e.state == E.OPEN])
-        self.commit()
-        self.enter(T.FINISH)
+        self.update(E.OPEN, start=self.rode)
 
     def execute_atomic(self) -> None:
         """CONNECTING (the probe wave alone, the memory check, connect), STAGING, TRANSFERRING,
         POST_PROCESSING, VERIFYING into the staged copies while generation goes on; retries discard
         and stage again (RESTAGE); then SWAPPING and CONTINUING in one wave (`commit`)."""
-        ctx = self.ctx
         self.enter(T.CONNECT)
         members = self.engines
         self.topology = self.session.topology
@@ -223,11 +206,19 @@ class _Run(Recording):
         self.enter(T.STAGE)
         self.wave({e: [self.begin_step(e)] for e in members if e.active})
         self.require_engines("staging a copy of the weights")
-        opened = [e for e in self.engines if e.active and e.state == E.STAGING]
+        self.update(E.STAGING)
+
+    def update(self, opened_state: EngineState, *, start: int = 0) -> None:
+        """The engines whose session opened (`opened_state`: OPEN, or STAGING in an atomic run)
+        stream from bucket `start`; engines the ledger calls retryable begin again (a retry:
+        flush and begin; atomic: discard a stranded copy and stage) while attempts and time
+        remain, a broken or changed collective group rebuilt first; then the commit."""
+        ctx = self.ctx
+        opened = [e for e in self.engines if e.active and e.state == opened_state]
         if self.group_differs(opened):  # a member left before any byte moved: the group without it
             self.enter(T.RECONNECT)
             self.connect(opened, "RECONNECTING")
-        self.stream([e for e in opened if e.active])
+        self.stream([e for e in opened if e.active], start=start)
         while retry := (self.ledger.retryable(ctx.retries) if self.deadline.remaining() > 0 else []):
             self.attempt += 1
             for e in retry:
@@ -235,12 +226,15 @@ class _Run(Recording):
             if self.session.connection.state == Connection.BROKEN or self.group_differs(retry):
                 self.enter(T.RECONNECT)
                 self.connect(retry, "RECONNECTING")
-            self.enter(T.RESTAGE)
-            self.wave({
-                e: [*([Step("discard", "STAGING")] if e.state == E.STRANDED else []), self.begin_step(e)]
-                for e in retry if e.active
-            })  # fmt: skip
-            self.stream([e for e in retry if e.active and e.state == E.STAGING])
+            if ctx.atomic:
+                self.enter(T.RESTAGE)
+                again = {e: [*([Step("discard", "STAGING")] if e.state == E.STRANDED else []), self.begin_step(e)]
+                         for e in retry if e.active}  # fmt: skip
+            else:
+                self.enter(T.RETRY)
+                again = {e: [Step("flush", "INVALIDATING"), self.begin_step(e)] for e in retry if e.active}
+            self.wave(again)
+            self.stream([e for e in retry if e.active and e.state == opened_state])
         self.commit()
         self.enter(T.FINISH)
 
