@@ -113,7 +113,8 @@ LEGEND = f"""columns:
                      engine reports it will serve with what the trainer sent); total s: the whole refit
                      (--atomic: connect, stage, transfer, post, verify while the engines generate, then swap:
                      the one wave that stops generation, and continue)
-  rt                 control round trips (2 in steady state; the first refit also connects)
+  rt                 control round trips (2 in steady state, 3 with --atomic: the probe, the stage, the swap;
+                     the first refit also connects)
   bkts, KiB          buckets and KiB moved; peak KiB: the most extra trainer memory the refit held
   tokens             the engines' greedy tokens vs the trainer's (equal | DIFFER)
   max|dlogit|        largest logit difference from the trainer (must be <= {LOGIT_TOL:g} x max(1, max|logit|))

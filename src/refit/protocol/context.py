@@ -246,10 +246,11 @@ class RefitContext:
             )
         unable = [e for e in self.engines if not getattr(e, "stages", False)]
         if unable:
-            reasons = "; ".join(
-                f"{e.name}: {getattr(e, 'no_stage', None) or 'it declares no staged session (EngineDriver.stages)'}"
-                for e in unable
-            )
+            by_reason: dict[str, list[str]] = {}  # engines that cannot for the same reason, named once
+            for e in unable:
+                why = getattr(e, "no_stage", None) or "it declares no staged session (EngineDriver.stages)"
+                by_reason.setdefault(why, []).append(e.name)
+            reasons = "; ".join(f"{', '.join(names)}: {why}" for why, names in by_reason.items())
             raise ConfigError(
                 "atomic=True writes the new weights into a second copy while generation goes on, and these engines "
                 f"cannot: {reasons}; use atomic=False (pause_mode 'retract' holds requests and continues them)"
