@@ -348,7 +348,7 @@ class Ledger:
             steps = [Step("discard", cont)]  # then as it was: serving (never paused), or paused
             if hold is not None:
                 e.held = hold
-                return [*steps, Step("quarantine", quarantine, (hold, True) if e.holds_requests else (hold,))]
+                return [*steps, hold_step(e, quarantine, hold)]
             return [*steps, Step("continue_generation", cont), *kv_steps] if paused else steps
         if e.state in STAGED_STATES:  # SWAPPED: it serves the copy, unpublished
             return [Step("quarantine", quarantine, (reason,))]
@@ -361,7 +361,7 @@ class Ledger:
             return [*steps, Step("quarantine", quarantine, (reason,))]
         if hold is not None and e.position.can(EV.HOLD):  # clean, but held out of service
             e.held = hold
-            return [*steps, Step("quarantine", quarantine, (hold, True) if e.holds_requests else (hold,))]
+            return [*steps, hold_step(e, quarantine, hold)]
         if e.state == E.PAUSED:
             return [Step("continue_generation", cont), *kv_steps]
         return steps
@@ -402,3 +402,9 @@ class Ledger:
 
 def _gib(n: int) -> str:
     return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
+
+
+def hold_step(e: Engine, state: str, reason: str) -> Step:
+    """The version policy's hold of `e`: a quarantine that keeps its requests where its driver can
+    (`holds_requests`)."""
+    return Step("quarantine", state, (reason, True) if e.holds_requests else (reason,))

@@ -50,7 +50,7 @@ from refit.errors import DeadlineExceeded, DriverCallError, EngineError, Invaria
 from refit.protocol import faults
 from refit.protocol.answers import wrap_error
 from refit.protocol.context import RefitContext, RefitResult
-from refit.protocol.ledger import Engine, Ledger
+from refit.protocol.ledger import Engine, Ledger, hold_step
 from refit.protocol.lock import release_for_run, take_for_run
 from refit.protocol.ranks import RankStep
 from refit.protocol.record import Recording
@@ -696,7 +696,7 @@ class _Run(Recording):
         when it answers); the run waits only the cleanup floor, and its outcome stays "failed"."""
         why = {e: self.hold_reason(e) for e in self.ledger.hung_generating()}
         plan = {
-            e: [Step("discard", state), Step("quarantine", state, (r, True) if e.holds_requests else (r,))]
+            e: [Step("discard", state), hold_step(e, state, r)]
             for e, r in why.items() if r is not None
         }  # fmt: skip
         if not plan:
