@@ -171,6 +171,15 @@ def test_flush_before_pause(clean: list[dict]) -> None:
     assert "kv_fresh" in names(invariants.check_trace(renumber(ev)))
 
 
+@pytest.mark.parametrize("after", ["pause", "flush"])
+def test_continued_between_pause_and_first_bucket(clean: list[dict], after: str) -> None:
+    ev = copy.deepcopy(clean)
+    resume = copy.deepcopy(ev[find(ev, "continue_generation", engine="e0")])
+    ev.insert(find(ev, after, engine="e0") + 1, resume)
+    found = invariants.check_trace(renumber(ev))
+    assert any(v.invariant == "kv_fresh" and "continued between its pause" in v.message for v in found)
+
+
 def test_trainer_never_restored(clean: list[dict]) -> None:
     ev = copy.deepcopy(clean)
     del ev[find(ev, "restore")]

@@ -408,15 +408,27 @@ def check_kv_fresh(events: Sequence[Event]) -> list[Violation]:
             firsts = []
         firsts += [_calls(events, "load", engine=name, attempt=a)[0] for a in attempts]
         for first in firsts:
+            what = "swapped its copy in" if first["event"] == "swap" else f"received bucket {first.get('bucket')}"
             flushes = [f for f in _calls(events, "flush", engine=name) if f["seq"] < first["seq"] and _covers(f, first)]
             pauses = [p for p in _calls(events, "pause", engine=name) if flushes and _covers(p, flushes[-1])]
             if not flushes:
-                what = "swapped its copy in" if first["event"] == "swap" else f"received bucket {first.get('bucket')}"
                 msg = f"engine {name} {what} before its KV cache was flushed"
                 out.append(_v("kv_fresh", msg, first, events))
-            elif not [p for p in pauses if p["seq"] < flushes[-1]["seq"]]:
+            elif not (before := [p for p in pauses if p["seq"] < flushes[-1]["seq"]]):
                 msg = f"engine {name} was flushed before it was paused: requests could refill the cache"
                 out.append(_v("kv_fresh", msg, flushes[-1], events))
+            else:  # paused, flushed, changed: with no continue in between that could have run requests
+                resumed = [
+                    c for c in _calls(events, "continue_generation", engine=name)
+                    if before[-1]["seq"] < c["seq"] < first["seq"] and c.get("sent") is not False
+                    and c.get("outcome") != "error"
+                ]  # fmt: skip
+                if resumed:
+                    msg = (
+                        f"engine {name} was continued between its pause and the point it {what}: requests "
+                        "could refill the cache under the old weights"
+                    )
+                    out.append(_v("kv_fresh", msg, resumed[0], events))
     return out
 
 
