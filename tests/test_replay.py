@@ -246,6 +246,22 @@ def test_a_hang_with_no_call_timeout_keeps_the_deadline_and_replays(state: str, 
     _check_and_replay(path)
 
 
+def test_a_hang_that_ate_the_deadline_is_the_error_replayed_when_the_next_call_found_no_time() -> None:
+    """This trace (an atomic run, call_timeout_s=None: an engine hung on `stage` until the
+    deadline; the next call, the first bucket's pack, found no time left) once diverged: the
+    recording reported the hang as the run's error, the replay the pack, because its clock (when
+    the pack began) had not reached the deadline yet. A call refused for no time left is now the
+    recorded fact that the deadline ran out."""
+    path = Path(__file__).parent / "traces" / "deadline" / "atomic-stage-hang-ate-the-deadline.jsonl"
+    _, events, torn = load_trace(path)
+    pack = next(e for e in events if e.get("event") == "pack" and e.get("outcome") == "timeout")
+    assert "NoTimeLeft" in pack["error"]
+    assert check_trace(events, torn=torn) == []
+    report = replay(path)
+    assert report.divergence is None, str(report.divergence)
+    assert "stage did not finish inside the deadline" in next(e for e in events if e.get("event") == "error")["error"]
+
+
 def test_a_prepare_the_recording_process_chose_is_replayed_as_recorded() -> None:
     """A shared-memory transport prepares (hashes ahead, in IDLE) while any arena lives in the
     recording process: a fact of that process, not a decision of the runner. This trace (six real
