@@ -9,6 +9,11 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+# One intra-op thread for torch here and in every process a test starts (trainer ranks, servers;
+# engine processes take theirs from `spawn(threads=)`): the models are tiny, and on a 2-core
+# machine running 3 test workers, extra OpenMP threads only spin waiting for each other.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 import pytest
 import torch
 from hypothesis import settings
@@ -18,6 +23,8 @@ from refit.drivers.reference import ReferenceEngine
 from refit.drivers.shm import SharedMemoryTransport, leaked_segments
 from refit.drivers.torch_source import TorchSource
 from refit.reference.model import ModelConfig, TinyLlama
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 settings.register_profile("refit", derandomize=True, deadline=None, max_examples=40, print_blob=True)
 settings.register_profile("long", deadline=None, max_examples=500)
