@@ -82,12 +82,14 @@ class ReferenceEngine(EngineDriver):
         device: str = "cpu",
         max_running: int = 8,
         memory_limit: int | None = None,
+        batch_decode: bool = False,
     ) -> ReferenceEngine:
         """A reference engine in its own process(es). `serving=False` for a recovered engine: it
         refuses requests until a refit completes (miles#1724: replacements served before getting
         weights). `tp`: TP ranks (processes), each holding a shard. `device`: cpu, or a CUDA
         device (one TP rank) for weights, KV and forward. `max_running`: requests decoded at once;
-        `memory_limit`: bytes its weights may take, staged copies included (`EngineCore`)."""
+        `memory_limit`: bytes its weights may take, staged copies included; `batch_decode`: one
+        forward per step for every running request (`EngineCore`)."""
         return cls.spawn_many(
             [name],
             config,
@@ -99,6 +101,7 @@ class ReferenceEngine(EngineDriver):
             device=device,
             max_running=max_running,
             memory_limit=memory_limit,
+            batch_decode=batch_decode,
         )[0]
 
     @classmethod
@@ -115,6 +118,7 @@ class ReferenceEngine(EngineDriver):
         device: str = "cpu",
         max_running: int = 8,
         memory_limit: int | None = None,
+        batch_decode: bool = False,
     ) -> list[ReferenceEngine]:
         """Several engines (each `tp` processes), started in parallel (the arguments: `spawn`)."""
         from refit.reference.client import await_ready, launch_process
@@ -126,7 +130,7 @@ class ReferenceEngine(EngineDriver):
         launches = [
             launch_process(
                 n, config or ModelConfig(), seed, version=version, threads=threads, serving=serving, tp=tp,
-                device=device, max_running=max_running, memory_limit=memory_limit,
+                device=device, max_running=max_running, memory_limit=memory_limit, batch_decode=batch_decode,
             )
             for n in names
         ]  # fmt: skip
@@ -143,17 +147,26 @@ class ReferenceEngine(EngineDriver):
         serving: bool = True,
         max_running: int = 8,
         memory_limit: int | None = None,
+        batch_decode: bool = False,
     ) -> ReferenceEngine:
         """A reference engine on a thread of this process (fast; for unit tests). `max_running`:
         requests it decodes at once (the rest wait); `memory_limit`: bytes its weights may take,
-        staged copies included (`EngineCore`)."""
+        staged copies included; `batch_decode`: one forward per step for every running request
+        (`EngineCore`)."""
         from refit.reference.client import start_thread
         from refit.reference.model import ModelConfig
 
         config = config or ModelConfig()
         return cls(
             start_thread(
-                name, config, seed, version=version, serving=serving, max_running=max_running, memory_limit=memory_limit
+                name,
+                config,
+                seed,
+                version=version,
+                serving=serving,
+                max_running=max_running,
+                memory_limit=memory_limit,
+                batch_decode=batch_decode,
             )
         )
 

@@ -155,6 +155,7 @@ def launch_process(
     device: str = "cpu",
     max_running: int = 8,
     memory_limit: int | None = None,
+    batch_decode: bool = False,
 ) -> _Launch:
     """Start an engine process without waiting for it (see `await_ready`).
 
@@ -165,6 +166,7 @@ def launch_process(
     spec = {
         "config": config.to_dict(), "seed": seed, "name": name, "version": version, "threads": threads,
         "serving": serving, "tp": tp, "device": device, "max_running": max_running, "memory_limit": memory_limit,
+        "batch_decode": batch_decode,
     }  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     proc = subprocess.Popen(
@@ -214,12 +216,17 @@ def start_thread(
     core: type[EngineCore] = EngineCore,
     max_running: int = 8,
     memory_limit: int | None = None,
+    batch_decode: bool = False,
 ) -> EngineClient:
     """Run an engine on a thread of this process (same loop as the process version). `core`: an
     EngineCore subclass (tests use one to host an engine-side bug behind a correct driver);
-    `max_running`: requests decoded at once (the rest wait); `memory_limit`: see EngineCore."""
+    `max_running`: requests decoded at once (the rest wait); `memory_limit`, `batch_decode`: see
+    EngineCore."""
     ours, theirs = LocalChannel.pair()
-    engine = core(config, seed, version=version, serving=serving, max_running=max_running, memory_limit=memory_limit)
+    engine = core(
+        config, seed, version=version, serving=serving, max_running=max_running, memory_limit=memory_limit,
+        batch_decode=batch_decode,
+    )  # fmt: skip
     server = EngineServer(engine, name, in_process=True)
     thread = threading.Thread(target=serve, args=(theirs, server), name=f"refit-engine-{name}", daemon=True)
     thread.start()

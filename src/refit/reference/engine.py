@@ -48,7 +48,7 @@ import torch.nn.functional as F
 
 from refit.buckets import BucketManifest, chunk_digests, combine, copy_digests, dtype_name
 from refit.errors import EngineError
-from refit.reference.model import ModelConfig, attention, init_weights, rms_norm, rope
+from refit.reference.model import ModelConfig, attention, grouped_attention, init_weights, rms_norm, rope
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 AUDIT_KEEP = 20_000  # engine-side audit records kept at least (`EngineCore.record`)
@@ -275,6 +275,7 @@ class EngineCore:
         comm: Comm | None = None,
         device: str = "cpu",
         memory_limit: int | None = None,
+        batch_decode: bool = False,
     ) -> None:
         """`serving=False` starts the engine out of service until a refit completes (a recovered
         engine must not answer requests with checkpoint weights before it has the current ones).
@@ -282,8 +283,16 @@ class EngineCore:
         weights are sharded, the scheduler state replicated). `device`: where the weights, KV and
         forward live (a CUDA engine has one TP rank: its TP collectives are gloo's). `memory_limit`:
         the bytes its weights may take, staged copies included (as a server's static memory
-        fraction bounds it): the probe reports what is left as free for a staged copy."""
+        fraction bounds it): the probe reports what is left as free for a staged copy.
+        `batch_decode`: one forward per step decodes every running request that holds KV, each
+        from its own slot of a static KV cache (`max_running` slots of `max_seq_len`, allocated at
+        the first batched step), as serving engines batch; off, each request is its own forward,
+        the computation the bit-exact tests repeat on a fresh engine (a batched matmul may round
+        a row differently)."""
         self.config = config
+        self.batch_decode = batch_decode
+        self._slots: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # K and V per layer
+        self._slot_of: dict[int, int] = {}  # rid -> its slot, while it runs
         self.memory_limit = memory_limit
         self.comm = comm or Comm()
         self.device = torch.device(device)
@@ -1034,6 +1043,7 @@ class EngineCore:
             raise EngineError("busy", "release_memory while requests hold KV; pause them first")
         if "kv_cache" in tags:
             self.cache.clear()
+            self._slots, self._slot_of = None, {}
             self.kv_released = True
         if "weights" in tags and not self.weights_released:
             if self.session is not None:  # what the session hashed as it wrote is gone: read back at verify
@@ -1147,8 +1157,17 @@ class EngineCore:
             return
         while self.waiting and len(self.running) < self.max_running:
             self.running.append(self.waiting.popleft())
-        for req in list(self.running):
-            self._advance(req)
+        if not self.batch_decode:
+            for req in list(self.running):
+                self._advance(req)
+            return
+        running = {r.rid for r in self.running}
+        self._slot_of = {rid: s for rid, s in self._slot_of.items() if rid in running}  # who left gave theirs back
+        decoding = [r for r in self.running if r.kv is not None]  # each holds a slot
+        for req in [r for r in self.running if r not in decoding]:
+            self._advance(req)  # prefill (one request per forward), then into its slot
+        if decoding:
+            self._decode_batch(decoding)
 
     def pop_finished(self) -> list[int]:
         done, self._finished = self._finished, []
@@ -1160,6 +1179,7 @@ class EngineCore:
     def _finish(self, req: Request, reason: str) -> None:
         req.finish_reason = reason
         req.kv, req.kv_epochs = None, []
+        self._slot_of.pop(req.rid, None)  # (requests leaving otherwise give theirs back at the next step)
         self._finished.append(req.rid)
 
     @torch.no_grad()
@@ -1172,17 +1192,20 @@ class EngineCore:
             req.cached_tokens += len(nodes)
             req.stale_kv_tokens += sum(e != self.weights_epoch for e in epochs)
             logits, kv = self._forward(tokens[len(nodes) :], past, len(nodes))
-            req.kv = kv
             req.kv_epochs = epochs + [self.weights_epoch] * (len(tokens) - len(nodes))
             self.cache.insert(req.prompt, kv, req.kv_epochs)
+            req.kv = self._into_slot(req, kv) if self.batch_decode else kv
         else:  # decode the last token against the request's own KV
-            req.stale_kv_tokens += sum(e != self.weights_epoch for e in req.kv_epochs)
+            req.stale_kv_tokens += len(req.kv_epochs) - req.kv_epochs.count(self.weights_epoch)
             logits, req.kv = self._forward(tokens[-1:], req.kv, len(tokens) - 1)
             req.kv_epochs.append(self.weights_epoch)
         last = logits[-1].float()
         token = int(torch.argmax(last))
+        self._emit(req, token, float(torch.log_softmax(last, dim=-1)[token]))
+
+    def _emit(self, req: Request, token: int, logprob: float) -> None:
         req.output.append(token)
-        req.logprobs.append(float(torch.log_softmax(last, dim=-1)[token]))
+        req.logprobs.append(logprob)
         req.versions.append(self.version)
         req.epochs.append(self.weights_epoch)
         self.tokens_sampled += 1
@@ -1191,6 +1214,47 @@ class EngineCore:
         if len(req.output) >= req.max_new_tokens:
             self.running.remove(req)
             self._finish(req, "length")
+
+    def _into_slot(
+        self, req: Request, kv: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Batched decoding: copy a prefilled request's KV into its slot (a free one the first
+        time). The cache starts zeroed: a masked position's weight is 0, and 0 times a NaN left in
+        unwritten memory would not be. From now on the request's KV is that slot; the views
+        returned (`req.kv`) mark that it holds KV, and the batched steps write past their end."""
+        if self._slots is None:
+            c, d = self.config, self.config.head_dim
+            assert d is not None
+            shape = (self.max_running, self.layout.kv_rows // d, c.max_seq_len, d)
+            dtype = getattr(torch, c.dtype)  # what the forward computes K and V in
+            self._slots = tuple(  # type: ignore[assignment]
+                [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(c.num_layers)] for _ in range(2)
+            )
+        assert self._slots is not None
+        slot = self._slot_of.get(req.rid)
+        if slot is None:
+            slot = min(set(range(self.max_running)) - set(self._slot_of.values()))
+            self._slot_of[req.rid] = slot
+        n = kv[0][0].shape[2]
+        for layer, (k, v) in enumerate(kv):
+            self._slots[0][layer][slot, :, :n] = k[0]
+            self._slots[1][layer][slot, :, :n] = v[0]
+        return [(k_[slot : slot + 1, :, :n], v_[slot : slot + 1, :, :n]) for k_, v_ in zip(*self._slots, strict=True)]
+
+    @torch.no_grad()
+    def _decode_batch(self, reqs: list[Request]) -> None:
+        """One token for each of `reqs` (each holds KV in its slot) in one forward."""
+        reqs = sorted(reqs, key=lambda r: self._slot_of[r.rid])
+        for req in reqs:
+            req.stale_kv_tokens += len(req.kv_epochs) - req.kv_epochs.count(self.weights_epoch)
+        last = (r.output[-1] if r.output else r.prompt[-1] for r in reqs)
+        positions = [len(r.prompt) + len(r.output) - 1 for r in reqs]
+        logits = self._forward_slots(list(last), [self._slot_of[r.rid] for r in reqs], positions).float()
+        tokens = torch.argmax(logits, dim=-1)
+        logprobs = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None])[:, 0]
+        for req, token, logprob in zip(reqs, tokens.tolist(), logprobs.tolist(), strict=True):
+            req.kv_epochs.append(self.weights_epoch)
+            self._emit(req, token, logprob)
 
     @staticmethod
     def _stack(nodes: list[_Node]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -1235,6 +1299,42 @@ class EngineCore:
             x = x + self._row_parallel(F.silu(gate) * up, p[pre + "mlp.down_proj.weight"], None)
         logits = F.linear(rms_norm(x, p["model.norm.weight"], c.rms_norm_eps), head)
         return comm.all_gather_cat(logits[0], dim=-1), new_kv
+
+    def _forward_slots(self, tokens: list[int], slots: list[int], positions: list[int]) -> torch.Tensor:
+        """Logits [B, V] for one token per row (`tokens[b]` at `positions[b]`), attending to the
+        KV in `slots[b]` (this token's K and V are written there first)."""
+        c, comm = self.config, self.comm
+        p, head = self._live if self._live is not None else (self.params, self.head_serving)
+        assert c.head_dim is not None and self._slots is not None
+        d, heads, kv_heads = c.head_dim, c.num_heads // comm.size, self.layout.kv_rows // c.head_dim
+        qd, kvd, b, t = heads * d, kv_heads * d, len(tokens), max(positions) + 1
+        pos = torch.tensor(positions, device=self.device)
+        rows = torch.tensor(slots, device=self.device)
+        contiguous = slots == list(range(slots[0], slots[0] + b))  # a slice, not a gather, of the cache
+        masked = torch.arange(t, device=self.device)[None, :] > pos[:, None]  # [B, T]: past each row's end
+        x = F.embedding(torch.tensor(tokens, device=self.device)[:, None], p["model.embed_tokens.weight"])
+        for i in range(c.num_layers):
+            pre = f"model.layers.{i}."
+            n = rms_norm(x, p[pre + "input_layernorm.weight"], c.rms_norm_eps)
+            qkv = F.linear(n, p[pre + "self_attn.qkv_proj.weight"], p.get(pre + "self_attn.qkv_proj.bias"))
+            q = qkv[..., :qd].reshape(b, 1, heads, d).transpose(1, 2)
+            k = qkv[..., qd : qd + kvd].reshape(b, 1, kv_heads, d).transpose(1, 2)
+            v = qkv[..., qd + kvd :].reshape(b, 1, kv_heads, d).transpose(1, 2)
+            q, k = rope(q, pos[:, None], c.rope_theta), rope(k, pos[:, None], c.rope_theta)
+            keys, values = self._slots[0][i], self._slots[1][i]
+            keys[rows, :, pos] = k[:, :, 0]
+            values[rows, :, pos] = v[:, :, 0]
+            if contiguous:
+                keys, values = keys[slots[0] : slots[0] + b, :, :t], values[slots[0] : slots[0] + b, :, :t]
+            else:
+                keys, values = keys[rows, :, :t], values[rows, :, :t]
+            out = grouped_attention(q, keys, values, masked).transpose(1, 2).reshape(b, 1, qd)
+            x = x + self._row_parallel(out, p[pre + "self_attn.o_proj.weight"], p.get(pre + "self_attn.o_proj.bias"))
+            n = rms_norm(x, p[pre + "post_attention_layernorm.weight"], c.rms_norm_eps)
+            gate, up = F.linear(n, p[pre + "mlp.gate_up_proj.weight"]).chunk(2, dim=-1)
+            x = x + self._row_parallel(F.silu(gate) * up, p[pre + "mlp.down_proj.weight"], None)
+        logits = F.linear(rms_norm(x, p["model.norm.weight"], c.rms_norm_eps), head)
+        return comm.all_gather_cat(logits[:, 0], dim=-1)
 
     def _row_parallel(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """`x @ weight.T + bias` for a row-parallel projection (o_proj, down_proj). One rank: one

@@ -243,13 +243,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary embedding on [B, heads, T, D] at absolute `positions` [T] (half-split layout); the
-    angles in float32, cos/sin cast to x's dtype."""
+    """Rotary embedding on [B, heads, T, D] at absolute `positions` [T] (or [B, T]: each row its
+    own; half-split layout); the angles in float32, cos/sin cast to x's dtype."""
     d = x.shape[-1]
     inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d))
-    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
+    angles = positions.to(torch.float32)[..., None] * inv_freq
     cos = torch.cat([angles.cos(), angles.cos()], -1).to(x.dtype)
     sin = torch.cat([angles.sin(), angles.sin()], -1).to(x.dtype)
+    if positions.dim() == 2:  # [B, T, D] -> [B, 1, T, D]: the same angles for every head
+        cos, sin = cos[:, None], sin[:, None]
     x1, x2 = x[..., : d // 2], x[..., d // 2 :]
     rotated = torch.cat([-x2, x1], -1)
     return x * cos + rotated * sin
@@ -267,6 +269,18 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int) 
     kpos = torch.arange(tk, device=q.device)[None, :]
     scores = scores.masked_fill(kpos > qpos, float("-inf"))
     return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+
+
+def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
+    """One query per row: q [B,H,1,D] against k/v [B,KV,T,D], `masked` [B,T] true past a row's
+    last position. Query head h reads KV head h // (H // KV) (as `attention`'s repeat), without
+    copying K and V per head; scaled and softmaxed as `attention`."""
+    b, h, _, d = q.shape
+    kv = k.shape[1]
+    scores = (q.reshape(b, kv, h // kv, d) @ k.transpose(-1, -2)) * d**-0.5  # [B, KV, G, T]
+    scores = scores.masked_fill(masked[:, None, None, :], float("-inf"))
+    out = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v  # [B, KV, G, D]
+    return out.reshape(b, h, 1, d)
 
 
 # ---- the trainer-side model ------------------------------------------------------------------

@@ -725,7 +725,7 @@ def process_main(fd: int, spec: dict[str, Any]) -> None:
     core = EngineCore(
         ModelConfig(**spec["config"]), spec["seed"], version=spec["version"], serving=spec["serving"], comm=comm,
         device=spec.get("device", "cpu"), max_running=int(spec.get("max_running", 8)),
-        memory_limit=spec.get("memory_limit"),
+        memory_limit=spec.get("memory_limit"), batch_decode=bool(spec.get("batch_decode", False)),
     )  # fmt: skip
     channel = PipeChannel(conn)
     if rank > 0:
