@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import time
 
 import pytest
 import torch
@@ -128,6 +129,42 @@ def test_staged_tensors_on_cuda() -> None:
     finally:
         ctx.close()
         engine.close()
+
+
+def test_batched_decoding_on_cuda_gives_the_per_request_tokens_and_refits_atomically() -> None:
+    """`batch_decode` on CUDA (what the atomic bench row decodes with): 6 requests through 4 slots
+    give the one-request-per-forward engine's greedy tokens (fp32); an atomic refit over path (b)
+    while they decode lands bit for bit and the requests go on at the new version."""
+    config = ModelConfig(**{**CFG.to_dict(), "max_seq_len": 2048})
+    engines = [
+        ReferenceEngine.spawn(n, config, seed=0, device="cuda", max_running=4, batch_decode=b)
+        for n, b in (("one", False), ("batched", True))
+    ]
+    prompts = [[i + 1, 2 * i + 3, 5, 7] for i in range(6)]
+    try:
+        futures = [[e.submit(p, 40) for p in prompts] for e in engines]
+        one, batched = ([f.result(timeout=120) for f in fs] for fs in futures)
+        assert [r["output"] for r in one] == [r["output"] for r in batched]
+        model = TinyLlama(CFG, seed=0).cuda()
+        _step(model, 3)
+        ctx = protocol.RefitContext(
+            TorchSource(model), IPCTransport(same_devices=True), [engines[1]], mode="disaggregated", atomic=True,
+            pause_mode="in_place", kv="keep",
+        )  # fmt: skip
+        try:
+            running = [engines[1].submit(p, 1800) for p in prompts[:4]]  # one slot each
+            while engines[1].info()["tokens_sampled"] < 6 * 40 + 60:
+                time.sleep(0.001)
+            protocol.run(ctx).raise_for_error()
+            results = [f.result(timeout=120) for f in running]
+        finally:
+            ctx.close()
+        assert all(r["weight_versions"][0] == 0 and r["weight_versions"][-1] == 1 for r in results)
+        assert engines[1].info()["tokens_while_staged"] > 0
+        _check(engines[1], model)
+    finally:
+        for e in engines:
+            e.close()
 
 
 def _free_port() -> int:

@@ -32,6 +32,7 @@ held before).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 import sys
@@ -378,21 +379,26 @@ def gpu(
 
 def run_atomic(
     config: ModelConfig, state: dict[str, torch.Tensor], *, refits: int, bucket_mb: int, requests: int = 64,
-    tick: Callable[[str], None] = lambda s: None, idle_s: float = 1.0,
+    tokens: int = 2048, tick: Callable[[str], None] = lambda s: None, idle_s: float = 0.5,
 ) -> dict[str, Any]:  # fmt: skip
-    """Atomic refits over path (b) into an engine process decoding `requests` requests throughout
-    (each to the shape's max_seq_len): a connecting refit, then `refits` timed ones, each after an
-    idle window of `idle_s` in which the engine's decode throughput is measured."""
-    engine = ReferenceEngine.spawn("gpu-atomic", config, seed=0, device="cuda", max_running=requests)
+    """Atomic refits over path (b) into an engine process decoding `requests` requests of `tokens`
+    tokens throughout, all in one forward per step (`batch_decode`, each from its slot of a static
+    KV cache): a connecting refit, then `refits` timed ones, each after an idle window of `idle_s`
+    in which the engine's decode throughput without a refit is measured. The throughput while
+    staged is the tokens sampled while the copies were written over the time they took, summed
+    over the timed refits (one refit's window is a few decode steps)."""
+    prompt = 8
+    config = dataclasses.replace(config, max_seq_len=prompt + tokens)
+    engine = ReferenceEngine.spawn("gpu-atomic", config, seed=0, device="cuda", max_running=requests, batch_decode=True)
     ctx = protocol.RefitContext(
         TorchSource(state), IPCTransport(same_devices=True), [engine], mode="disaggregated", atomic=True,
         pause_mode="in_place",
         kv="keep", bucket_bytes=bucket_mb << 20, deadline_s=300.0, verify="off",
     )  # fmt: skip
-    length = config.max_seq_len - 8
-    blocked, staged, idle_rates, staged_rates, phases = [], [], [], [], []
+    length = tokens
+    blocked, staged, idle_rates, staged_rates, phases, running = [], [], [], [], [], []
     try:
-        futures = [engine.submit([i + 1, 2, 3, 4, 5, 6, 7, 8], length) for i in range(requests)]
+        futures = [engine.submit([i + 1, *range(2, prompt + 1)], length) for i in range(requests)]
         engine_base = engine.info()["gpu_allocated_bytes"]
         for i in range(refits + 1):  # the first refit connects (opens handles): not counted
             before = engine.info()
@@ -414,7 +420,8 @@ def run_atomic(
             blocked.append(window[1] - window[0])
             held = after["seconds_staged"] - mid["seconds_staged"]
             staged.append(held)
-            staged_rates.append((after["tokens_while_staged"] - mid["tokens_while_staged"]) / held)
+            staged_rates.append((after["tokens_while_staged"] - mid["tokens_while_staged"], held))
+            running.append(after["running"])
             phases.append(result.phase_seconds)
         if any(f.done() for f in futures) and any(f.result()["finish_reason"] != "length" for f in futures if f.done()):
             raise RuntimeError("a request in flight through the atomic refits did not finish by length")
@@ -427,7 +434,7 @@ def run_atomic(
         ctx.close()
         engine.close()
     idle = statistics.median(idle_rates[1:] or idle_rates)
-    during = statistics.median(staged_rates)
+    during = sum(n for n, _ in staged_rates) / sum(s for _, s in staged_rates)
     return {
         "ms_stall": round(statistics.median(blocked) * 1e3, 3),
         "ms_stall_p90": round(_percentile(blocked, 0.9) * 1e3, 3),
@@ -444,6 +451,8 @@ def run_atomic(
         "decode_tokens_per_s_while_staged": round(during, 1),
         "decode_throughput_ratio": round(during / idle, 3),
         "tokens_while_staged": info["tokens_while_staged"],
+        "tokens_while_staged_timed": sum(n for n, _ in staged_rates),
+        "requests_running_after_each_refit": running,  # requests still decoding when each refit returned
         "runner_phase_ms": {k: round(statistics.median(p.get(k, 0.0) for p in phases) * 1e3, 3) for k in phases[-1]},
     }
 
@@ -470,7 +479,8 @@ def table(report: dict[str, Any]) -> str:
                     f"({r['ratio_to_floor']:.3f} x floor; the staged copy written in {r['ms_transfer']:.1f} ms while "
                     f"decoding); decode {r['decode_tokens_per_s_while_staged']:.0f} tok/s while staged vs "
                     f"{r['decode_tokens_per_s_idle']:.0f} idle ({r['decode_throughput_ratio']:.3f}), "
-                    f"{r['requests']} requests of {r['request_tokens']} tokens"
+                    f"{r['requests']} requests of {r['request_tokens']} tokens in batches "
+                    f"({min(r.get('requests_running_after_each_refit') or [0])} still decoding after every refit)"
                 )
             if "verified_stall_ratio" in r:
                 lines.append(
