@@ -13,6 +13,9 @@ from typing import Any
 # engine processes take theirs from `spawn(threads=)`): the models are tiny, and on a 2-core
 # machine running 3 test workers, extra OpenMP threads only spin waiting for each other.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# CPU engine processes forked from one that imported the server already (refit.reference.forkserver):
+# the same server code, without each of the suite's hundreds of engines importing torch again.
+os.environ.setdefault("REFIT_FORKSERVER", "1")
 
 import pytest
 import torch

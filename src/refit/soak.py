@@ -24,21 +24,28 @@ def _fds() -> int:
 
 
 def _children() -> list[int]:
-    me, out = os.getpid(), []
+    """This process's child processes, with the engines its fork server forked
+    (`refit.reference.forkserver`, started once and kept for the process's life, as torch's
+    shared-memory manager is) in place of the fork server itself."""
+    from refit.reference import forkserver
+
+    parents: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
                 stat = (entry / "stat").read_text()
             except OSError:
                 continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == me:
-                out.append(int(entry.name))
-    return out
+            parents.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry.name))
+    helpers = set(forkserver.server_pids())
+    mine = parents.get(os.getpid(), [])
+    return [p for p in mine if p not in helpers] + [p for h in helpers if h in mine for p in parents.get(h, [])]
 
 
 # Fixed-size pools made lazily and kept for reuse: the context's call pool, and the process's
-# checksum pool (used in this process when engines run on threads). Neither is a leak.
-POOLS = ("refit-call", "refit-hash")
+# checksum pool (used in this process when engines run on threads); the reader of the process's
+# engine fork server. None is a leak.
+POOLS = ("refit-call", "refit-hash", "refit-forkserver")
 
 
 def _threads() -> set[threading.Thread]:

@@ -23,6 +23,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from refit.errors import EngineDied, EngineError
+from refit.reference import forkserver
 from refit.reference.engine import EngineCore
 from refit.reference.model import ModelConfig
 from refit.reference.server import SHUTDOWN, Channel, EngineServer, LocalChannel, PipeChannel, encode, serve
@@ -138,7 +139,7 @@ class EngineClient:
 @dataclass
 class _Launch:
     name: str
-    proc: subprocess.Popen[bytes]
+    proc: Any  # a subprocess.Popen, or a forkserver.ForkedProcess
     conn: Connection
     tp: int = 1
 
@@ -168,12 +169,16 @@ def launch_process(
         "serving": serving, "tp": tp, "device": device, "max_running": max_running, "memory_limit": memory_limit,
         "batch_decode": batch_decode,
     }  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "refit.reference.server", str(theirs.fileno()), json.dumps(spec)],
-        pass_fds=(theirs.fileno(),),
-        env=env,
-    )
+    proc: Any
+    if forkserver.enabled(device):  # a fork of a process that imported the server already
+        proc = forkserver.launch(theirs.fileno(), spec)
+    else:
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "refit.reference.server", str(theirs.fileno()), json.dumps(spec)],
+            pass_fds=(theirs.fileno(),),
+            env=env,
+        )
     theirs.close()
     _CHILDREN.add(proc)
     return _Launch(name, proc, Connection(ours.detach()), tp)
@@ -195,7 +200,7 @@ def await_ready(launch: _Launch, start_timeout: float = 120.0) -> EngineClient:
     return EngineClient(PipeChannel(conn), name, pid=pid, process=proc, tp=launch.tp)
 
 
-_CHILDREN: weakref.WeakSet[subprocess.Popen[bytes]] = weakref.WeakSet()
+_CHILDREN: weakref.WeakSet[Any] = weakref.WeakSet()  # Popen or ForkedProcess
 
 
 @atexit.register
