@@ -6,6 +6,7 @@ policy (held KV kept and counted stale, or recomputed); the cache goes with the 
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -86,23 +87,66 @@ def test_the_static_cache_goes_with_the_kv_memory_and_comes_back_on_the_next_req
     assert core.result(again)["output"] == core.result(rid)["output"]
 
 
+def test_a_slot_left_holding_nan_poisons_no_later_request() -> None:
+    """Weights that made NaN (a diverged training step, published) fill both slots with NaN KV;
+    after a clean refit, a short request batched beside a longer one reads past its own end only
+    as masked positions, which must be zeros, not what the slot's last occupant left."""
+    from refit.buckets import TensorMeta, plan_buckets
+
+    def load(core: EngineCore, model: TinyLlama, version: int) -> None:
+        state = model.state_dict()
+        plan = plan_buckets([TensorMeta.of(n, t) for n, t in state.items()], 64 << 10)
+        core.pause("abort")
+        core.flush()
+        core.begin(plan)
+        for m in plan:
+            core.load(m, [(n, state[n]) for n in m.names])
+        core.finalize()
+        core.publish(version)
+        core.continue_generation()
+
+    core = EngineCore(CFG, seed=0, max_running=2, batch_decode=True)
+    bad = TinyLlama(CFG, seed=0)
+    with torch.no_grad():
+        bad.model.layers[0].self_attn.v_proj.weight.fill_(float("nan"))
+    load(core, bad, 1)
+    poisoned = [core.submit([1, 2, 3], 40), core.submit([4, 5, 6], 40)]
+    while core.has_work():
+        core.step()
+    assert all(math.isnan(core.result(r)["logprobs"][0]) for r in poisoned)
+    load(core, TinyLlama(CFG, seed=0), 2)
+    long, short = core.submit(list(range(7, 27)), 30), core.submit([10, 11, 12], 5)
+    while core.has_work():
+        core.step()
+    clean = EngineCore(CFG, seed=0, max_running=1)
+    want = clean.submit([10, 11, 12], 5)
+    while clean.has_work():
+        clean.step()
+    for rid in (long, short):
+        assert not any(math.isnan(x) for x in core.result(rid)["logprobs"])
+    assert core.result(short)["output"] == clean.result(want)["output"]
+
+
 @pytest.mark.parametrize(
     ("atomic", "kv"), [(False, "keep"), (False, "recompute"), (True, "recompute")], ids=["keep", "recompute", "atomic"]
 )
 def test_refits_during_batched_decoding_keep_versions_at_commit_points(tmp_path: Path, atomic: bool, kv: str) -> None:
-    """8 requests of 96 tokens decoded in batches through 4 refits: none aborted, every token
-    versioned at a commit point; held KV is kept and counted stale (keep) or recomputed (none stale)."""
-    engine = ReferenceEngine.in_thread("b0", CFG, seed=0, max_running=8, batch_decode=True)
-    model = TinyLlama(CFG, seed=0)
+    """8 requests of 400 tokens decoded in batches through 4 refits paced by the tokens sampled:
+    none aborted, every token versioned at a commit point; a request that decoded across a switch
+    kept its KV and counted it stale (keep) or recomputed it (none stale). How many refits land
+    inside the requests depends on the machine's load (a batched step is fast): at least one must."""
+    config = ModelConfig(max_seq_len=512)
+    engine = ReferenceEngine.in_thread("b0", config, seed=0, max_running=8, batch_decode=True)
+    model = TinyLlama(config, seed=0)
     ctx = protocol.RefitContext(
         TorchSource(model), SharedMemoryTransport(), [engine], bucket_bytes=SMALL_BUCKET, trace=tmp_path / "t.jsonl",
         mode="disaggregated", atomic=atomic, kv=kv, pause_mode="in_place" if kv == "keep" else "retract",
     )  # fmt: skip
     try:
-        futures = [engine.submit(p, 96) for p in _prompts(8)]
+        futures = [engine.submit(p, 400) for p in _prompts(8)]
         for step in range(1, 5):
-            while engine.info()["tokens_sampled"] < step * 8 * 96 // 6:
-                time.sleep(0.005)
+            while engine.info()["tokens_sampled"] < step * 8 * 400 // 8:
+                time.sleep(0.001)
             perturbed(model, seed=step)
             assert protocol.run(ctx).ok
         results = [f.result(timeout=120) for f in futures]
@@ -114,8 +158,9 @@ def test_refits_during_batched_decoding_keep_versions_at_commit_points(tmp_path:
     assert invariants.check_trace(events) == []
     assert [r["finish_reason"] for r in results] == ["length"] * 8
     assert check_token_versions(info["commits"], results, engine="b0", published=published_versions(events, "b0")) == []
-    assert set().union(*(r["weight_versions"] for r in results)) == set(range(5))
-    stale = [r["stale_kv_tokens"] for r in results]
+    across = [r for r in results if len(set(r["weight_versions"])) > 1]
+    assert across, "no refit landed while the requests decoded"
+    stale = [r["stale_kv_tokens"] for r in across]
     assert all(s > 0 for s in stale) if kv == "keep" else all(s == 0 for s in stale)
     if atomic:
         assert info["tokens_while_staged"] > 0

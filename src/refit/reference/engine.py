@@ -1219,8 +1219,8 @@ class EngineCore:
         self, req: Request, kv: list[tuple[torch.Tensor, torch.Tensor]]
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Batched decoding: copy a prefilled request's KV into its slot (a free one the first
-        time). The cache starts zeroed: a masked position's weight is 0, and 0 times a NaN left in
-        unwritten memory would not be. From now on the request's KV is that slot; the views
+        time), the rest of the slot zeroed: a masked position's weight is 0, and 0 times a NaN (a
+        request before, under weights that made one) would not be. From now on the request's KV is that slot; the views
         returned (`req.kv`) mark that it holds KV, and the batched steps write past their end."""
         if self._slots is None:
             c, d = self.config, self.config.head_dim
@@ -1237,8 +1237,9 @@ class EngineCore:
             self._slot_of[req.rid] = slot
         n = kv[0][0].shape[2]
         for layer, (k, v) in enumerate(kv):
-            self._slots[0][layer][slot, :, :n] = k[0]
-            self._slots[1][layer][slot, :, :n] = v[0]
+            for cache, new in ((self._slots[0][layer], k[0]), (self._slots[1][layer], v[0])):
+                cache[slot, :, :n] = new
+                cache[slot, :, n:] = 0  # what a request before left here (it may be NaN) is masked, not read
         return [(k_[slot : slot + 1, :, :n], v_[slot : slot + 1, :, :n]) for k_, v_ in zip(*self._slots, strict=True)]
 
     @torch.no_grad()
