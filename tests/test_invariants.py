@@ -171,13 +171,27 @@ def test_flush_before_pause(clean: list[dict]) -> None:
     assert "kv_fresh" in names(invariants.check_trace(renumber(ev)))
 
 
-@pytest.mark.parametrize("after", ["pause", "flush"])
-def test_continued_between_pause_and_first_bucket(clean: list[dict], after: str) -> None:
+@pytest.mark.parametrize(
+    ("after", "answer"),
+    [
+        ("pause", {}),
+        ("flush", {}),
+        ("pause", {"outcome": "error", "late": True, "error": "LateAnswer: answered after its budget"}),
+    ],
+    ids=["after-pause", "after-flush", "late-answer"],
+)
+def test_continued_between_pause_and_first_bucket(clean: list[dict], after: str, answer: dict) -> None:
+    """A continue that may have run (answered ok, or late: its effect unknown) between the pause
+    and the first bucket; one the engine refused before any effect would not count."""
     ev = copy.deepcopy(clean)
-    resume = copy.deepcopy(ev[find(ev, "continue_generation", engine="e0")])
+    resume = {**copy.deepcopy(ev[find(ev, "continue_generation", engine="e0")]), **answer}
     ev.insert(find(ev, after, engine="e0") + 1, resume)
     found = invariants.check_trace(renumber(ev))
     assert any(v.invariant == "kv_fresh" and "continued between its pause" in v.message for v in found)
+    refused = {**resume, "outcome": "error", "effect": "none", "error": "EngineError: refused"}
+    ev[find(ev, after, engine="e0") + 1] = refused
+    found = invariants.check_trace(renumber(ev))
+    assert not any(v.invariant == "kv_fresh" and "continued between its pause" in v.message for v in found)
 
 
 def test_trainer_never_restored(clean: list[dict]) -> None:

@@ -418,10 +418,9 @@ def check_kv_fresh(events: Sequence[Event]) -> list[Violation]:
                 msg = f"engine {name} was flushed before it was paused: requests could refill the cache"
                 out.append(_v("kv_fresh", msg, flushes[-1], events))
             else:  # paused, flushed, changed: with no continue in between that could have run requests
-                resumed = [
-                    c for c in _calls(events, "continue_generation", engine=name)
+                resumed = [  # any that may have taken effect (a late answer's effect is unknown)
+                    c for c in _effective(_continues(events, name))
                     if before[-1]["seq"] < c["seq"] < first["seq"] and c.get("sent") is not False
-                    and c.get("outcome") != "error"
                 ]  # fmt: skip
                 if resumed:
                     msg = (
