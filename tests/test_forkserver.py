@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -34,6 +35,40 @@ def test_the_suite_forks_its_engines_and_a_forked_engine_dies_and_is_reaped_like
         a.close()
         b.close()
     assert a.client.process.poll() == 0  # shut down politely, exit code 0
+
+
+def test_the_fork_server_outlives_the_thread_that_started_it_and_a_failed_launch_leaks_nothing() -> None:
+    """Engines spawned from a short-lived thread pool (the first launch of this process may be
+    one): the fork server stays (a parent-death signal would fire when that thread ends), later
+    launches work, and polite shutdowns report exit code 0. A launch the dead server cannot answer
+    fails clearly and leaves no socket behind."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(2) as pool:
+        engines = list(pool.map(ReferenceEngine.spawn, ["t0", "t1"]))
+    try:
+        assert [p for p in forkserver.server_pids() if not _alive(p)] == []
+        engines.append(ReferenceEngine.spawn("t2"))
+        assert all(e.generate([1, 2, 3], 2)["finish_reason"] == "length" for e in engines)
+    finally:
+        for e in engines:
+            e.close()
+    assert [e.client.process.returncode for e in engines] == [0, 0, 0]
+    (server,) = forkserver.server_pids()
+    os.kill(server, signal.SIGSTOP)  # it takes no launch; then it dies with the launch pending
+    fds = len(os.listdir("/proc/self/fd"))
+    killer = threading.Timer(1.0, os.kill, (server, signal.SIGKILL))
+    killer.start()
+    with pytest.raises(RuntimeError, match="fork server is gone"):
+        ReferenceEngine.spawn("never")
+    killer.join()
+    assert len(os.listdir("/proc/self/fd")) == fds
+    assert not _alive(server)
+    later = ReferenceEngine.spawn("after")  # a new fork server
+    try:
+        assert later.generate([1, 2, 3], 2)["finish_reason"] == "length"
+    finally:
+        later.close()
 
 
 def test_without_the_fork_server_an_engine_is_started_by_exec(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -171,7 +171,12 @@ def launch_process(
     }  # fmt: skip
     proc: Any
     if forkserver.enabled(device):  # a fork of a process that imported the server already
-        proc = forkserver.launch(theirs.fileno(), spec)
+        try:
+            proc = forkserver.launch(theirs.fileno(), spec)
+        except BaseException:
+            ours.close()
+            theirs.close()
+            raise
     else:
         env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
         proc = subprocess.Popen(

@@ -7,9 +7,10 @@ as `python -m refit.reference.server` would. The test suite starts hundreds of e
 it (tests/conftest.py); CUDA engines are always started by exec (a CUDA context must not be forked,
 and the fork server never makes one), as are TP followers (their head starts them).
 
-Lifecycle: started by the first launch in a process, it dies with that process (PDEATHSIG);
-it reaps the engines it forked and sends back each one's exit code, which `ForkedProcess` (the
-`subprocess.Popen` subset the client uses: pid, poll, wait, kill) reports.
+Lifecycle: started by the first launch in a process, it ends when that process's end of its
+socket closes (the process exited or died; not PDEATHSIG, which would fire when the thread that
+started it ends); it reaps the engines it forked and sends back each one's exit code, which
+`ForkedProcess` (the `subprocess.Popen` subset the client uses: pid, poll, wait, kill) reports.
 """
 
 from __future__ import annotations
@@ -72,13 +73,12 @@ class ForkedProcess:
 
 
 def _exists(pid: int) -> bool:
+    """Still running (a zombie, dead but not reaped by whoever adopted it, is not)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
         return False
-    except PermissionError:
-        return True
-    return True
 
 
 class _Client:
@@ -116,6 +116,8 @@ class _Client:
                         proc._exit(m["code"])
         except (OSError, ValueError):
             pass
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(5)  # reaped, and its exit code known for the errors below
         with self._lock:
             self.dead = True
             pending, self._pending = self._pending, {}
@@ -176,9 +178,8 @@ def _child(fd: int, spec: dict[str, Any]) -> None:
 
 def serve(sock: socket.socket) -> None:
     """Fork an engine per request (its socket's fd rides the request); report each one's exit."""
-    from refit.reference import server  # the imports every engine would otherwise repeat
+    import refit.reference.server  # noqa: F401  (the imports every engine would otherwise repeat)
 
-    server._die_with_parent()
     while True:
         ready, _, _ = select.select([sock], [], [], 0.05)
         if ready:
