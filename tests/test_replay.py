@@ -246,20 +246,28 @@ def test_a_hang_with_no_call_timeout_keeps_the_deadline_and_replays(state: str, 
     _check_and_replay(path)
 
 
-def test_a_hang_that_ate_the_deadline_is_the_error_replayed_when_the_next_call_found_no_time() -> None:
-    """This trace (an atomic run, call_timeout_s=None: an engine hung on `stage` until the
-    deadline; the next call, the first bucket's pack, found no time left) once diverged: the
-    recording reported the hang as the run's error, the replay the pack, because its clock (when
-    the pack began) had not reached the deadline yet. A call refused for no time left is now the
-    recorded fact that the deadline ran out."""
-    path = Path(__file__).parent / "traces" / "deadline" / "atomic-stage-hang-ate-the-deadline.jsonl"
+@pytest.mark.parametrize(
+    ("name", "error"),
+    [
+        ("atomic-stage-hang-ate-the-deadline", "stage did not finish inside the deadline"),
+        ("pause-timeout-then-a-load-ate-the-deadline", "pause did not finish inside the deadline"),
+    ],
+)
+def test_the_error_of_a_run_whose_deadline_ran_out_is_replayed_as_recorded(name: str, error: str) -> None:
+    """Two traces that once diverged. (1) An atomic run, call_timeout_s=None: an engine hung on
+    `stage` until the deadline, and the next call, the first bucket's pack, found no time left.
+    (2) A colocated run, call_timeout_s=0.3: one engine's pause timed out, the other's load ran to
+    the deadline, and the buffer's abandon found no time left. The recordings report the first
+    failure as the run's error (the deadline ran out); the replays reported the last, because
+    their clock (when the last call began) had not reached the deadline yet. A call of the run
+    that found no time left is now the recorded fact that the deadline ran out."""
+    path = Path(__file__).parent / "traces" / "deadline" / f"{name}.jsonl"
     _, events, torn = load_trace(path)
-    pack = next(e for e in events if e.get("event") == "pack" and e.get("outcome") == "timeout")
-    assert "NoTimeLeft" in pack["error"]
+    assert any("NoTimeLeft" in str(e.get("error")) for e in events if e.get("kind") == "call")
     assert check_trace(events, torn=torn) == []
     report = replay(path)
     assert report.divergence is None, str(report.divergence)
-    assert "stage did not finish inside the deadline" in next(e for e in events if e.get("event") == "error")["error"]
+    assert error in next(e for e in events if e.get("event") == "error")["error"]
 
 
 def test_a_prepare_the_recording_process_chose_is_replayed_as_recorded() -> None:

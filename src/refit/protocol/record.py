@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from refit.drivers.base import Step, StepResult
-from refit.errors import DriverCallError
+from refit.errors import DriverCallError, NoTimeLeft
 from refit.protocol.answers import wrap_error
 from refit.protocol.context import RefitContext
 from refit.protocol.ledger import Engine, Event, Ledger
@@ -41,6 +41,7 @@ class Recording:
     events: list[dict[str, Any]]
     phase_seconds: dict[str, float]
     _phase_t0: float
+    ran_out: bool = False  # a call of this run found no time left: the deadline ran out (as recorded)
 
     def emit(self, kind: str, event: str, *, state: str | None = None, **fields: Any) -> dict[str, Any]:
         fields.setdefault("version", self.version)  # the version this run refits to
@@ -75,6 +76,7 @@ class Recording:
             self.enter(_next_trigger(self.machine.state))
 
     def record(self, e: Engine, step: Step, res: StepResult, batch: int, state: str | None = None) -> None:
+        self.ran_out = self.ran_out or isinstance(res.error, NoTimeLeft)
         fields = call_fields(step, res, self.waves.budgets.get(batch))
         self.emit(
             "call", step.call, state=state or step.state, side="engine", engine=e.name,
@@ -89,6 +91,7 @@ class Recording:
     def rank_wait(self, rc: RankCall, *, state: str | None = None) -> tuple[list[Any] | None, BaseException | None]:
         """Wait for a trainer-side step (bounded), record it as one event; (values, error)."""
         answer = self.waves.rank_wait(rc)
+        self.ran_out = self.ran_out or isinstance(answer.error, NoTimeLeft)
         self.emit("call", rc.step.call, state=state or rc.step.state, **answer.fields)
         return answer.values, answer.error
 
