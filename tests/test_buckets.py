@@ -120,3 +120,25 @@ def test_a_tensor_listed_twice_is_sent_once_under_the_first_name_kept() -> None:
     renamed = TorchSource(state, rename=lambda n: None if n.startswith("model.embed") else n)
     assert "lm_head.weight" in [m.name for m in renamed.metas()]  # the first name was dropped: the alias stands
     assert not compare({"a": None}, {"a": None}).ok and uncovered("xxh3", {"a": None}, ["a"]) == ["a"]
+
+
+def test_a_plan_crosses_the_engines_wire_whole_through_its_allowlist() -> None:
+    """A plan as `EngineClient` encodes it and an engine decodes it (`safe_decode`, which refuses
+    any class outside its allowlist): every field back, `heads` (not compared by ==) and
+    `oversized` included. Each is pickled as a call with its fields (a slotted dataclass's default,
+    an object then its state, costs 3 times as much, per tensor, per bucket, per refit)."""
+    import pickletools
+
+    from refit.reference.server import encode, safe_decode
+
+    metas = [TensorMeta("q.weight", "bfloat16", (8, 4), heads=2), TensorMeta("big", "float32", (64, 64))]
+    plan = plan_buckets(metas, 1024)
+    assert plan[-1].oversized
+    (back,), kwargs = safe_decode(encode((plan,), {}))
+    assert back == plan and kwargs == {}
+    assert [[(e.meta.heads, e.offset) for e in m.entries] for m in back] == [
+        [(e.meta.heads, e.offset) for e in m.entries] for m in plan
+    ]
+    assert [m.oversized for m in back] == [m.oversized for m in plan]
+    ops = {op.name for op, _, _ in pickletools.genops(encode((plan,), {}))}
+    assert "REDUCE" in ops and "BUILD" not in ops  # built from its fields in one call, no state set after

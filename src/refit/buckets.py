@@ -84,11 +84,17 @@ class TensorMeta:
     def of(cls, name: str, tensor: torch.Tensor) -> TensorMeta:
         return cls(name, dtype_name(tensor.dtype), tuple(int(d) for d in tensor.shape))
 
+    def __reduce__(self) -> tuple[Any, ...]:  # pickled by its fields in order (a slotted dataclass's
+        return TensorMeta, (self.name, self.dtype, self.shape, self.heads)  # default walks fields())
+
 
 @dataclass(frozen=True, slots=True)
 class TensorEntry:
     meta: TensorMeta
     offset: int  # byte offset inside the bucket buffer
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return TensorEntry, (self.meta, self.offset)
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +103,9 @@ class BucketManifest:
     entries: tuple[TensorEntry, ...]
     nbytes: int  # span of the bucket in its buffer, padding included
     oversized: bool = False  # one tensor larger than a bucket: it travels alone, in a buffer of its own
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return BucketManifest, (self.index, self.entries, self.nbytes, self.oversized)
 
     @property
     def names(self) -> list[str]:
