@@ -25,6 +25,7 @@ from refit.reference.model import ModelConfig, TinyLlama
 from refit.trace import load_trace
 
 from .conftest import SMALL_BUCKET, perturbed
+from .test_reference_engine import refit_directly
 
 CFG = ModelConfig(max_seq_len=128)
 
@@ -91,18 +92,10 @@ def test_a_slot_left_holding_nan_poisons_no_later_request() -> None:
     """Weights that made NaN (a diverged training step, published) fill both slots with NaN KV;
     after a clean refit, a short request batched beside a longer one reads past its own end only
     as masked positions, which must be zeros, not what the slot's last occupant left."""
-    from refit.buckets import TensorMeta, plan_buckets
 
     def load(core: EngineCore, model: TinyLlama, version: int) -> None:
-        state = model.state_dict()
-        plan = plan_buckets([TensorMeta.of(n, t) for n, t in state.items()], 64 << 10)
         core.pause("abort")
-        core.flush()
-        core.begin(plan)
-        for m in plan:
-            core.load(m, [(n, state[n]) for n in m.names])
-        core.finalize()
-        core.publish(version)
+        refit_directly(core, model, version=version)
         core.continue_generation()
 
     core = EngineCore(CFG, seed=0, max_running=2, batch_decode=True)

@@ -733,8 +733,7 @@ class _Run(Recording):
         state = str(self.machine.state)
         self.error = exc if isinstance(exc, RefitError) else wrap_error(exc, "runner", state, None, None)
         first = self.ledger.first_error
-        ran_out = self.deadline.expired() or self.ran_out or isinstance(getattr(self.error, "cause", None), NoTimeLeft)
-        if isinstance(self.error, DeadlineExceeded) and ran_out and first is not None:
+        if isinstance(self.error, DeadlineExceeded) and (self.deadline.expired() or self.ran_out) and first is not None:
             # the deadline ran out (a call that found no time left is that fact as recorded, what
             # a replay's clock may not say yet): what ate it is the error to report
             self.error = first
