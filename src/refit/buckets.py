@@ -12,6 +12,7 @@ each tensor in 4 MiB pieces on several cores at once. Torch is imported lazily.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -97,8 +98,11 @@ class TensorEntry:
         return TensorEntry, (self.meta, self.offset)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class BucketManifest:
+    """One bucket: its tensors in buffer order. Immutable; what is derived from the entries (names,
+    bytes, the trace's summary) is computed once per object (a plan is kept across refits)."""
+
     index: int
     entries: tuple[TensorEntry, ...]
     nbytes: int  # span of the bucket in its buffer, padding included
@@ -109,14 +113,22 @@ class BucketManifest:
 
     @property
     def names(self) -> list[str]:
-        return [e.meta.name for e in self.entries]
+        return list(self._names)
 
-    @property
+    @functools.cached_property
+    def _names(self) -> tuple[str, ...]:
+        return tuple(e.meta.name for e in self.entries)
+
+    @functools.cached_property
     def payload_bytes(self) -> int:
         return sum(e.meta.nbytes for e in self.entries)
 
     def summary(self) -> dict[str, Any]:
-        """JSON-safe description for traces (no tensor data)."""
+        """JSON-safe description for traces (no tensor data); a fresh dict, its lists shared."""
+        return dict(self._summary)
+
+    @functools.cached_property
+    def _summary(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "index": self.index,
             "nbytes": self.nbytes,

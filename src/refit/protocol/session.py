@@ -43,6 +43,19 @@ class Session:
     lock_taken: int | None = None  # the lock's acquisition count at the last run (None: unknown)
     lanes: dict[str, concurrent.futures.ThreadPoolExecutor] = field(default_factory=dict)  # per engine name
     in_use: threading.Lock = field(default_factory=threading.Lock)  # held by a run (leader) while it runs
+    planned: tuple[Any, ...] | None = None  # (transport, bucket bytes, metas, plan) of the last run
+
+    def plan_for(self, transport: Any, bucket_bytes: int, metas: Sequence[Any]) -> list[Any]:
+        """The transport's plan for `metas`: the last run's very manifests while the trainer sends
+        the same tensors (names, dtypes, shapes, order) through the same transport, so what an
+        engine checked once is recognised by identity (engines keep them by key: the wire's memo)."""
+        key = tuple((m, m.heads) for m in metas)  # (a meta's head count is not part of its equality)
+        kept = self.planned
+        if kept is not None and kept[0] is transport and kept[1] == bucket_bytes and kept[2] == key:
+            return list(kept[3])
+        plan = transport.plan(metas, bucket_bytes)
+        self.planned = (transport, bucket_bytes, key, tuple(plan))
+        return plan
 
     @property
     def closed(self) -> bool:

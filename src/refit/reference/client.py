@@ -26,7 +26,16 @@ from refit.errors import EngineDied, EngineError
 from refit.reference import forkserver
 from refit.reference.engine import EngineCore
 from refit.reference.model import ModelConfig
-from refit.reference.server import SHUTDOWN, Channel, EngineServer, LocalChannel, PipeChannel, encode, serve
+from refit.reference.server import (
+    SHUTDOWN,
+    Channel,
+    EngineServer,
+    LocalChannel,
+    ManifestMemo,
+    PipeChannel,
+    encode_defining,
+    serve,
+)
 
 
 class EngineClient:
@@ -48,6 +57,8 @@ class EngineClient:
         self._channel = channel
         self._send_lock = threading.Lock()
         self._pending: dict[int, Future[Any]] = {}
+        self._memo = ManifestMemo()  # manifests the engine holds travel as keys (server.py)
+        self._defines: dict[int, list[int]] = {}  # call id -> the manifest keys its body defined
         self._pending_lock = threading.Lock()
         self._ids = itertools.count()
         self._dead: EngineDied | None = None
@@ -64,6 +75,9 @@ class EngineClient:
                 call_id, ok, value = self._channel.recv()
                 with self._pending_lock:
                     fut = self._pending.pop(call_id, None)
+                    defined = self._defines.pop(call_id, None)
+                if ok and defined:  # decoded and run: the engine holds what the body defined
+                    self._memo.confirm(defined)
                 if fut is None:
                     continue  # a reply to a call that already timed out
                 if ok:
@@ -89,14 +103,18 @@ class EngineClient:
             fut.set_exception(self._dead)
             return fut
         call_id = next(self._ids)
+        body, defined = encode_defining(args, kwargs, self._memo)
         with self._pending_lock:
             self._pending[call_id] = fut
+            if defined:
+                self._defines[call_id] = defined
         try:
             with self._send_lock:
-                self._channel.send((call_id, method, encode(args, kwargs)))
+                self._channel.send((call_id, method, body))
         except (OSError, BrokenPipeError) as exc:
             with self._pending_lock:
                 self._pending.pop(call_id, None)
+                self._defines.pop(call_id, None)
             fut.set_exception(EngineDied(f"engine {self.name}: cannot send {method}: {exc}"))
         return fut
 

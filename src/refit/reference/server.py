@@ -10,6 +10,13 @@ kwargs)``; the engine decodes it with an allowlisting unpickler (builtins and re
 payload types only), so a payload naming any other class is refused before anything runs. A reply
 is ``(call_id, ok, value)``; a failed call's value is ``(kind, message)``.
 
+Manifests once per connection. A bucket manifest (hundreds of tensor entries) travels whole
+only the first time a client sends it: the client's `ManifestMemo` gives it a key, the engine's
+`Manifests` keeps it, and later requests carry the key alone (`encode(..., memo)`). A key is used
+alone only after a request that defined it was answered (the engine decoded it); the engine refuses
+a key it does not hold (`unknown_manifest`). A refit whose plan is unchanged (the runner keeps it
+while the trainer's tensors keep their names, dtypes and shapes) thus sends, per bucket, an index.
+
 Batches. `steps(list of (call, args))` runs consecutive protocol calls in one request, stopping at
 the first that fails, and answers with one (ok, value-or-error, seconds) per step run: a refit's
 control calls take one round trip per wave instead of one per call.
@@ -55,6 +62,7 @@ from typing import Any, Protocol
 from refit.drivers.base import ConnectInfo, Payload, Receiver
 from refit.errors import EngineDied, EngineError
 from refit.reference.engine import SILENT_FAULTS, EngineCore
+from refit.reference.memo import ManifestDef, ManifestMemo, ManifestRef, Manifests, swap
 
 SHUTDOWN = "__shutdown__"
 RECEIVER_PREFIX = "refit."  # receivers are imported by path; only refit's own may be named
@@ -65,6 +73,8 @@ ALLOWED_CLASSES = frozenset(
         ("refit.buckets", "TensorMeta"),
         ("refit.drivers.base", "ConnectInfo"),
         ("refit.drivers.base", "Payload"),
+        ("refit.reference.memo", "ManifestDef"),
+        ("refit.reference.memo", "ManifestRef"),
     }
 )
 FAULT_KINDS = ("hang", "kill", "corrupt", *SILENT_FAULTS)
@@ -97,16 +107,31 @@ class _SafeUnpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
-def encode(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bytes:
-    return pickle.dumps((args, kwargs), protocol=5)
+def encode(args: tuple[Any, ...], kwargs: dict[str, Any], memo: ManifestMemo | None = None) -> bytes:
+    """A request body; with `memo`, manifests the engine already holds travel as their key."""
+    if memo is None:
+        return pickle.dumps((args, kwargs), protocol=5)
+    return encode_defining(args, kwargs, memo)[0]
 
 
-def safe_decode(body: bytes) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """Decode a request body, refusing any class outside ALLOWED_CLASSES."""
+def encode_defining(args: tuple[Any, ...], kwargs: dict[str, Any], memo: ManifestMemo) -> tuple[bytes, list[int]]:
+    """`encode` with a memo, and the keys this body defines (confirm them once it is answered)."""
+    from refit.buckets import BucketManifest
+
+    defined: list[int] = []
+    args = swap(args, lambda m: memo.out(m, defined), (BucketManifest,))
+    return pickle.dumps((args, kwargs), protocol=5), defined
+
+
+def safe_decode(body: bytes, manifests: Manifests | None = None) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Decode a request body, refusing any class outside ALLOWED_CLASSES; manifests sent by key
+    resolved from `manifests` (a key it lacks: `unknown_manifest`; none given: refused)."""
     try:
         args, kwargs = _SafeUnpickler(io.BytesIO(body)).load()
     except Exception as exc:
         raise EngineError("bad_payload", f"request body could not be decoded: {exc}") from None
+    if isinstance(args, tuple) and manifests is not None:
+        args = swap(args, manifests.into, (ManifestDef, ManifestRef))
     if not isinstance(args, tuple) or not isinstance(kwargs, dict):
         raise EngineError("bad_payload", "request body is not (args, kwargs)")
     return args, kwargs
@@ -250,6 +275,7 @@ class EngineServer:
         self.in_process = in_process  # False: this is the engine's own process
         self.followers = followers or []  # TP ranks 1.. (this is the head)
         self.receivers: dict[str, Receiver] = {}  # transport kind -> this rank's receiver
+        self.manifests = Manifests()  # what its client sent once (`ManifestMemo`)
         self.armed: dict[tuple[str, int | None], tuple[str, float]] = {}
         self._corrupt_next_load = False
 
@@ -285,10 +311,10 @@ class EngineServer:
         fault = self._armed_for(method, body)
         if fault is not None and self._fire(fault, method) == "corrupt" and method != "load":
             body = body[: len(body) // 2]  # the request arrives truncated
-        args, kwargs = safe_decode(body)
+        args, kwargs = safe_decode(body, self.manifests)
         if method == "steps":
             return self._steps(*args)
-        self.forward(method, body)
+        self.forward(method, encode(args, kwargs) if self.followers else body)  # followers keep no memo
         return self.handle(method, args, kwargs)
 
     def forward(self, method: str, body: bytes) -> None:
@@ -355,7 +381,7 @@ class EngineServer:
         bucket = None
         if method == "load":
             try:
-                payload = safe_decode(body)[0][0]
+                payload = safe_decode(body, self.manifests)[0][0]
                 bucket = payload.manifest.index
             except Exception:  # undecodable: handle() reports it
                 return None
@@ -396,6 +422,7 @@ class EngineServer:
         for k in [kind] if kind is not None else list(self.receivers):
             receiver = self.receivers.pop(k, None)
             if receiver is not None:
+                self.core.forget_kept()  # the kept copies read the receiver's views
                 receiver.close()
 
     def _load(self, payload: Payload) -> None:
@@ -448,7 +475,7 @@ class EngineServer:
             with torch_stream(stream):
                 self.core.load(
                     payload.manifest, tensors, expected=receiver.expected(payload) if fused else None,
-                    tied_head=payload.fields.get("tied_head", "check"),
+                    tied_head=payload.fields.get("tied_head", "check"), keep=receiver.stable_views,
                 )  # fmt: skip
         except EngineError as exc:
             if into and exc.no_effect:  # refused after the receiver already wrote part of it into the weights
