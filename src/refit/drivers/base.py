@@ -398,6 +398,11 @@ class Receiver(ABC):
             )
 
     copy_stream: Any = None  # a CUDA stream the engine copies this receiver's tensors out on (None: its own)
+    # True: `read` hands back the very same list of views for a bucket whose references did not
+    # change (views of memory opened once, at attach), so the engine may keep that bucket's checked
+    # copies and skip the per-tensor work next time; False: the engine keeps nothing of a bucket
+    # (its views may hold a buffer the sender reuses once they are dropped)
+    stable_views: bool = False
 
     def consumed(self, payload: Payload) -> None:  # noqa: B027 - optional hook
         """The engine has applied (queued every copy out of) this bucket: a transport whose buffers

@@ -261,6 +261,20 @@ class _Session:
     staged: bool = False  # into a second copy of the weights while the first is served (`swap` serves it)
 
 
+@dataclass
+class _Program:
+    """A loaded bucket's checked copies (`EngineCore._keep_program`), valid while the engine's
+    parameters are the objects they were built on."""
+
+    tensors: Sequence[tuple[str, torch.Tensor]]  # the receiver's list, kept by identity
+    params: tuple[tuple[str, torch.Tensor], ...]  # (name, parameter) the destinations are views of
+    dsts: list[torch.Tensor]
+    srcs: list[torch.Tensor]
+
+    def current(self, params: dict[str, torch.Tensor]) -> bool:
+        return all(params.get(name) is p for name, p in self.params)
+
+
 class EngineCore:
     """One reference engine. Not thread-safe: one adapter thread drives it."""
 
@@ -302,6 +316,9 @@ class EngineCore:
         self.replicas_differ: list[str] = []  # KV tensors whose replicas disagreed at the last read-back
         self.params: dict[str, torch.Tensor] = {name: self._zeros(name) for name in self.layout.engine_shapes}
         self._dst_views: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # name -> (its param, the view into it)
+        self._programs: dict[int, _Program] = {}  # bucket index -> its checked copies, for the same received views
+        self._plan_checked: tuple[BucketManifest, ...] | None = None  # the last plan `begin` found whole
+        self._side_streams = False  # a load this session queued its copies on a stream other than the default
         # while a staged copy is written (begin(..., staged=True) until swap or discard): the weights
         # and head generation serves; `params` and `head_serving` are then the staged copy
         self._live: tuple[dict[str, torch.Tensor], torch.Tensor] | None = None
@@ -500,6 +517,29 @@ class EngineCore:
             self.sessions += 1
             self.ready_to_publish = False
             return
+        plan = tuple(plan)
+        if plan != self._plan_checked:  # (the same manifests as last time compare by identity: no walk)
+            self._check_plan(plan)
+            self._plan_checked = plan
+        if staged:  # the copy the session writes; generation keeps the served one until `swap`
+            self._staged_at = time.monotonic()
+            self._live = (self.params, self.head_serving)
+            self.params = {k: v.clone() for k, v in self.params.items()}
+            self.head_serving = self.head_serving.clone()
+        self.session = _Session(plan={m.index: m for m in plan}, staged=staged)
+        self._written = None
+        if digest == "wsum" and self.comm.size == 1:
+            from refit.wsum import Regions, Written
+
+            kept = self._regions
+            if kept is None or kept[0] is not self.params or kept[1] is not self.head_serving:  # built once per place
+                self._regions = kept = (self.params, self.head_serving, Regions(self._served_regions()))
+            self.session.written = Written(kept[2])
+        self.sessions += 1
+        self.ready_to_publish = False
+
+    def _check_plan(self, plan: Sequence[BucketManifest]) -> None:
+        """Refuse a plan this model cannot take whole (before anything is written)."""
         problems: list[str] = []
         seen: dict[str, int] = {}
         order: dict[str, tuple[int, int]] = {}  # name -> (bucket, position): the order buckets apply in
@@ -538,22 +578,6 @@ class EngineCore:
         if problems:
             shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
             raise EngineError("bad_manifest", shown)
-        if staged:  # the copy the session writes; generation keeps the served one until `swap`
-            self._staged_at = time.monotonic()
-            self._live = (self.params, self.head_serving)
-            self.params = {k: v.clone() for k, v in self.params.items()}
-            self.head_serving = self.head_serving.clone()
-        self.session = _Session(plan={m.index: m for m in plan}, staged=staged)
-        self._written = None
-        if digest == "wsum" and self.comm.size == 1:
-            from refit.wsum import Regions, Written
-
-            kept = self._regions
-            if kept is None or kept[0] is not self.params or kept[1] is not self.head_serving:  # built once per place
-                self._regions = kept = (self.params, self.head_serving, Regions(self._served_regions()))
-            self.session.written = Written(kept[2])
-        self.sessions += 1
-        self.ready_to_publish = False
 
     def stage(self, plan: Sequence[BucketManifest], digest: str | None = None) -> None:
         """`begin(plan, digest, staged=True)`: the atomic refit's session into a second copy."""
@@ -694,6 +718,7 @@ class EngineCore:
         *,
         expected: int | None = None,
         tied_head: str = "check",
+        keep: bool = False,
     ) -> None:
         """Apply one bucket in place (fused layout). Buckets apply in plan order; a refused one
         (validation, before any byte) makes the session refuse the rest, so an in-flight next
@@ -703,8 +728,18 @@ class EngineCore:
         (weights no version names) until a refit completes. `tied_head`, what a tied head sent
         does: "check" (it must equal the tensor it is: this engine's own rule), "skip" (dropped
         unread: SGLang's loaders) or "write" (written where the tensor it is lives, in stream
-        order, so the later of the two is served: vLLM's loaders inside a weight-update session)."""
+        order, so the later of the two is served: vLLM's loaders inside a weight-update session).
+        `keep`: the receiver hands back the same views for this bucket next time (`Receiver.
+        stable_views`): its checked copies are kept and rerun for that very list."""
         self.check_load(manifest)
+        program = self._programs.get(manifest.index)
+        if (
+            program is not None and program.tensors is tensors and expected is None and self.mangle is None
+            and tied_head == "check" and program.current(self.params) and self.session is not None
+            and self.session.written is None
+        ):  # fmt: skip
+            self._run_program(manifest, program)
+            return
         try:
             self._check_tensors(manifest, tensors)
             if tied_head == "check":  # "skip": a server whose loader drops a tied head unread (SGLang's)
@@ -716,6 +751,7 @@ class EngineCore:
             tensors = [(self.layout.tied.get(n, n), t) for n, t in tensors]
         digests: list[int] = []
         kept = self._keep_for_skip(tensors) if self.mangle == "skip" else None
+        self._note_stream()
         if self.device.type == "cuda" and self.session is not None and not self.session.loaded:
             self._copy_events = [torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)]
             self._copy_events[0].record()
@@ -728,7 +764,10 @@ class EngineCore:
             elif expected is None or written:  # a tied head: checked, not written
                 if expected is not None:  # the checksum of the bytes as received, then the hashed copy
                     digests = [d for _, t in tensors for d in chunk_digests(t)]
-                self._write_all([(n, t) for n, t in tensors if n not in self.layout.tied], self.session)
+                untied = [(n, t) for n, t in tensors if n not in self.layout.tied]
+                pairs = self._write_all(untied, self.session)
+                if keep and pairs is not None and tied_head == "check" and expected is None and self.mangle is None:
+                    self._keep_program(manifest, tensors, untied, pairs)
             else:
                 run: list[tuple[torch.Tensor, torch.Tensor]] = []  # digests stay in bucket order
                 for name, tensor in tensors:
@@ -862,7 +901,53 @@ class EngineCore:
             kept = self._dst_views[name] = (param, param.narrow(dim, dst, n))
         return kept[1]
 
-    def _write_all(self, tensors: Sequence[tuple[str, torch.Tensor]], session: _Session | None = None) -> None:
+    def _keep_program(
+        self,
+        manifest: BucketManifest,
+        tensors: Sequence[tuple[str, torch.Tensor]],
+        untied: Sequence[tuple[str, torch.Tensor]],
+        pairs: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> None:
+        """Keep a checked bucket's copies for a receiver that hands back the same views next time
+        (`IPCReceiver`: views of storages opened once): the next load of this bucket with that
+        very list skips the per-tensor checks and view building, and queues one batched copy."""
+        if len(pairs) != len(untied) or len(untied) != len(tensors):  # a direct write, or a tied head checked
+            self._programs.pop(manifest.index, None)
+            return
+        targets = tuple(dict.fromkeys(self.layout.targets[n][0] for n, _ in untied))
+        self._programs[manifest.index] = _Program(
+            tensors, tuple((t, self.params[t]) for t in targets), [d for d, _ in pairs], [s for _, s in pairs]
+        )
+
+    def _note_stream(self) -> None:
+        """Remember a load whose copies go on a stream other than the device's default (a receiver's
+        own): finalize then waits for every stream, not only its own."""
+        if self.device.type == "cuda" and torch.cuda.current_stream(self.device) != torch.cuda.default_stream(
+            self.device
+        ):
+            self._side_streams = True
+
+    def forget_kept(self) -> None:
+        """Drop every kept bucket program (a receiver whose views they read is going away)."""
+        self._programs = {}
+
+    def _run_program(self, manifest: BucketManifest, program: _Program) -> None:
+        """The kept copies of a bucket whose views and checks are those of its last load."""
+        assert self.session is not None
+        self._note_stream()
+        if self.device.type == "cuda" and not self.session.loaded:
+            self._copy_events = [torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)]
+            self._copy_events[0].record()
+        with torch.no_grad():
+            torch._foreach_copy_(program.dsts, program.srcs)
+        if not self.session.staged:
+            self.weights_epoch += 1
+            self.dirty = True
+        self.session.loaded.add(manifest.index)
+
+    def _write_all(
+        self, tensors: Sequence[tuple[str, torch.Tensor]], session: _Session | None = None
+    ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
         """Keep this rank's shard of each tensor: one batched copy (`torch._foreach_copy_`) for the
         bucket, queued on the current stream without a host sync when on a GPU; in a session that
         hashes what it writes, one fused copy-and-hash pass instead (`Written.copy`). The
@@ -884,8 +969,15 @@ class EngineCore:
             pairs = [(d, s) for _, d, s in named]
         if session is not None and session.written is not None:
             session.written.copy(pairs)
-        elif pairs:
+            return None
+        if pairs:
             torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
+        return pairs if self.mangle is None and not self.direct_in(named, tensors) else None
+
+    @staticmethod
+    def direct_in(named: Sequence[Any], tensors: Sequence[Any]) -> bool:
+        """Whether some of a bucket's tensors were written in place by the receiver (not copied)."""
+        return len(named) != len(tensors)
 
     def _served_regions(self) -> dict[str, torch.Tensor]:
         """Where each served tensor lives (HF names; the head under its name, as its serving copy)."""
@@ -957,13 +1049,13 @@ class EngineCore:
                 self._write_all(session.deferred, session)
             session.deferred = []
         t0 = time.perf_counter()
-        if self.device.type == "cuda":  # the buckets' queued copies have landed (once per session)
-            torch.cuda.synchronize(self.device)  # every stream: a receiver may copy out on its own
-            if self._copy_events:  # ends once every copy has landed (an upper bound: after the sync)
-                self._copy_events[1].record()
-                self._copy_events[1].synchronize()
-                self.copy_span_s = self._copy_events[0].elapsed_time(self._copy_events[1]) / 1e3
-                self._copy_events = []
+        events, self._copy_events = self._copy_events, []
+        if self.device.type == "cuda":  # the buckets' queued copies, then the head's, on this stream
+            if self._side_streams:  # a receiver copied out on a stream of its own: wait for every stream
+                torch.cuda.synchronize(self.device)
+                self._side_streams = False
+            if events:  # ends once the buckets' copies have landed (the head's come after)
+                events[1].record()
         loaded = self._head_weights()
         written = session.written
         if self.mangle == "stale_head":
@@ -979,7 +1071,9 @@ class EngineCore:
         if self.device.type == "cuda":  # the serving head has landed too: finalize's answer means every byte did
             if written is not None:
                 written.stage()  # what verify reports comes back with this sync, not with one of its own
-            torch.cuda.current_stream(self.device).synchronize()
+            torch.cuda.current_stream(self.device).synchronize()  # one sync: the buckets' copies and the head's
+            if events:
+                self.copy_span_s = events[0].elapsed_time(events[1]) / 1e3
         landed = time.perf_counter() - t0
         self.copies_landed_at = time.monotonic()
         self._written = None if written is None else (written, self.weights_epoch)
@@ -1050,7 +1144,7 @@ class EngineCore:
                 self.session.written = None
             self._backup = {k: v.to("cpu", copy=True) for k, v in self.params.items()} if cpu_backup else None
             self.params = {k: torch.empty(0) for k in self.params}
-            self._dst_views = {}  # they hold the released parameters
+            self._dst_views, self._programs = {}, {}  # they hold the released parameters
             self._regions = self._written = None  # so do these
             self.head_serving = torch.empty(0)
             self.weights_released = True
