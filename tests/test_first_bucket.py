@@ -1,5 +1,5 @@
-"""Bucket 0 rides the pause wave in the steady state (`_Run.ride_first_bucket`): a disaggregated
-context over a point-to-point transport whose engines are where its last run left them sends each
+"""Bucket 0 rides the pause wave in the steady state (`_Run.ride_first_bucket`): a context (colocated
+or not) over a point-to-point transport whose engines are where its last run left them sends each
 engine's probe, pause, flush, begin and load of bucket 0 as one request, so the engines stall one
 round trip less. Anywhere else the wave stays as it was. The fault matrix's steady-state part
 (tests/test_fault_matrix.py) covers faults in that wave."""
@@ -69,6 +69,7 @@ def _rides(ctx: protocol.RefitContext, model: TinyLlama) -> list[bool]:
     for seed in (2, 3):
         result = protocol.run(ctx)
         assert result.ok, result.error
+        assert all(matches(e, model) for e in ctx.engines)
         events = [e for e in ctx.recorder.events if e.get("run") == _run_ids(list(ctx.recorder.events))[-1]]
         name = ctx.engines[0].name
         batches = _batches(events, events[0]["run"], name)
@@ -77,17 +78,25 @@ def _rides(ctx: protocol.RefitContext, model: TinyLlama) -> list[bool]:
     return out
 
 
-def test_bucket_0_does_not_ride_colocated_collective_or_after_a_failed_engine() -> None:
+def test_bucket_0_rides_colocated_but_not_collective_or_after_a_failed_engine() -> None:
     engines = [ReferenceEngine.in_thread(f"n{i}", CONFIG, seed=0) for i in range(2)]
     model = perturbed(TinyLlama(CONFIG, seed=0), seed=1)
     version = 0
     try:
-        for transport, mode in ((SharedMemoryTransport(), "colocated"), (BroadcastTransport(), "disaggregated")):
+        for transport, mode, rides in (
+            (SharedMemoryTransport(), "colocated", [False, True]),  # the first run connects
+            (BroadcastTransport(), "disaggregated", [False, False]),
+        ):
             ctx = protocol.RefitContext(
                 TorchSource(model), transport, engines, mode=mode, bucket_bytes=SMALL_BUCKET, deadline_s=30,
                 version=version,
             )  # fmt: skip
-            assert _rides(ctx, model) == [False, False], (type(transport).__name__, mode)
+            assert _rides(ctx, model) == rides, (type(transport).__name__, mode)
+            if mode == "colocated":  # the ride's wave resumed the weights' memory before the load
+                for e in engines:
+                    ops = [r["op"] for r in e.audit()]
+                    ops = ops[len(ops) - 1 - ops[::-1].index("probe") :]  # the last run's
+                    assert ops.index("resume_memory") < ops.index("load"), ops
             version = ctx.published_version
             ctx.close()
         # an engine quarantined by the last run (its version unknown to the context): no ride

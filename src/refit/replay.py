@@ -537,6 +537,7 @@ def replay(path: str | Path, loaded: tuple[dict[str, Any], list[dict[str, Any]],
             raise NotATrace(f"run {start.get('run')}: max_staleness {ctx.max_staleness} is not a count")
         ctx.kv = start.get("kv", "recompute")  # none recorded: a run before the policy was explicit
         ctx.atomic = start.get("atomic") is True  # none recorded: a run that paused for the transfer
+        ctx.colocated_ride = start.get("colocated_ride") is True  # none: recorded before colocated runs rode
         ctx.verify = start.get("verify", "off")
         transport.digest_kind = start.get("digest") or "xxh3"
         ctx.digest_point = start.get("digest_point", "served")

@@ -173,6 +173,9 @@ class RefitContext:
     clock: Callable[[], float] = time.monotonic
     session: Session = field(init=False, repr=False)  # what lasts across this context's runs
     recorder: TraceRecorder = field(init=False, repr=False)
+    # bucket 0 may ride a colocated run's pause wave (`refit replay` turns it off for a trace
+    # recorded before colocated runs rode it: its start event has no `colocated_ride`)
+    colocated_ride: bool = field(default=True, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.engines = list(self.engines)

@@ -262,7 +262,7 @@ class _Run(Recording):
             if other != metas:
                 diff = next((f"{a} vs {b}" for a, b in zip(metas, other, strict=False) if a != b), "a different count")
                 raise RefitError(f"trainer rank {rank} sends different tensors than rank 0: {diff}", state="IDLE")
-        self.plan = self.ledger.plan = self.transport.plan(metas, self.ctx.bucket_bytes)
+        self.plan = self.ledger.plan = self.session.plan_for(self.transport, self.ctx.bucket_bytes, metas)
         self.emit(
             "plan", "buckets", buckets=len(self.plan), nbytes=sum(m.nbytes for m in self.plan), tensors=len(metas),
             manifests=[m.summary() for m in self.plan],
@@ -392,13 +392,14 @@ class _Run(Recording):
     # ---- the bucket loop ------------------------------------------------------------------------
 
     def first_bucket_can_ride(self, members: list[Engine]) -> bool:
-        """Whether bucket 0 may ride the pause wave: a disaggregated run over a point-to-point
-        transport, no other run has taken the engines' lock since this context's last run (the
+        """Whether bucket 0 may ride the pause wave: a run over a point-to-point transport
+        (colocated or not: a colocated engine's wave resumes its weights' memory before the load),
+        no other run has taken the engines' lock since this context's last run (the
         lock counts its acquisitions; a lock that cannot say means no ride), and every engine is
         the incarnation this context last saw, at a version it knows to be below this run's. So no
         probe can refuse: bytes move only where nothing would stop them."""
         session = self.session
-        if self.ctx.colocated or self.transport.collective or not self.plan:
+        if self.transport.collective or not self.plan or (self.ctx.colocated and not self.ctx.colocated_ride):
             return False
         if self.lock_taken is None or session.lock_taken is None or self.lock_taken != session.lock_taken + 1:
             return False
@@ -816,7 +817,7 @@ def _lead(ctx: RefitContext) -> RefitResult:
         max_staleness=ctx.max_staleness, kv=ctx.kv, atomic=ctx.atomic or None,
         pause_mode=ctx.pause_mode, bucket_bytes=ctx.bucket_bytes, deadline_s=ctx.deadline_s,
         cleanup_grace_s=ctx.cleanup_grace_s, retries=ctx.retries, call_timeout_s=ctx.call_timeout_s, verify=ctx.verify,
-        digest=r.digest_kind, digest_point=ctx.digest_point, layout_heads=True,
+        digest=r.digest_kind, digest_point=ctx.digest_point, layout_heads=True, colocated_ride=ctx.colocated_ride,
         digest_written=[e.name for e, k in zip(r.engines, r.written_kind, strict=True) if k],
         ranks=ctx.ranks.world if ctx.ranks else 1, transport=ctx.transport.kind, collective=ctx.transport.collective,
         shares_storages=ctx.transport.shares_storages or None,
