@@ -332,7 +332,7 @@ def test_bench_gpu_refuses_without_a_gpu_or_with_an_unknown_shape(capsys: pytest
     from refit.cli import main
 
     assert main(["bench", "gpu", "--shapes", "70b"]) == 2
-    assert "known shapes are 7b, 1.5b" in capsys.readouterr().err
+    assert "known shapes are 7b, 14b, 1.5b" in capsys.readouterr().err
     if torch.cuda.device_count() < 2:
         assert main(["bench", "broadcast", "--shapes", "1.5b"]) == 2
         assert "needs 2 CUDA device(s) on this host" in capsys.readouterr().err
@@ -361,3 +361,33 @@ def test_soak_does_not_count_torchs_shared_memory_manager_as_a_leak(capsys: pyte
     assert main(["soak", "--refits", "3", "--in-thread", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["processes_left"] == 0 and report["leaks"] == 0
+
+
+def test_steady_refits_rerun_each_buckets_checked_copies(engine: ReferenceEngine) -> None:
+    """Unverified steady refits over unchanged references: the receiver hands back the views it
+    built, and the engine reruns that bucket's checked copies (no per-tensor work); weights bit for
+    bit each time, and after the engine's parameters are new objects (memory released and resumed)
+    it checks and builds them again."""
+    model = perturbed(TinyLlama(CONFIG, seed=0), seed=1)
+    ctx = protocol.RefitContext(
+        TorchSource(model), IPCTransport(signal_bytes=0, share_cpu=True), [engine], mode="colocated", pause_mode="abort",
+        bucket_bytes=SMALL_BUCKET, verify="off",
+    )  # fmt: skip
+    try:
+        kept = []
+        for i in range(3):
+            perturbed(model, seed=20 + i)
+            result = protocol.run(ctx).raise_for_error()
+            assert _exact(engine, model)
+            kept.append(engine.info()["kept_loads"])
+        n = result.buckets
+        assert n > 4 and kept == [0, n, 2 * n]  # the connecting refit checks and builds; the next ones rerun
+        engine.release_memory(["weights"], timeout=30)  # resumed by the next refit: new parameter objects
+        perturbed(model, seed=30)
+        protocol.run(ctx).raise_for_error()
+        assert _exact(engine, model) and engine.info()["kept_loads"] == 2 * n  # built again, none rerun
+        perturbed(model, seed=31)
+        protocol.run(ctx).raise_for_error()
+        assert _exact(engine, model) and engine.info()["kept_loads"] == 3 * n
+    finally:
+        ctx.close()

@@ -353,6 +353,7 @@ class EngineCore:
         self.copy_span_s: float | None = None  # GPU time from the session's first queued copy to its last one's end
         self._copy_events: list[Any] = []
         self.direct_tensors = 0  # tensors a receiver wrote straight into the weights (no copy-out), so far
+        self.kept_loads = 0  # buckets loaded by rerunning their kept copies (`_Program`), so far
         self.sessions = 0  # update sessions opened so far; each begin that succeeds opens the next
         self.audit: list[dict[str, Any]] = []  # what the engine itself did, for engine-side invariants
         self.audit_keep = AUDIT_KEEP  # records kept at least (older ones go at a quiet point: `record`)
@@ -940,6 +941,7 @@ class EngineCore:
             self._copy_events[0].record()
         with torch.no_grad():
             torch._foreach_copy_(program.dsts, program.srcs)
+        self.kept_loads += 1
         if not self.session.staged:
             self.weights_epoch += 1
             self.dirty = True
@@ -1538,6 +1540,7 @@ class EngineCore:
             "copies_landed_at": self.copies_landed_at,
             "copy_span_s": self.copy_span_s,
             "direct_tensors": self.direct_tensors,
+            "kept_loads": self.kept_loads,
             "gpu_allocated_bytes": torch.cuda.memory_allocated(self.device) if cuda else None,
             "gpu_peak_bytes": torch.cuda.max_memory_allocated(self.device) if cuda else None,
         }
