@@ -18,7 +18,9 @@ Lifecycle (both), per state:
                 `attach_infos`: what the engine side opens (SGLang: nothing for tensors,
                 `/init_weights_update_group` for broadcast).
   TRANSFERRING  `pack(k)`: copy bucket k into a free buffer; tensors: serialize it for each engine
-                TP rank this rank feeds; broadcast: `send(k)` while the engines receive.
+                TP rank this rank feeds (a bucket whose tensors already lie in one storage in the
+                planned layout, `TorchSource.flatten_into`, is sent as a view of that storage:
+                nothing is copied, no buffer taken); broadcast: `send(k)` while the engines receive.
                 `release(k)` after every engine acked; `abandon(k)`: the buffer is replaced.
   disconnect    buffers and group dropped; idempotent.
 
@@ -47,7 +49,6 @@ from refit.drivers.flattened import (
     check_flattened,
     deserialize,
     ipc_refs,
-    manifest_from_metadata,
     metadata_of,
     plan_flattened,
     reconstruct,
@@ -87,6 +88,10 @@ class SGLangTensorTransport(Transport):
         self._connected = False
         self._counters: dict[int, list[tuple[str, bytes, int]]] = {}  # bucket -> (consumer, CUDA ref counter)
         self.held: list[dict[str, Any]] = []  # buffers a consumer still held at its ack (never rewritten)
+        self._resident: dict[int, torch.Tensor] = {}  # bucket -> the view of the trainer's memory it was sent as
+        self._metadata: dict[int, tuple[BucketManifest, list[Any]]] = {}  # bucket -> (manifest, SGLang's records)
+        self._views: dict[tuple[int, int, int], torch.Tensor] = {}  # (storage, offset, bytes) -> that view
+        self.resident_buckets = 0  # buckets sent as views of the trainer's memory, this connection
 
     def plan(self, metas: Sequence[TensorMeta], bucket_bytes: int) -> list[BucketManifest]:
         return plan_flattened(metas, bucket_bytes)
@@ -103,8 +108,8 @@ class SGLangTensorTransport(Transport):
         return shared_buffer(nbytes, self.device)
 
     def _new_pool(self, count: int) -> SlotPool[torch.Tensor]:
-        return SlotPool(
-            count, functools.partial(shared_buffer, self._slot_bytes, self.device), owner=type(self).__name__
+        return SlotPool(  # lazy: a trainer whose buckets are its own memory never needs one
+            count, functools.partial(shared_buffer, self._slot_bytes, self.device), owner=type(self).__name__, lazy=True
         )
 
     def connect(self, plan: Sequence[BucketManifest], topology: Topology, rank: int) -> dict[str, Any]:
@@ -134,7 +139,10 @@ class SGLangTensorTransport(Transport):
         """What one consumer (an engine TP rank) receives of a packed bucket: its own serialization
         (its CUDA export's reference counter kept, for the check at release)."""
         counters: list[tuple[bytes, int]] = []
-        out = serialize({"flattened_tensor": view, "metadata": metadata_of(manifest)}, counters)
+        kept = self._metadata.get(manifest.index)
+        if kept is None or kept[0] is not manifest:  # records built once per manifest (a plan is kept)
+            kept = self._metadata[manifest.index] = (manifest, metadata_of(manifest))
+        out = serialize({"flattened_tensor": view, "metadata": kept[1]}, counters)
         self._counted(manifest.index, tp_rank, counters)
         return out
 
@@ -151,6 +159,18 @@ class SGLangTensorTransport(Transport):
         if not self._consumers:  # same gathers as the ranks that feed an engine, nothing kept
             self.temp_bytes = pack_into(None, manifest, tensors).temp_bytes
             return None
+        tensors = list(tensors)
+        view = self._in_place(manifest, tensors)
+        if view is not None:  # the bucket is already laid out in the trainer's memory: send that
+            self._resident[manifest.index] = view
+            self.resident_buckets += 1
+            try:
+                exports = {f"{name}/{j}": self._export(view, manifest, j) for name, j in self._consumers}
+            except BaseException:
+                self.release(manifest.index)
+                raise
+            self.temp_bytes = 0
+            return {"exports": exports}
         buffer = self._buffer_for(manifest)
         try:
             packed = pack_into(buffer, manifest, tensors)
@@ -161,6 +181,45 @@ class SGLangTensorTransport(Transport):
             raise
         self.temp_bytes = packed.temp_bytes
         return {"exports": exports}
+
+    def _in_place(self, manifest: BucketManifest, tensors: Sequence[tuple[str, Any]]) -> torch.Tensor | None:
+        """A uint8 view of the bucket in the trainer's own memory, when its tensors lie, in form
+        (dtype, shape, contiguous, on this transport's device), in one storage at the manifest's
+        offsets from one base; else None (the bucket is packed into a buffer). On CPU only a
+        storage already in named shared memory qualifies (sharing would move the trainer's own)."""
+        import torch
+
+        entries = manifest.entries
+        if len(tensors) != len(entries):
+            return None
+        storage, base = None, 0
+        for (name, tensor), entry in zip(tensors, entries, strict=True):
+            meta = entry.meta
+            if (
+                name != meta.name or hasattr(tensor, "placements") or tensor.dtype != torch_dtype(meta.dtype)
+                or tuple(tensor.shape) != meta.shape or not tensor.is_contiguous()
+            ):  # fmt: skip
+                return None
+            st = tensor.untyped_storage()
+            at = tensor.data_ptr() - st.data_ptr() - entry.offset
+            if storage is None:
+                if st.device.type != torch.device(self.device).type or at < 0:
+                    return None
+                if st.device.type == "cpu" and not st.is_shared():
+                    return None
+                storage, base = st, at
+            elif st.data_ptr() != storage.data_ptr() or at != base:
+                return None
+        if storage is None or base + manifest.nbytes > storage.nbytes():
+            return None
+        key = (storage.data_ptr(), base, manifest.nbytes)
+        view = self._views.get(key)
+        if view is None or view.untyped_storage().data_ptr() != key[0]:
+            device = storage.device
+            view = self._views[key] = torch.empty(0, dtype=torch.uint8, device=device).set_(
+                storage, base, (manifest.nbytes,), (1,)
+            )
+        return view
 
     def _buffer_for(self, manifest: BucketManifest) -> torch.Tensor:
         if manifest.oversized:
@@ -187,6 +246,14 @@ class SGLangTensorTransport(Transport):
         would read the next bucket's bytes: that buffer is replaced instead, never rewritten
         (torch keeps the old memory alive until the consumer lets go)."""
         held = [c for c in self._counters.pop(index, []) if _still_held(c[1], c[2])]
+        if held and self._resident.pop(index, None) is not None:
+            who = ", ".join(sorted({c[0] for c in held}))
+            raise RuntimeError(
+                f"bucket {index}: {who} still held the trainer's own memory (a bucket laid out in place) at its ack; "
+                "it cannot be replaced, and the trainer's next step would write under its reads"
+            )
+        if self._resident.pop(index, None) is not None:
+            return
         if held:
             self.held.append({"bucket": index, "consumers": sorted({c[0] for c in held})})
             log.warning(
@@ -201,13 +268,18 @@ class SGLangTensorTransport(Transport):
             self._pool.release(index)
 
     def abandon(self, index: int) -> None:
-        """An engine may still read the buffer: it is never written again (a fresh one replaces it)."""
+        """An engine may still read the buffer: it is never written again (a fresh one replaces it).
+        A bucket sent as the trainer's own memory cannot be replaced: the connection is not reused."""
+        if self._resident.pop(index, None) is not None:
+            self._counters.pop(index, None)
+            return
         if self._own.pop(index, None) is not None or index not in self._pool:
             return
         self._pool.abandon(index)
 
     def disconnect(self) -> None:
         self._pool, self._own, self._consumers, self._counters = self._new_pool(0), {}, [], {}
+        self._resident, self._views, self.resident_buckets = {}, {}, 0
         self._connected = False
 
 
@@ -228,7 +300,9 @@ class FlattenedTensorReceiver(Receiver):
     SGLang's updater does, it keeps nothing: the engine copies out of the views and drops them
     before its ack, and torch's IPC deleter synchronizes the engine's stream when the last
     reference goes, so the copies have run when the sender hears the ack. No sync of its own: an
-    extra one would hide an engine (or a receiver) that keeps a reference past its ack."""
+    extra one would hide an engine (or a receiver) that keeps a reference past its ack. With
+    ``decoder: refit`` each bucket's metadata is also checked against its manifest (offsets
+    included); SGLang's code checks nothing of the kind, so ``sglang`` does not either."""
 
     def read(self, payload: Payload) -> list[tuple[str, torch.Tensor]]:
         return self._read(payload)
@@ -242,13 +316,10 @@ class FlattenedTensorReceiver(Receiver):
             from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
             obj = MultiprocessingSerializer.deserialize(data)
-            views = FlattenedTensorBucket(
-                flattened_tensor=obj["flattened_tensor"], metadata=obj["metadata"]
-            ).reconstruct_tensors()
-            got = manifest_from_metadata(payload.manifest.index, obj["metadata"])
-            if got.entries != payload.manifest.entries:
-                raise ValueError(f"bucket {payload.manifest.index}: metadata does not match the manifest")
-            return views
+            # as SGLang: no check of the offsets against a manifest (the engine's load checks each
+            # tensor's name, shape and dtype, as SGLang's loader would)
+            bucket = FlattenedTensorBucket(flattened_tensor=obj["flattened_tensor"], metadata=obj["metadata"])
+            return bucket.reconstruct_tensors()
         return reconstruct(deserialize(data), payload.manifest)
 
 

@@ -63,16 +63,16 @@ class TorchSource(Source):
         self._optimizer = optimizer
         self._moved: list[tuple[dict[str, Any], str, Any]] = []  # (state, key, original device)
 
-    def _state_dict(self) -> Mapping[str, torch.Tensor]:
+    def _state_dict(self, keep_vars: bool = False) -> Mapping[str, torch.Tensor]:
         from torch import nn
 
         if isinstance(self._model, nn.Module):
-            return self._model.state_dict(keep_vars=False)
+            return self._model.state_dict(keep_vars=keep_vars)
         if callable(self._model):
             return self._model()
         return self._model
 
-    def _named(self) -> list[tuple[str, torch.Tensor]]:
+    def _named(self, keep_vars: bool = False) -> list[tuple[str, torch.Tensor]]:
         """(engine name, tensor) per state-dict entry kept by `rename`, but a tensor listed twice
         (a tied head: `lm_head.weight` is `model.embed_tokens.weight`) only under the first name
         kept, as `named_parameters()` lists it and as vLLM's own trainer-side source sends it: a
@@ -80,7 +80,7 @@ class TorchSource(Source):
         `send_aliases=True`: every name (a server whose config does not tie them)."""
         out = []
         seen: set[tuple[Any, ...]] = set()
-        for name, tensor in self._state_dict().items():
+        for name, tensor in self._state_dict(keep_vars).items():
             engine_name = self._rename(name) if self._rename else name
             if engine_name is None:
                 continue
@@ -104,6 +104,51 @@ class TorchSource(Source):
         if self._dtype is not None or (callable(self._model) and not isinstance(self._model, nn.Module)):
             return False
         return not any(hasattr(t, "placements") for _, t in self._named())
+
+    def flatten_into(self, transport: Any, bucket_bytes: int) -> int:
+        """Move the trainer's tensors into the layout `transport` plans for `bucket_bytes` (one
+        buffer per bucket, each tensor at its planned offset), in place: every tensor object (a
+        module's parameters and buffers, a state dict's values) keeps its identity and values, its
+        memory becomes a view of its bucket's buffer. A transport that sends a bucket's buffer
+        (SGLang's flattened buckets, `SGLangTensorTransport`) then finds each bucket already packed
+        and sends a view of the trainer's own memory: no copy per refit. Call it where the model's
+        tensors are not being used (before training, or between steps); an optimizer built
+        before keeps working (it holds the same tensor objects). Needs tensors handed out as they
+        are (`resident`: no cast, no DTensor, not a callable source), each listed once
+        (`send_aliases` off). CPU buffers are made in named shared memory. Returns the buffers'
+        bytes."""
+        import torch
+
+        from refit.drivers.flattened import shared_buffer
+
+        if not self.resident or self._send_aliases:
+            raise ValueError(
+                "torch source: flatten_into needs the trainer's own tensors as they are (no dtype cast, no DTensor, "
+                "not a callable, send_aliases off)"
+            )
+        named = dict(self._named(keep_vars=True))
+        owners: dict[int, str] = {}
+        for name, tensor in named.items():  # tensors that share memory would stop sharing it
+            other = owners.setdefault(tensor.untyped_storage().data_ptr(), name)
+            if other != name and tensor.untyped_storage().nbytes():
+                raise ValueError(f"torch source: {name} and {other} share memory; flatten_into would separate them")
+        plan = transport.plan(self.metas(), bucket_bytes)
+        total = 0
+        with torch.no_grad():
+            for manifest in plan:
+                tensors = [named[n] for n in manifest.names]
+                devices = {t.device for t in tensors}
+                if len(devices) != 1:
+                    where = sorted(map(str, devices))
+                    raise ValueError(f"torch source: bucket {manifest.index}'s tensors lie on {where}")
+                buffer = shared_buffer(manifest.nbytes, devices.pop())
+                total += int(buffer.numel())
+                for entry, tensor in zip(manifest.entries, tensors, strict=True):
+                    meta = entry.meta
+                    view = buffer[entry.offset : entry.offset + meta.nbytes].view(tensor.dtype).view(tensor.shape)
+                    view.copy_(tensor)
+                    tensor.data = view
+        return total
 
     def storages(self) -> Storages | None:
         """The trainer's own tensors, when handed out as they are (`resident`); else None."""
