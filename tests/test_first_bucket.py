@@ -149,3 +149,31 @@ def test_no_ride_after_another_run_took_the_lock_so_a_refusing_probe_moves_nothi
         b.close()
         for e in engines:
             e.close()
+
+
+def test_an_engine_killed_in_a_riding_one_bucket_wave_is_failed_cleanly(tmp_path: Path) -> None:
+    """A one-bucket plan's finalize and verify ride the pause wave too: an engine killed in that
+    wave finalized nothing, and nothing says it did (found by an adversarial review: the run raised
+    finalize_once); the other engine takes the version, the trace checks and replays."""
+    from refit.drivers.ipc import IPCTransport
+
+    engines = [ReferenceEngine.in_thread(f"k{i}", CONFIG, seed=0) for i in range(2)]
+    model = perturbed(TinyLlama(CONFIG, seed=0), seed=1)
+    trace = tmp_path / "kill.jsonl"
+    ctx = protocol.RefitContext(
+        TorchSource(model), IPCTransport(share_cpu=True), engines, mode="colocated", bucket_bytes=SMALL_BUCKET,
+        deadline_s=8, call_timeout_s=2.0, trace=trace,
+    )  # fmt: skip
+    try:
+        assert protocol.run(ctx).buckets == 1  # IPC's 2 GiB signals: the whole model is one bucket
+        perturbed(model, seed=2)
+        ctx.faults = protocol.FaultPlan().fail_at("INVALIDATING", engine=1, kind="kill")
+        result = protocol.run(ctx)
+        assert {n: o.status for n, o in result.engines.items()} == {"k0": "updated", "k1": "failed"}
+        assert matches(engines[0], model) and ctx.lock.holder is None
+    finally:
+        ctx.close()
+        for e in engines:
+            e.close()
+    assert main(["check", str(trace)]) == 0
+    assert replay(trace).divergence is None

@@ -99,8 +99,16 @@ def test_flatten_into_refuses_what_it_cannot_lay_out_in_place() -> None:
         with pytest.raises(ValueError, match="flatten_into needs"):
             source.flatten_into(SGLangTensorTransport(), SMALL_BUCKET)
     base = torch.zeros(8)
-    with pytest.raises(ValueError, match="share memory"):  # two views of one storage would be separated
+    with pytest.raises(ValueError, match="outside the source"):  # `base` would keep the old memory
         TorchSource({"a": base[:4], "b": base[4:]}).flatten_into(SGLangTensorTransport(), SMALL_BUCKET)
+    overlapping = _overlapping_views()
+    with pytest.raises(ValueError, match="share memory"):  # two overlapping views would be separated
+        TorchSource(overlapping).flatten_into(SGLangTensorTransport(), SMALL_BUCKET)
+
+
+def _overlapping_views() -> dict[str, torch.Tensor]:
+    storage = torch.zeros(8).untyped_storage()  # (gone on return: only the two tensors hold the memory)
+    return {"a": torch.empty(0).set_(storage, 0, (6,)), "b": torch.empty(0).set_(storage, 2, (6,))}
 
 
 def test_an_engine_holding_the_trainers_memory_at_its_ack_fails_the_release(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -139,3 +147,61 @@ def _counting_serialize(serialize):  # type: ignore[no-untyped-def]
         return serialize(obj, counters)
 
     return wrapped
+
+
+class _ReusingBridge:
+    """A megatron-bridge stand-in whose export hands out one buffer per (shape, dtype), overwritten
+    for the next tensor (the bridge may reuse its buffers: a consumer copies each before the next)."""
+
+    def __init__(self, model: TinyLlama) -> None:
+        self.model = model
+
+    def get_conversion_tasks(self, model: object) -> list[str]:
+        return ["tasks"]
+
+    def export_hf_weights(self, model: object, cpu: bool, show_progress: bool, conversion_tasks: object):  # type: ignore[no-untyped-def]
+        buffers: dict[tuple[object, ...], torch.Tensor] = {}
+        for name, t in self.model.state_dict().items():
+            buffer = buffers.setdefault((tuple(t.shape), t.dtype), torch.empty_like(t))
+            buffer.copy_(t)
+            yield name, buffer
+
+
+def test_a_lazy_source_is_packed_one_tensor_at_a_time() -> None:
+    """The in-place check is asked only of a resident source: a lazy one (a bridge that reuses its
+    buffer for the next tensor) is copied tensor by tensor as it is pulled, bit-exact (found by an
+    adversarial review: materializing the bucket first packed the last tensor's bytes for all)."""
+    from refit.drivers.megatron import MegatronSource
+
+    model = perturbed(TinyLlama(CONFIG, seed=0), seed=1)
+    source = MegatronSource(_ReusingBridge(model), [torch.nn.Module()], cpu=True)
+    engine = ReferenceEngine.in_thread("lazy", CONFIG, seed=0)
+    transport = SGLangTensorTransport()
+    ctx = protocol.RefitContext(
+        source, transport, [engine], mode="colocated", bucket_bytes=SMALL_BUCKET, deadline_s=60, verify="off"
+    )
+    try:
+        assert protocol.run(ctx).ok and matches(engine, model) and transport.resident_buckets == 0
+    finally:
+        ctx.close()
+        engine.close()
+
+
+def test_flatten_into_leaves_no_tensor_behind_and_can_lay_out_again() -> None:
+    model = perturbed(TinyLlama(CONFIG, seed=0), seed=1)
+    with pytest.raises(ValueError, match="also used by a tensor outside the source"):
+        TorchSource(model.state_dict()).flatten_into(SGLangTensorTransport(), SMALL_BUCKET)  # detached copies
+    source = TorchSource(model)
+    for bucket in (SMALL_BUCKET, 2 * SMALL_BUCKET):  # a second layout, for another bucket size
+        source.flatten_into(SGLangTensorTransport(), bucket)
+    engine = ReferenceEngine.in_thread("again", CONFIG, seed=0)
+    transport = SGLangTensorTransport()
+    ctx = protocol.RefitContext(
+        source, transport, [engine], mode="colocated", bucket_bytes=2 * SMALL_BUCKET, deadline_s=60, verify="off"
+    )
+    try:
+        result = protocol.run(ctx)
+        assert result.ok and matches(engine, model) and transport.resident_buckets == result.buckets
+    finally:
+        ctx.close()
+        engine.close()

@@ -282,3 +282,25 @@ def test_a_prepare_the_recording_process_chose_is_replayed_as_recorded() -> None
     report = replay(path)
     assert report.divergence is None, str(report.divergence)
     assert report.same
+
+
+def test_a_run_whose_bucket_size_changed_replays_with_its_own_plan(tmp_path: Path) -> None:
+    """The runner keeps its plan while the trainer sends the same tensors at the same bucket size:
+    a replay sets each run's recorded bucket size, so a run that planned anew is replayed with its
+    own plan (found by an adversarial review: the second run replayed the first run's plan)."""
+    trace = tmp_path / "buckets.jsonl"
+    model = perturbed(TinyLlama(CONFIG, seed=0), seed=1)
+    engine = ReferenceEngine.in_thread("pb", CONFIG, seed=0)
+    ctx = protocol.RefitContext(
+        TorchSource(model), SharedMemoryTransport(), [engine], bucket_bytes=64 << 10, deadline_s=30, trace=trace
+    )
+    try:
+        first = protocol.run(ctx)
+        ctx.bucket_bytes = 32 << 10
+        second = protocol.run(ctx)
+        assert first.ok and second.ok and second.buckets > first.buckets
+    finally:
+        ctx.close()
+        engine.close()
+    assert replay(trace).divergence is None
+    assert main(["check", str(trace)]) == 0

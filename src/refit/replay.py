@@ -529,7 +529,8 @@ def replay(path: str | Path, loaded: tuple[dict[str, Any], list[dict[str, Any]],
     for start in starts:
         if script.divergence is not None:
             break
-        for key in ("mode", "retries", "pause_mode", "deadline_s", "cleanup_grace_s", "call_timeout_s"):  # per run
+        per_run = ("mode", "retries", "pause_mode", "deadline_s", "cleanup_grace_s", "call_timeout_s", "bucket_bytes")
+        for key in per_run:  # per run
             if key in start:
                 setattr(ctx, key, start[key])
         ctx.max_staleness = start.get("max_staleness")  # none recorded: a run before the policy existed

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -61,6 +62,7 @@ if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger(__name__)
+HELD_GRACE_S = 0.2  # how long a consumer's reference counter may take to come down after its ack
 
 # ---- colocated: tensors by reference -------------------------------------------------------------
 
@@ -88,9 +90,8 @@ class SGLangTensorTransport(Transport):
         self._connected = False
         self._counters: dict[int, list[tuple[str, bytes, int]]] = {}  # bucket -> (consumer, CUDA ref counter)
         self.held: list[dict[str, Any]] = []  # buffers a consumer still held at its ack (never rewritten)
-        self._resident: dict[int, torch.Tensor] = {}  # bucket -> the view of the trainer's memory it was sent as
+        self._resident: dict[int, torch.Tensor] = {}  # bucket -> the view of the trainer's memory, until released
         self._metadata: dict[int, tuple[BucketManifest, list[Any]]] = {}  # bucket -> (manifest, SGLang's records)
-        self._views: dict[tuple[int, int, int], torch.Tensor] = {}  # (storage, offset, bytes) -> that view
         self.resident_buckets = 0  # buckets sent as views of the trainer's memory, this connection
 
     def plan(self, metas: Sequence[TensorMeta], bucket_bytes: int) -> list[BucketManifest]:
@@ -159,8 +160,10 @@ class SGLangTensorTransport(Transport):
         if not self._consumers:  # same gathers as the ranks that feed an engine, nothing kept
             self.temp_bytes = pack_into(None, manifest, tensors).temp_bytes
             return None
-        tensors = list(tensors)
-        view = self._in_place(manifest, tensors)
+        view = None
+        if self.resident_source:  # the trainer's own tensors, unchanged until the run ends: may be looked at first
+            tensors = list(tensors)
+            view = self._in_place(manifest, tensors)
         if view is not None:  # the bucket is already laid out in the trainer's memory: send that
             self._resident[manifest.index] = view
             self.resident_buckets += 1
@@ -185,8 +188,11 @@ class SGLangTensorTransport(Transport):
     def _in_place(self, manifest: BucketManifest, tensors: Sequence[tuple[str, Any]]) -> torch.Tensor | None:
         """A uint8 view of the bucket in the trainer's own memory, when its tensors lie, in form
         (dtype, shape, contiguous, on this transport's device), in one storage at the manifest's
-        offsets from one base; else None (the bucket is packed into a buffer). On CPU only a
-        storage already in named shared memory qualifies (sharing would move the trainer's own)."""
+        offsets from one base; else None (the bucket is packed into a buffer). Asked only of a
+        resident source (`resident_source`: a lazy one, Megatron's bridge, may reuse a tensor's
+        memory once the next is taken, so its tensors are copied one at a time as before). On CPU
+        only a storage already in named shared memory qualifies (sharing would move the trainer's
+        own)."""
         import torch
 
         entries = manifest.entries
@@ -212,14 +218,9 @@ class SGLangTensorTransport(Transport):
                 return None
         if storage is None or base + manifest.nbytes > storage.nbytes():
             return None
-        key = (storage.data_ptr(), base, manifest.nbytes)
-        view = self._views.get(key)
-        if view is None or view.untyped_storage().data_ptr() != key[0]:
-            device = storage.device
-            view = self._views[key] = torch.empty(0, dtype=torch.uint8, device=device).set_(
-                storage, base, (manifest.nbytes,), (1,)
-            )
-        return view
+        # (made per bucket, kept only until its release: no view outlives the refit to pin memory
+        # the trainer has since moved its tensors out of)
+        return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, base, (manifest.nbytes,), (1,))
 
     def _buffer_for(self, manifest: BucketManifest) -> torch.Tensor:
         if manifest.oversized:
@@ -244,8 +245,14 @@ class SGLangTensorTransport(Transport):
         still holds a reference to it (CUDA: torch's counter of that export is not back to 0). An
         engine that acks before its copies from our buffer ran, keeping the tensors it was given,
         would read the next bucket's bytes: that buffer is replaced instead, never rewritten
-        (torch keeps the old memory alive until the consumer lets go)."""
+        (torch keeps the old memory alive until the consumer lets go). SGLang answers from TP rank 0
+        once every rank passed a barrier, while ranks 1.. drop their references just after it: a
+        counter still up at the ack gets `HELD_GRACE_S` to come down before it counts as held."""
         held = [c for c in self._counters.pop(index, []) if _still_held(c[1], c[2])]
+        end = time.monotonic() + HELD_GRACE_S
+        while held and time.monotonic() < end:
+            time.sleep(0.0002)
+            held = [c for c in held if _still_held(c[1], c[2])]
         if held and self._resident.pop(index, None) is not None:
             who = ", ".join(sorted({c[0] for c in held}))
             raise RuntimeError(
@@ -279,7 +286,7 @@ class SGLangTensorTransport(Transport):
 
     def disconnect(self) -> None:
         self._pool, self._own, self._consumers, self._counters = self._new_pool(0), {}, [], {}
-        self._resident, self._views, self.resident_buckets = {}, {}, 0
+        self._resident, self.resident_buckets = {}, 0
         self._connected = False
 
 
@@ -298,8 +305,9 @@ class FlattenedTensorReceiver(Receiver):
     `FlattenedTensorBucket` (SGLang must be importable in the engine's process). A CUDA bucket's
     handle is opened per bucket (torch's CUDA IPC: the open waits on the sender's event). As
     SGLang's updater does, it keeps nothing: the engine copies out of the views and drops them
-    before its ack, and torch's IPC deleter synchronizes the engine's stream when the last
-    reference goes, so the copies have run when the sender hears the ack. No sync of its own: an
+    before its ack (SGLang: TP rank 0 before its answer, ranks 1.. just after; see `release`),
+    and torch's IPC deleter synchronizes the engine's stream when the last reference goes, so the
+    copies have run when the sender hears the ack. No sync of its own: an
     extra one would hide an engine (or a receiver) that keeps a reference past its ack. With
     ``decoder: refit`` each bucket's metadata is also checked against its manifest (offsets
     included); SGLang's code checks nothing of the kind, so ``sglang`` does not either."""

@@ -20,6 +20,7 @@ Lifecycle:
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -127,11 +128,7 @@ class TorchSource(Source):
                 "not a callable, send_aliases off)"
             )
         named = dict(self._named(keep_vars=True))
-        owners: dict[int, str] = {}
-        for name, tensor in named.items():  # tensors that share memory would stop sharing it
-            other = owners.setdefault(tensor.untyped_storage().data_ptr(), name)
-            if other != name and tensor.untyped_storage().nbytes():
-                raise ValueError(f"torch source: {name} and {other} share memory; flatten_into would separate them")
+        _check_movable(named)
         plan = transport.plan(self.metas(), bucket_bytes)
         total = 0
         with torch.no_grad():
@@ -213,6 +210,34 @@ class TorchSource(Source):
         for state, key, device in self._moved:
             state[key] = state[key].to(device)
         self._moved.clear()
+
+
+def _check_movable(named: Mapping[str, Any]) -> None:
+    """Refuse a layout that would leave some tensor behind: memory that a tensor outside the
+    source also uses (a detached copy, such as `state_dict()` hands out, or a view of a bigger
+    base: moving ours would leave that one training alone), or that two of ours share with
+    overlapping bytes. Tensors that share a storage without overlapping (an earlier layout's
+    bucket) may move: nothing else holds it."""
+    import torch
+
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    by_storage: dict[int, list[tuple[str, Any]]] = {}
+    for name, tensor in named.items():
+        if tensor.untyped_storage().nbytes():
+            by_storage.setdefault(tensor.untyped_storage().data_ptr(), []).append((name, tensor))
+    for holders in by_storage.values():
+        storage = holders[0][1].untyped_storage()
+        if use_count is not None and use_count(storage._cdata) > len(holders) + 1:  # (+1: `storage` here)
+            names = ", ".join(n for n, _ in holders[:3])
+            raise ValueError(
+                f"torch source: the memory of {names} is also used by a tensor outside the source (a detached copy, "
+                "as state_dict() returns, or a view of a bigger tensor): flatten_into would leave that one behind; "
+                "give TorchSource the module itself"
+            )
+        spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), n) for n, t in holders)
+        for (_, end, a), (start, _, b) in itertools.pairwise(spans):
+            if start < end:
+                raise ValueError(f"torch source: {a} and {b} share memory; flatten_into would separate them")
 
 
 def _alias_key(tensor: Any) -> tuple[Any, ...] | None:

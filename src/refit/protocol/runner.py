@@ -432,7 +432,14 @@ class _Run(Recording):
         w = self.waves.start(plan)
         results = self.waves.wait(w)
         later = ("finalize", "verify")
-        held = {e: [(s, r) for s, r in pairs if s.call in later] for e, pairs in results.items()}
+        # a one-bucket plan's finalize (and verify) rode too: it counts only where the load went in;
+        # an engine whose call failed before (a refused probe, a death: every step then carries the
+        # error) never finalized anything
+        held = {
+            e: [(s, r) for s, r in pairs if s.call in later]
+            if any(s.call == "load" and r.ok for s, r in pairs) else []
+            for e, pairs in results.items()
+        }  # fmt: skip
         failed = self.absorb(
             {e: [(s, r) for s, r in pairs if s.call not in later] for e, pairs in results.items()},
             w.batch,

@@ -50,6 +50,8 @@ class Session:
         the same tensors (names, dtypes, shapes, order) through the same transport, so what an
         engine checked once is recognised by identity (engines keep them by key: the wire's memo)."""
         key = tuple((m, m.heads) for m in metas)  # (a meta's head count is not part of its equality)
+        if not key:  # a source that names no tensors (a replay's: its transport reads each run's plan)
+            return transport.plan(metas, bucket_bytes)
         kept = self.planned
         if kept is not None and kept[0] is transport and kept[1] == bucket_bytes and kept[2] == key:
             return list(kept[3])

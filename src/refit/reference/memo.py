@@ -21,7 +21,9 @@ from typing import Any
 from refit.drivers.base import Payload
 from refit.errors import EngineError
 
-MEMO_WINDOW = 2048  # a client uses a manifest key alone while it is among its last this many keys
+MEMO_WINDOW = 512  # a client uses a manifest key alone while it is among its last this many keys (a plan
+# has a few hundred buckets at most; a caller that builds a manifest per request gets no hit, so the
+# memo keeps at most 2 x MEMO_WINDOW of them alive on each side)
 SWAP_DEPTH = 6  # how deep into a request's tuples and lists manifests are looked for (steps, plans)
 
 
