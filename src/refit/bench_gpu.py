@@ -284,6 +284,7 @@ def run_path(
         want = {name: tensor_digest(t) for name, t in state.items()}
         exact = got == want
         nbytes, buckets = result.bytes_moved, result.buckets
+        resident = getattr(transport, "resident_buckets", None)  # (read before close: disconnect resets it)
     finally:
         ctx.close()
         engine.close()
@@ -308,7 +309,7 @@ def run_path(
         "ms_engine_gpu_copy_span": round(statistics.median(spans) * 1e3, 3),
         "verify": verify,
         "verify_false_alarms": alarms,
-        "resident_buckets": getattr(transport, "resident_buckets", None),  # sent as the trainer's memory
+        "resident_buckets": resident,  # buckets sent as the trainer's own memory, over all refits
         "receiver": getattr(transport, "decoder", None),  # path (a): whose code decoded the payloads
         **(
             {

@@ -129,7 +129,10 @@ class SGLangTensorTransport(Transport):
     def attach_infos(self, rank_infos: Sequence[dict[str, Any]], topology: Topology) -> dict[str, ConnectInfo]:
         return {
             e.name: ConnectInfo(
-                self.kind, f"{__name__}:FlattenedTensorReceiver", fields={"decoder": self.decoder}, parts=({},) * e.tp
+                self.kind,
+                f"{__name__}:FlattenedTensorReceiver",
+                fields={"decoder": self.decoder, "device": self.device},
+                parts=({},) * e.tp,
             )
             for e in topology.engines
         }
@@ -323,6 +326,10 @@ class FlattenedTensorReceiver(Receiver):
             from sglang.srt.utils import MultiprocessingSerializer
             from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
+            if str(self.info.fields.get("device", "cpu")).startswith("cuda"):  # a CUDA engine: its own process
+                from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+
+                monkey_patch_torch_reductions()  # tp_worker's deserialize_own_rank does it first: its rebuild needs it
             obj = MultiprocessingSerializer.deserialize(data)
             # as SGLang: no check of the offsets against a manifest (the engine's load checks each
             # tensor's name, shape and dtype, as SGLang's loader would)
