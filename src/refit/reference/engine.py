@@ -752,10 +752,7 @@ class EngineCore:
             tensors = [(self.layout.tied.get(n, n), t) for n, t in tensors]
         digests: list[int] = []
         kept = self._keep_for_skip(tensors) if self.mangle == "skip" else None
-        self._note_stream()
-        if self.device.type == "cuda" and self.session is not None and not self.session.loaded:
-            self._copy_events = [torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)]
-            self._copy_events[0].record()
+        self._start_copies()
         with torch.no_grad():
             written = self.session is not None and self.session.written is not None
             if self.mangle == "late_copy":  # acked now, copied (from whatever the buffer holds then) at finalize
@@ -912,7 +909,7 @@ class EngineCore:
         """Keep a checked bucket's copies for a receiver that hands back the same views next time
         (`IPCReceiver`: views of storages opened once): the next load of this bucket with that
         very list skips the per-tensor checks and view building, and queues one batched copy."""
-        if len(pairs) != len(untied) or len(untied) != len(tensors):  # a direct write, or a tied head checked
+        if len(untied) != len(tensors):  # a tied head was checked: the slow path each time
             self._programs.pop(manifest.index, None)
             return
         targets = tuple(dict.fromkeys(self.layout.targets[n][0] for n, _ in untied))
@@ -920,13 +917,17 @@ class EngineCore:
             tensors, tuple((t, self.params[t]) for t in targets), [d for d, _ in pairs], [s for _, s in pairs]
         )
 
-    def _note_stream(self) -> None:
-        """Remember a load whose copies go on a stream other than the device's default (a receiver's
-        own): finalize then waits for every stream, not only its own."""
-        if self.device.type == "cuda" and torch.cuda.current_stream(self.device) != torch.cuda.default_stream(
-            self.device
-        ):
+    def _start_copies(self) -> None:
+        """Before a load queues its copies (GPU): the session's first one starts the copy-span clock,
+        and a load on a stream other than the device's default (a receiver's own) makes finalize
+        wait for every stream, not only its own."""
+        if self.device.type != "cuda":
+            return
+        if torch.cuda.current_stream(self.device) != torch.cuda.default_stream(self.device):
             self._side_streams = True
+        if self.session is not None and not self.session.loaded:
+            self._copy_events = [torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)]
+            self._copy_events[0].record()
 
     def forget_kept(self) -> None:
         """Drop every kept bucket program (a receiver whose views they read is going away)."""
@@ -935,10 +936,7 @@ class EngineCore:
     def _run_program(self, manifest: BucketManifest, program: _Program) -> None:
         """The kept copies of a bucket whose views and checks are those of its last load."""
         assert self.session is not None
-        self._note_stream()
-        if self.device.type == "cuda" and not self.session.loaded:
-            self._copy_events = [torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)]
-            self._copy_events[0].record()
+        self._start_copies()
         with torch.no_grad():
             torch._foreach_copy_(program.dsts, program.srcs)
         self.kept_loads += 1
@@ -974,12 +972,8 @@ class EngineCore:
             return None
         if pairs:
             torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
-        return pairs if self.mangle is None and not self.direct_in(named, tensors) else None
-
-    @staticmethod
-    def direct_in(named: Sequence[Any], tensors: Sequence[Any]) -> bool:
-        """Whether some of a bucket's tensors were written in place by the receiver (not copied)."""
-        return len(named) != len(tensors)
+        direct = len(named) != len(tensors)  # some written in place by the receiver: not a plain copy
+        return pairs if self.mangle is None and not direct else None
 
     def _served_regions(self) -> dict[str, torch.Tensor]:
         """Where each served tensor lives (HF names; the head under its name, as its serving copy)."""

@@ -10,12 +10,9 @@ kwargs)``; the engine decodes it with an allowlisting unpickler (builtins and re
 payload types only), so a payload naming any other class is refused before anything runs. A reply
 is ``(call_id, ok, value)``; a failed call's value is ``(kind, message)``.
 
-Manifests once per connection. A bucket manifest (hundreds of tensor entries) travels whole
-only the first time a client sends it: the client's `ManifestMemo` gives it a key, the engine's
-`Manifests` keeps it, and later requests carry the key alone (`encode(..., memo)`). A key is used
-alone only after a request that defined it was answered (the engine decoded it); the engine refuses
-a key it does not hold (`unknown_manifest`). A refit whose plan is unchanged (the runner keeps it
-while the trainer's tensors keep their names, dtypes and shapes) thus sends, per bucket, an index.
+Manifests once per connection (`refit.reference.memo`): a client sends a bucket manifest whole
+the first time and by key once the engine answered that request (`encode_defining`,
+`safe_decode(body, manifests)`); a steady refit sends, per bucket, an index.
 
 Batches. `steps(list of (call, args))` runs consecutive protocol calls in one request, stopping at
 the first that fails, and answers with one (ok, value-or-error, seconds) per step run: a refit's
@@ -107,11 +104,9 @@ class _SafeUnpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
-def encode(args: tuple[Any, ...], kwargs: dict[str, Any], memo: ManifestMemo | None = None) -> bytes:
-    """A request body; with `memo`, manifests the engine already holds travel as their key."""
-    if memo is None:
-        return pickle.dumps((args, kwargs), protocol=5)
-    return encode_defining(args, kwargs, memo)[0]
+def encode(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bytes:
+    """A request body, manifests whole (an engine's client uses `encode_defining`)."""
+    return pickle.dumps((args, kwargs), protocol=5)
 
 
 def encode_defining(args: tuple[Any, ...], kwargs: dict[str, Any], memo: ManifestMemo) -> tuple[bytes, list[int]]:
