@@ -85,7 +85,7 @@ SHAPES: dict[str, ModelConfig] = {
 }  # fmt: skip
 PATHS = ("floor", "seed", "flattened", "ipc", "ipc_512")
 # run only when named: "sglang" and "sglang_resident" need SGLang importable in the engine process
-EXTRA_PATHS = ("atomic", "sglang", "sglang_resident", "sglang_resident_one")
+EXTRA_PATHS = ("atomic", "sglang", "sglang_resident", "sglang_resident_one", "ipc_one")
 # the least bucket of the paths that lay the trainer out (a bucket of its own memory costs no buffer):
 # 2 GiB, or one bucket for the whole state
 RESIDENT_MB = {"sglang_resident": 2048, "sglang_resident_one": 1 << 20}
@@ -192,9 +192,11 @@ def refit_times(engine: ReferenceEngine, since: float) -> dict[str, float]:
     if window is None or info.get("copies_landed_at") is None:
         raise RuntimeError(f"{engine.name}: the engine's audit shows no pause/load/continue for this refit")
     landed = max(window[3], info["copies_landed_at"])
+    host = info.get("load_host_s") or {}
     return {
         "stall": window[1] - window[0], "transfer": landed - window[2], "pre": window[2] - window[0],
         "post": window[1] - landed, "span": info.get("copy_span_s") or 0.0,
+        **{f"host_{k}": v for k, v in host.items()},
     }  # fmt: skip
 
 
@@ -215,6 +217,8 @@ def _transport(path: str) -> Any:
         return IPCTransport()
     if path == "ipc_512":  # path (b) at the other paths' bucket size: what each bucket's signal costs
         return IPCTransport(signal_bytes=0)
+    if path == "ipc_one":  # path (b) with the whole state in one signal: the run's two waves alone
+        return IPCTransport(signal_bytes=1 << 50)
     raise ValueError(f"path {path!r}: use one of {PATHS[1:]}")
 
 
@@ -307,6 +311,12 @@ def run_path(
         "ms_pause_to_first_load": round(statistics.median(pre) * 1e3, 3),
         "ms_landed_to_continued": round(statistics.median(post) * 1e3, 3),
         "ms_engine_gpu_copy_span": round(statistics.median(spans) * 1e3, 3),
+        # the engine's host time in its loads per refit (its clock): the receiver's read (decode,
+        # views), its load (checks, queued copies), dropping the views (a receiver's deleter may sync)
+        "ms_engine_load_host": {
+            k.removeprefix("host_"): round(statistics.median(t.get(k, 0.0) for v in parts.values() for t in v) * 1e3, 3)
+            for k in ("host_read", "host_load", "host_drop")
+        },
         "verify": verify,
         "verify_false_alarms": alarms,
         "resident_buckets": resident,  # buckets sent as the trainer's own memory, over all refits
@@ -391,7 +401,14 @@ def gpu(
             row["ratio_to_floor"] = round(row["ms_stall"] / floor, 3)
             row["transfer_ratio_to_floor"] = round(row["ms_transfer"] / floor, 3)
             rows[path] = row
-            tick(f"{shape} {path}: stall {row['ms_stall']:.2f} ms, transfer {row['ms_transfer']:.2f} ms")
+            host = row.get("ms_engine_load_host", {})
+            tick(
+                f"{shape} {path}: stall {row['ms_stall']:.2f} ms ({row['ratio_to_floor']:.2f} x), transfer "
+                f"{row['ms_transfer']:.2f} ms, pre/span/post {row.get('ms_pause_to_first_load')}/"
+                f"{row.get('ms_engine_gpu_copy_span')}/{row.get('ms_landed_to_continued')} ms, buckets "
+                f"{row.get('buckets')}, engine host read/load/drop {host.get('read')}/{host.get('load')}/"
+                f"{host.get('drop')} ms"
+            )
         report["shapes"][shape] = {
             "tensors": len(state), "bytes": nbytes, "floor_ms": round(floor, 3), "floor_after_idle_ms": round(cold, 3),
             "paths": rows,

@@ -48,9 +48,10 @@ import torch.nn.functional as F
 
 from refit.buckets import BucketManifest, chunk_digests, combine, copy_digests, dtype_name
 from refit.errors import EngineError
-from refit.reference.model import ModelConfig, attention, grouped_attention, init_weights, rms_norm, rope
+from refit.reference.model import ModelConfig, attention, grouped_attention, iter_init_weights, rms_norm, rope
 
 PAUSE_MODES = ("abort", "retract", "in_place")
+LOAD_HOST_PARTS = ("read", "load", "drop")  # `EngineCore.load_host_s`
 AUDIT_KEEP = 20_000  # engine-side audit records kept at least (`EngineCore.record`)
 # faults an engine can be made to commit without noticing (tests, `refit demo --fail-at`): it acks,
 # finalizes and would serve wrong weights; only verification before publish can catch them
@@ -354,6 +355,9 @@ class EngineCore:
         self._copy_events: list[Any] = []
         self.direct_tensors = 0  # tensors a receiver wrote straight into the weights (no copy-out), so far
         self.kept_loads = 0  # buckets loaded by rerunning their kept copies (`_Program`), so far
+        # host seconds of the last session's loads (the server's clock): the receiver's read (decode,
+        # views), the engine's load (checks, queued copies) and the drop of the views after it
+        self.load_host_s = dict.fromkeys(LOAD_HOST_PARTS, 0.0)
         self.sessions = 0  # update sessions opened so far; each begin that succeeds opens the next
         self.audit: list[dict[str, Any]] = []  # what the engine itself did, for engine-side invariants
         self.audit_keep = AUDIT_KEEP  # records kept at least (older ones go at a quiet point: `record`)
@@ -368,7 +372,7 @@ class EngineCore:
 
     @torch.no_grad()
     def _load_checkpoint(self, seed: int) -> None:
-        for name, tensor in init_weights(self.config, seed, self.device).items():
+        for name, tensor in iter_init_weights(self.config, seed, self.device):  # one at a time: no second model
             self._write(name, tensor)
 
     def _zeros(self, engine_name: str) -> torch.Tensor:
@@ -513,6 +517,7 @@ class EngineCore:
         self._require_weights()
         if staged and plan is None:
             raise EngineError("bad_request", "a staged session needs its plan (what it writes is checked whole first)")
+        self.load_host_s = dict.fromkeys(LOAD_HOST_PARTS, 0.0)
         if plan is None:
             self.session = _Session(plan=None)
             self.sessions += 1
@@ -1535,6 +1540,7 @@ class EngineCore:
             "copy_span_s": self.copy_span_s,
             "direct_tensors": self.direct_tensors,
             "kept_loads": self.kept_loads,
+            "load_host_s": {k: round(v, 6) for k, v in self.load_host_s.items()},
             "gpu_allocated_bytes": torch.cuda.memory_allocated(self.device) if cuda else None,
             "gpu_peak_bytes": torch.cuda.max_memory_allocated(self.device) if cuda else None,
         }

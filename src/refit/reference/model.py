@@ -18,7 +18,7 @@ Layout of the trainer model (HF names, unfused):
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -220,16 +220,23 @@ def init_weights(config: ModelConfig, seed: int, device: str | torch.device = "c
     """Deterministic HF-named weights (in the config's dtypes): the 'checkpoint' trainer and
     engines start from. A tied head is not listed (it is the embedding). Drawn on `device` by
     that device's generator: the same seed gives other values on CUDA than on CPU."""
+    return dict(iter_init_weights(config, seed, device))
+
+
+def iter_init_weights(
+    config: ModelConfig, seed: int, device: str | torch.device = "cpu"
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """`init_weights` one tensor at a time, the same values: a consumer that keeps each where it
+    goes and drops it holds one tensor's temporaries at a time, not a second copy of the model."""
     gen = torch.Generator(device=device).manual_seed(seed)
-    out = {}
     dtypes = config.hf_dtypes()
     for name, shape in config.hf_shapes().items():
         t = torch.randn(shape, generator=gen, device=device)
         if name.endswith("layernorm.weight") or name == "model.norm.weight":
-            out[name] = (t.mul_(0.1).add_(1.0)).to(getattr(torch, dtypes[name]))
+            yield name, (t.mul_(0.1).add_(1.0)).to(getattr(torch, dtypes[name]))
         else:
-            out[name] = t.div_(math.sqrt(shape[-1])).to(getattr(torch, dtypes[name]))
-    return out
+            yield name, t.div_(math.sqrt(shape[-1])).to(getattr(torch, dtypes[name]))
+        del t
 
 
 # ---- math shared by the trainer model and the reference engine -------------------------------

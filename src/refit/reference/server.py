@@ -439,6 +439,8 @@ class EngineServer:
         problem = None
         tensors: list[tuple[str, Any]] = []
         comm = self.core.comm
+        clock = self.core.load_host_s
+        t0 = time.perf_counter()
         fused = comm.size == 1  # one rank: verify while copying (TP ranks vote first, then apply)
         into: dict[str, Any] = {}  # tensors the receiver writes straight into the weights
         try:
@@ -457,6 +459,8 @@ class EngineServer:
                 receiver.verify(payload, tensors)
         except (ValueError, KeyError, OSError, IndexError, RuntimeError) as exc:
             problem = f"{type(exc).__name__}: {exc}"
+        t1 = time.perf_counter()
+        clock["read"] += t1 - t0
         votes = comm.gather_objects(problem)
         bad = [(rank, p) for rank, p in enumerate(votes) if p is not None]
         if bad:
@@ -466,6 +470,7 @@ class EngineServer:
                 raise EngineError("partial_load", f"bucket {index}: {text} (it was read straight into the weights)")
             raise EngineError("bad_payload", f"bucket {index} (TP rank {rank}): {text}")
         stream = receiver.copy_stream
+        t1 = time.perf_counter()
         try:
             with torch_stream(stream):
                 self.core.load(
@@ -480,6 +485,10 @@ class EngineServer:
             raise
         finally:
             receiver.consumed(payload)  # the copies from its buffer are queued: the transport's side may order on them
+            t2 = time.perf_counter()
+            clock["load"] += t2 - t1
+            tensors = into = None  # type: ignore[assignment]  # the views go now: a receiver's deleter may sync here
+            clock["drop"] += time.perf_counter() - t2
         comm.gather_objects(None)  # the ack leaves only once every rank has copied its shard
 
 
