@@ -237,6 +237,8 @@ def run_path(
         source.flatten_into(transport, bucket_mb << 20)
         _sync()
         torch.cuda.empty_cache()  # the storages the tensors left
+    _sync()
+    torch.cuda.empty_cache()  # what earlier paths left cached in this process is the engine's to use
     engine = ReferenceEngine.spawn(f"gpu-{path}", config, seed=0, device="cuda")
     settings = {"off": ("off", "auto"), "digest": ("digest", "auto"), "served": ("digest", "served")}
     modes = tuple(settings) if verify == "alternate" else (verify,)
@@ -372,6 +374,7 @@ def gpu(
         nbytes = sum(t.numel() * t.element_size() for t in state.values())
         floor = floor_ms(state)
         cold = cold_floor_ms(state)
+        torch.cuda.empty_cache()  # the floors' destinations: the engines' memory (14B: 29.5 GB each)
         tick(
             f"{shape}: {len(state)} tensors, {nbytes / 1e9:.2f} GB, floor {floor:.2f} ms (after 50 ms idle {cold:.2f})"
         )
