@@ -17,6 +17,9 @@ from refit.states._facts import FACT_TABLES
 from refit.states._table import ENGINE_TRANSITIONS, TRANSITIONS, EngineEvent, EngineState, RefitState, Trigger
 
 
+_TRIGGER_NAMES = frozenset(str(t) for t in Trigger)
+
+
 class RefitMachine:
     """One run's position in the run table."""
 
@@ -43,7 +46,7 @@ class RefitMachine:
     def fire(self, trigger: Trigger | str) -> RefitState:
         """Commit a legal move and return the new state; raise IllegalTransition otherwise."""
         name = str(trigger)
-        if name not in {str(t) for t in Trigger}:
+        if name not in _TRIGGER_NAMES:
             raise IllegalTransition(str(self.state), name)
         try:
             moved = self._machine.events[name].trigger(self)
