@@ -336,12 +336,20 @@ class _Peeker(_SafeUnpickler):
         found = super().find_class(module, name)
         opens = module.startswith(("torch.multiprocessing", "multiprocessing")) or (module, name) == SGLANG_REBUILD
         if opens or (module, name) == ("torch", "Tensor"):
-            return _nothing
+            return _Nothing
         return found
 
 
-def _nothing(*args: Any, **kwargs: Any) -> None:
-    return None
+class _Nothing:
+    """What a peek makes of what would open a storage: called (a rebuild function) or built as
+    an object (`multiprocessing.resource_sharer.DupFd`, which torch's file-descriptor sharing
+    pickles as a class: SGLang's own serializer on the host), it opens nothing."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> _Nothing:
+        return object.__new__(cls)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
 
 
 def _dtype_names() -> frozenset[str]:
@@ -376,13 +384,18 @@ def _raw(data: bytes | str) -> bytes:
     return bytes(data)
 
 
-def manifest_from_metadata(index: int, metadata: Sequence[Any]) -> BucketManifest:
-    """A bucket manifest read from flattened-bucket metadata (what an engine knows from the body)."""
+def manifest_from_metadata(index: int, metadata: Sequence[Any], *, as_sglang: bool = False) -> BucketManifest:
+    """A bucket manifest read from flattened-bucket metadata (what an engine knows from the body).
+    `as_sglang`: read only what SGLang 0.5.23 reads (weight_sync/tensor_bucket.py
+    `FlattenedTensorBucket.reconstruct_tensors`: name, shape, dtype, start_idx, end_idx; `numel`
+    is never read) and accept a bucket with no tensors (SGLang loads nothing and answers success).
+    A span its shape and dtype do not fill is refused either way (SGLang's view or reshape raises)."""
     entries, end = [], 0
     for m in metadata:
         try:
             meta = TensorMeta(str(m.name), dtype_name(m.dtype), tuple(int(d) for d in m.shape))
-            start, stop, numel = int(m.start_idx), int(m.end_idx), int(m.numel)
+            start, stop = int(m.start_idx), int(m.end_idx)
+            numel = meta.nbytes if as_sglang else int(m.numel)
         except (AttributeError, TypeError, ValueError) as exc:
             raise ValueError(f"bad flattened-bucket metadata record: {exc}") from None
         itemsize(meta.dtype)  # names an unknown dtype
@@ -393,21 +406,24 @@ def manifest_from_metadata(index: int, metadata: Sequence[Any]) -> BucketManifes
             )
         entries.append(TensorEntry(meta, start))
         end = max(end, stop)
-    if not entries:
+    if not entries and not as_sglang:
         raise ValueError("a flattened bucket with no tensors")
     return BucketManifest(index, tuple(entries), end)
 
 
-def reconstruct(bucket: dict[str, Any], manifest: BucketManifest) -> list[tuple[str, torch.Tensor]]:
+def reconstruct(
+    bucket: dict[str, Any], manifest: BucketManifest, *, as_sglang: bool = False
+) -> list[tuple[str, torch.Tensor]]:
     """Views of each tensor of a decoded flattened bucket (as SGLang's `reconstruct_tensors`), after
-    checking them against the manifest the engine expects."""
+    checking them against the manifest the engine expects (`as_sglang`: the metadata read as SGLang
+    reads it, `manifest_from_metadata`)."""
     import torch
 
     flat = bucket.get("flattened_tensor") if isinstance(bucket, dict) else None
     meta = bucket.get("metadata") if isinstance(bucket, dict) else None
     if not isinstance(flat, torch.Tensor) or flat.dtype != torch.uint8 or flat.dim() != 1 or meta is None:
         raise ValueError("not a flattened bucket: expected a 1-D uint8 'flattened_tensor' and its 'metadata'")
-    got = manifest_from_metadata(manifest.index, meta)
+    got = manifest_from_metadata(manifest.index, meta, as_sglang=as_sglang)
     if got.entries != manifest.entries:
         raise ValueError(f"bucket {manifest.index}: the payload's metadata does not match the bucket's manifest")
     if flat.numel() < manifest.nbytes:

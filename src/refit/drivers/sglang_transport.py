@@ -335,7 +335,7 @@ class FlattenedTensorReceiver(Receiver):
             # tensor's name, shape and dtype, as SGLang's loader would)
             bucket = FlattenedTensorBucket(flattened_tensor=obj["flattened_tensor"], metadata=obj["metadata"])
             return bucket.reconstruct_tensors()
-        return reconstruct(deserialize(data), payload.manifest)
+        return reconstruct(deserialize(data), payload.manifest, as_sglang=payload.fields.get("metadata") == "sglang")
 
 
 # ---- disaggregated: broadcast on SGLang's group layout --------------------------------------------

@@ -52,6 +52,7 @@ from refit.reference.model import ModelConfig, attention, grouped_attention, ite
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 LOAD_HOST_PARTS = ("read", "load", "drop")  # `EngineCore.load_host_s`
+SKIPPED_KEEP = 32  # the latest names a load skipped as unknown, kept for `info`
 AUDIT_KEEP = 20_000  # engine-side audit records kept at least (`EngineCore.record`)
 # faults an engine can be made to commit without noticing (tests, `refit demo --fail-at`): it acks,
 # finalizes and would serve wrong weights; only verification before publish can catch them
@@ -355,6 +356,8 @@ class EngineCore:
         self._copy_events: list[Any] = []
         self.direct_tensors = 0  # tensors a receiver wrote straight into the weights (no copy-out), so far
         self.kept_loads = 0  # buckets loaded by rerunning their kept copies (`_Program`), so far
+        self.skipped_tensors = 0  # tensors loads dropped unread as names the model lacks (`known_only`), so far
+        self.skipped_recent: list[str] = []  # the latest of their names
         # host seconds of the last session's loads (the server's clock): the receiver's read (decode,
         # views), the engine's load (checks, queued copies) and the drop of the views after it
         self.load_host_s = dict.fromkeys(LOAD_HOST_PARTS, 0.0)
@@ -676,16 +679,18 @@ class EngineCore:
         self._written = None
         return {"discarded": True}
 
-    def check_load(self, manifest: BucketManifest) -> None:
+    def check_load(self, manifest: BucketManifest, *, cast: bool = False) -> None:
         """Refuse (changing nothing) a bucket this session cannot take: no session, not the
-        planned manifest, already loaded, out of plan order, or an earlier bucket was refused."""
+        planned manifest, already loaded, out of plan order, or an earlier bucket was refused.
+        `cast` (a session with no plan): a tensor sent in another dtype than the model's is
+        taken and cast as it is copied (SGLang's loaders: `param.data.copy_`)."""
         session = self.session
         if session is None:
             raise EngineError("no_session", "load outside a weight-update session (begin was not called)")
         if session.broken:
             raise EngineError("session_broken", f"bucket {manifest.index} refused: {session.broken}; begin again")
         if session.plan is None:
-            self.check_against_model(manifest)
+            self.check_against_model(manifest, cast=cast)
             return
         planned = session.plan.get(manifest.index)
         if planned is None or planned != manifest:
@@ -698,8 +703,9 @@ class EngineCore:
             self.break_session(f"bucket {manifest.index} arrived before bucket {expected}")
             raise EngineError("bad_manifest", f"bucket {manifest.index} arrived before bucket {expected}")
 
-    def check_against_model(self, manifest: BucketManifest) -> None:
-        """Refuse (changing nothing) a bucket naming a tensor the model lacks, or a wrong shape/dtype."""
+    def check_against_model(self, manifest: BucketManifest, *, cast: bool = False) -> None:
+        """Refuse (changing nothing) a bucket naming a tensor the model lacks, or a wrong shape/dtype
+        (`cast`: any dtype, cast on its copy)."""
         for entry in manifest.entries:
             meta = entry.meta
             model_name = self.layout.tied.get(meta.name, meta.name)
@@ -707,11 +713,25 @@ class EngineCore:
             if shape is None:
                 raise EngineError("bad_manifest", f"bucket {manifest.index}: unknown tensor {meta.name!r}")
             want = self.layout.hf_dtypes[model_name]
-            if tuple(meta.shape) != shape or meta.dtype != want:
+            if tuple(meta.shape) != shape or (meta.dtype != want and not cast):
                 raise EngineError(
                     "bad_manifest",
                     f"{meta.name}: {meta.dtype}{list(meta.shape)} != model {want}{list(shape)}",
                 )
+
+    def known_only(self, manifest: BucketManifest) -> tuple[BucketManifest, list[str]]:
+        """The bucket's entries naming tensors this model has (a tied head's alias counts), and the
+        names of the others, which a loader that skips unknown names drops unread (SGLang 0.5.23:
+        models/qwen2.py and llama.py `_legacy_load_weights` log "Parameter ... not found in
+        params_dict", or skip silently a layer out of range, and load the rest). They are counted
+        in `skipped_tensors` (`info`)."""
+        known = [e for e in manifest.entries if self.layout.tied.get(e.meta.name, e.meta.name) in self.layout.hf_shapes]
+        if len(known) == len(manifest.entries):
+            return manifest, []
+        skipped = [e.meta.name for e in manifest.entries if e not in known]
+        self.skipped_tensors += len(skipped)
+        self.skipped_recent = (self.skipped_recent + skipped)[-SKIPPED_KEEP:]
+        return BucketManifest(manifest.index, tuple(known), manifest.nbytes, manifest.oversized), skipped
 
     def break_session(self, reason: str) -> None:
         if self.session is not None and self.session.broken is None:
@@ -725,6 +745,7 @@ class EngineCore:
         expected: int | None = None,
         tied_head: str = "check",
         keep: bool = False,
+        cast: bool = False,
     ) -> None:
         """Apply one bucket in place (fused layout). Buckets apply in plan order; a refused one
         (validation, before any byte) makes the session refuse the rest, so an in-flight next
@@ -736,8 +757,9 @@ class EngineCore:
         unread: SGLang's loaders) or "write" (written where the tensor it is lives, in stream
         order, so the later of the two is served: vLLM's loaders inside a weight-update session).
         `keep`: the receiver hands back the same views for this bucket next time (`Receiver.
-        stable_views`): its checked copies are kept and rerun for that very list."""
-        self.check_load(manifest)
+        stable_views`): its checked copies are kept and rerun for that very list. `cast`: see
+        `check_load`."""
+        self.check_load(manifest, cast=cast)
         program = self._programs.get(manifest.index)
         if (
             program is not None and program.tensors is tensors and expected is None and self.mangle is None
@@ -1541,6 +1563,8 @@ class EngineCore:
             "direct_tensors": self.direct_tensors,
             "kept_loads": self.kept_loads,
             "load_host_s": {k: round(v, 6) for k, v in self.load_host_s.items()},
+            "skipped_tensors": self.skipped_tensors,
+            "skipped_recent": list(self.skipped_recent),
             "gpu_allocated_bytes": torch.cuda.memory_allocated(self.device) if cuda else None,
             "gpu_peak_bytes": torch.cuda.max_memory_allocated(self.device) if cuda else None,
         }

@@ -429,8 +429,12 @@ class EngineServer:
         if receiver is None:
             raise EngineError("not_attached", f"no {payload.kind!r} transport attached; attach before load")
         index = payload.manifest.index
+        manifest, skipped = payload.manifest, []
+        cast = payload.fields.get("dtype") == "cast"  # a loader that casts (SGLang's `param.data.copy_`)
         try:
-            self.core.check_load(payload.manifest)  # the manifest first: a truncated bucket is named as such
+            if payload.fields.get("unknown") == "skip":  # a loader that drops names the model lacks (SGLang's)
+                manifest, skipped = self.core.known_only(manifest)
+            self.core.check_load(manifest, cast=cast)  # the manifest first: a truncated bucket is named as such
         except EngineError:
             if payload.fields.get("receive_first"):  # a server that receives what the request names, then loads
                 with contextlib.suppress(ValueError, KeyError, OSError, IndexError, RuntimeError):
@@ -450,8 +454,10 @@ class EngineServer:
                 and not self._corrupt_next_load
                 and self.core.mangle is None
             ):
-                into = self.core.direct_targets(payload.manifest, receiver.writes_into(payload))
+                into = self.core.direct_targets(manifest, receiver.writes_into(payload))
             tensors = receiver.read_into(payload, into) if into else receiver.read(payload)
+            if skipped:  # read whole (as SGLang decodes the whole bucket), loaded without them
+                tensors = [(n, t) for n, t in tensors if n not in skipped]
             if self._corrupt_next_load:
                 self._corrupt_next_load = False
                 tensors = _damaged(tensors)
@@ -474,8 +480,8 @@ class EngineServer:
         try:
             with torch_stream(stream):
                 self.core.load(
-                    payload.manifest, tensors, expected=receiver.expected(payload) if fused else None,
-                    tied_head=payload.fields.get("tied_head", "check"), keep=receiver.stable_views,
+                    manifest, tensors, expected=receiver.expected(payload) if fused else None,
+                    tied_head=payload.fields.get("tied_head", "check"), keep=receiver.stable_views, cast=cast,
                 )  # fmt: skip
         except EngineError as exc:
             if into and exc.no_effect:  # refused after the receiver already wrote part of it into the weights

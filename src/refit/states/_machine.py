@@ -16,7 +16,6 @@ from refit.errors import IllegalTransition
 from refit.states._facts import FACT_TABLES
 from refit.states._table import ENGINE_TRANSITIONS, TRANSITIONS, EngineEvent, EngineState, RefitState, Trigger
 
-
 _TRIGGER_NAMES = frozenset(str(t) for t in Trigger)
 
 

@@ -6,7 +6,8 @@ the file and function of each); where SGLang crashes, holds a lock or skips a sy
   * the whole server dies (the request in flight loses its connection, later ones are refused)
     wherever SGLang's scheduler raises, since `run_scheduler_process` answers any exception with
     SIGQUIT to the server, which kills its process tree: a tensor update whose payload cannot be
-    decoded or whose load raises (a wrong name or shape), `release_memory_occupation` of a busy
+    decoded or whose load raises (a wrong shape; a name the model lacks is skipped and the rest
+    loaded, as SGLang's loader does: `SGLANG_LOADER`), `release_memory_occupation` of a busy
     engine (an assert), `resume_memory_occupation` of a tag that was never released (a KeyError),
     and, up to 0.5.21, an update asked to flush while requests hold KV (an assert);
   * request validation errors are HTTP 400 with SGLang's `ErrorResponse` body (its handler
@@ -79,6 +80,15 @@ FLUSHED = (
 # skips it with a warning. So a trainer whose head differs from its embedding is not refused: the
 # server serves its embedding as the head (verification by its checksums names lm_head.weight).
 TIED_HEAD_DROPPED = {"tied_head": "skip"}
+# What SGLang 0.5.23's loaders do with the rest of a bucket, once decoded (models/qwen2.py and
+# llama.py `_legacy_load_weights`, the default loader; both `update_weights_from_tensor` and
+# `update_weights_from_distributed` end in `model.load_weights`): a name the model lacks is skipped
+# (a warning, "Parameter ... not found in params_dict", or silently for a layer out of range), the
+# rest loaded; a tensor sent in another dtype is cast as `weight_loader` copies it
+# (`param.data.copy_`); a wrong shape fails its assert (the server dies). A flattened bucket's
+# metadata is read as `FlattenedTensorBucket.reconstruct_tensors` reads it (`numel` unread; no
+# tensors: nothing loaded, success).
+SGLANG_LOADER = {**TIED_HEAD_DROPPED, "unknown": "skip", "dtype": "cast", "metadata": "sglang"}
 
 # Request fields and defaults of SGLang 0.5.23's io_struct types (managers/io_struct.py) that the
 # emulator reads; a body's other keys are ignored, as SGLang ignores them.
@@ -446,8 +456,8 @@ class EmulatedSGLang(EmulatedServer):
         raw = [e if isinstance(e, bytes) else base64.b64decode(e, validate=True) for e in entries]
         if len(raw) < self.tp:
             raise IndexError("list index out of range")
-        manifest = manifest_from_metadata(index, peek_metadata(raw[0]))
-        return Payload("sglang_tensor", manifest, TIED_HEAD_DROPPED, tuple({"serialized": r} for r in raw[: self.tp]))
+        manifest = manifest_from_metadata(index, peek_metadata(raw[0]), as_sglang=True)
+        return Payload("sglang_tensor", manifest, SGLANG_LOADER, tuple({"serialized": r} for r in raw[: self.tp]))
 
     def op_update_weights_from_distributed(self, obj: Any) -> tuple[bool, str]:
         """Session check, then receive (a failure is answered: "Failed to receive weights") and load
@@ -497,7 +507,7 @@ class EmulatedSGLang(EmulatedServer):
         # SGLang receives every tensor the request names, then loads (weight_updater.py:
         # receive_weights_from_distributed, then load_weights_from_distributed): a refused load
         # has still taken the broadcast
-        fields = {"load_format": obj.load_format, "receive_first": True, **TIED_HEAD_DROPPED}
+        fields = {"load_format": obj.load_format, "receive_first": True, **SGLANG_LOADER}
         return Payload("sglang_broadcast", manifest, fields, ({},) * self.tp)
 
     def op_init_weights_update_group(self, obj: Any) -> tuple[bool, str]:
