@@ -138,12 +138,54 @@ def test_an_engine_holding_the_trainers_memory_at_its_ack_fails_the_release(monk
         engine.close()
 
 
+@pytest.mark.parametrize("bucket", [0, 1])  # bucket 0 rides the pause wave; bucket 1 is streamed
+def test_a_failed_load_is_the_runs_error_not_the_release_of_its_bucket(
+    monkeypatch: pytest.MonkeyPatch, bucket: int
+) -> None:
+    """An engine whose load of a resident bucket failed may still hold its export: its release is
+    refused, but the run reports the load's failure, not the held memory, and the connection is
+    not reused (found by an adversarial review: the release's error hid the load's)."""
+    from refit.drivers import sglang_transport
+
+    model = TinyLlama(CONFIG, seed=0)
+    transport = SGLangTensorTransport()
+    source = TorchSource(model)
+    source.flatten_into(transport, SMALL_BUCKET)
+    engine = ReferenceEngine.in_thread("fl", CONFIG, seed=0)
+    ctx = protocol.RefitContext(
+        source, transport, [engine], mode="colocated", bucket_bytes=SMALL_BUCKET, deadline_s=30, verify="off",
+        retries=0,
+    )  # fmt: skip
+    try:
+        assert protocol.run(ctx).ok
+        monkeypatch.setattr(sglang_transport, "_still_held", lambda handle, offset: offset == bucket)  # its export
+        monkeypatch.setattr(sglang_transport, "serialize", _counting_serialize(sglang_transport.serialize))
+        ctx.faults = protocol.FaultPlan().fail_at("transferring", call="load", bucket=bucket)
+        result = protocol.run(ctx)
+        assert not result.ok
+        assert "injected" in str(result.error) and "still held" not in str(result.error), result.error
+        assert engine.info()["version"] == 1
+        releases = [
+            e for e in ctx.recorder.events
+            if e.get("run") == result.run_id and e["event"] == "release" and e.get("bucket") == bucket
+        ]  # fmt: skip
+        assert [e["outcome"] for e in releases] == ["error"]  # recorded, and not the run's error
+        ctx.faults = None
+        monkeypatch.undo()
+        assert protocol.run(ctx).ok and matches(engine, model)  # the next run connects afresh
+    finally:
+        ctx.close()
+        engine.close()
+
+
 def _counting_serialize(serialize):  # type: ignore[no-untyped-def]
-    """`serialize` that records a (fake) CUDA counter for each export, so the release checks it."""
+    """`serialize` that records a (fake) CUDA counter for each export, so the release checks it:
+    the n-th export of the run's call gets offset n (one engine of one rank: bucket n)."""
+    exports = iter(range(1 << 30))
 
     def wrapped(obj, counters=None):  # type: ignore[no-untyped-def]
         if counters is not None:
-            counters.append((b"torch_fake", 0))
+            counters.append((b"torch_fake", next(exports)))
         return serialize(obj, counters)
 
     return wrapped

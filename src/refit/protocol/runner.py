@@ -450,19 +450,28 @@ class _Run(Recording):
         for e, pairs in held.items():  # recorded in POST_PROCESSING, as a last bucket's finalize is
             self.held.extend((e, s, r, w.batch) for s, r in pairs)
         timed_out = any(s.call == "load" and r.outcome == "timeout" for pairs in results.values() for s, r in pairs)
-        self.free(0, timed_out)
+        self.free(0, timed_out, load_failed=any(_load_failed(pairs) for pairs in results.values()))
         self.rode = 1
 
-    def free(self, k: int, timed_out: bool, *, cleanup: bool = False, hung: Sequence[RefitError] = ()) -> None:
+    def free(
+        self, k: int, timed_out: bool, *, cleanup: bool = False, hung: Sequence[RefitError] = (),
+        load_failed: bool = False,
+    ) -> None:  # fmt: skip
         """Release bucket `k`'s buffer on every rank, or abandon it if an engine did not answer
         (it may still read it: the connection is not reused by the next run). `hung`: the calls of
         this bucket's wave that ran out of time (a last bucket's finalize or verify too): when the
-        deadline has passed by the release, the first of them is the run's error, not the release."""
+        deadline has passed by the release, the first of them is the run's error, not the release.
+        `load_failed`: an engine's load of `k` failed; a release refused then (the failing engine
+        may still hold the buffer: a bucket of the trainer's own memory) is not the run's error
+        (the load's failure is, as recorded), and the connection is not reused."""
         if timed_out:
             self.session.connection.fire(CE.ABANDON)
         call = "abandon" if timed_out else "release"
         rc = self.waves.rank_start(RankStep(call, "TRANSFERRING", (k,), k), cleanup=cleanup)
         _, exc = self.rank_wait(rc, state=str(self.machine.state) if cleanup else None)
+        if exc is not None and load_failed and not timed_out:
+            self.session.connection.fire(CE.ABANDON)
+            return
         if exc is not None and not cleanup:
             if isinstance(exc, NoTimeLeft) and hung:
                 raise hung[0] from exc
@@ -527,7 +536,7 @@ class _Run(Recording):
             for s, r in pairs
             if r.outcome == "timeout" and r.error is not None and not isinstance(r.error, NoTimeLeft)
         ]
-        self.free(k, timed_out, cleanup=cleanup, hung=hung)
+        self.free(k, timed_out, cleanup=cleanup, hung=hung, load_failed=bool(failed))
 
     def break_group(self, k: int, failed: list[str]) -> None:
         """A collective group is all-or-nothing per bucket: once a member failed, no later bucket
@@ -757,6 +766,13 @@ class _Run(Recording):
             self.teardown(cleanup=True)
         self.settle("ABORTING", "QUARANTINING", cleanup=True)
         self.enter(T.LATCH)
+
+
+def _load_failed(pairs: list[tuple[Step, StepResult]]) -> bool:
+    """Whether an engine's call list failed at its load (it ran, or may have: the engine may still
+    hold the bucket), not at a step before it (every step after a failure carries its error)."""
+    first = next((s for s, r in pairs if not r.ok), None)
+    return first is not None and first.call == "load"
 
 
 def _rendezvous_only(e: Engine, attach: list[tuple[Step, StepResult]]) -> bool:
