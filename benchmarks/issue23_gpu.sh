@@ -4,7 +4,8 @@
 # serializer imports, see docs/benchmarks.md): the IPC reopen measurement, optional GPU tests, then
 # `refit bench gpu` per shape (each shape's JSON and log apart, so one that runs out of time keeps
 # the others). Settings by environment:
-#   SHAPES  shapes, one bench call each (default "7b 1.5b"; 14b needs about 90 GB of GPU memory)
+#   SHAPES  shapes, one bench call each (default "7b 1.5b"; 14b: the trainer's 29.5 GB and the
+#           engine's, about 62 GB at the peak, so an 80 GB card holds it)
 #   PATHS   the bench's --paths (default floor,flattened,sglang,ipc,sglang_resident,sglang_resident_one)
 #   REFITS  timed refits per path (default 5); TESTS  pytest arguments for tests_gpu (default none)
 set -uo pipefail

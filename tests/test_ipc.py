@@ -391,3 +391,45 @@ def test_steady_refits_rerun_each_buckets_checked_copies(engine: ReferenceEngine
         assert _exact(engine, model) and engine.info()["kept_loads"] == 3 * n
     finally:
         ctx.close()
+
+
+def test_fresh_views_of_a_checked_bucket_skip_the_per_tensor_checks(engine: ReferenceEngine) -> None:
+    """A receiver that builds new views per request (SGLang's flattened buckets) gets the checks of
+    the bucket's first load: names, shapes and dtypes compared as lists, one batched copy; bit for
+    bit each refit. A view that differs from what was checked gets the full checks and is refused."""
+    from refit.drivers.sglang_transport import SGLangTensorTransport
+
+    model = perturbed(TinyLlama(CONFIG, seed=0), seed=1)
+    ctx = protocol.RefitContext(
+        TorchSource(model), SGLangTensorTransport(), [engine], mode="colocated", pause_mode="abort",
+        bucket_bytes=SMALL_BUCKET, verify="off",
+    )  # fmt: skip
+    try:
+        checked = []
+        for i in range(3):
+            perturbed(model, seed=40 + i)
+            result = protocol.run(ctx).raise_for_error()
+            assert _exact(engine, model)
+            info = engine.info()
+            checked.append(info["checked_loads"])
+            assert info["kept_loads"] == 0  # no view of the receiver's is kept
+        n = result.buckets
+        assert n > 4 and checked == [0, n, 2 * n]
+    finally:
+        ctx.close()
+    core = EngineCore(CONFIG, seed=0)
+    metas = [TensorMeta.of(k, t) for k, t in model.state_dict().items()]
+    plan = SGLangTensorTransport().plan(metas, SMALL_BUCKET)
+    views = {k: t.detach().clone() for k, t in model.state_dict().items()}
+    for _ in range(2):  # checked and kept, then taken by the kept checks
+        core.begin(plan)
+        for m in plan:
+            core.load(m, [(k, views[k].view(views[k].shape)) for k in m.names])  # new view objects
+        core.finalize()
+    assert core.checked_loads == len(plan)
+    core.begin(plan)
+    core.load(plan[0], [(k, views[k]) for k in plan[0].names])
+    wrong = [(k, views[k].double()) for k in plan[1].names]  # the same names, another dtype
+    with pytest.raises(EngineError, match="payload float64"):
+        core.load(plan[1], wrong)
+    assert core.checked_loads == len(plan) + 1  # bucket 0 again; the wrong one was checked in full

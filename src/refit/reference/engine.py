@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import operator
 import os
 import socket
 import time
@@ -266,15 +267,30 @@ class _Session:
 @dataclass
 class _Program:
     """A loaded bucket's checked copies (`EngineCore._keep_program`), valid while the engine's
-    parameters are the objects they were built on."""
+    parameters are the objects they were built on: its destinations, what each source must be
+    (name, shape, dtype), and, for a receiver that hands back the same views each time
+    (`stable_views`), those views."""
 
-    tensors: Sequence[tuple[str, torch.Tensor]]  # the receiver's list, kept by identity
+    manifest: BucketManifest  # the plan's manifest it was checked for (by identity)
     params: tuple[tuple[str, torch.Tensor], ...]  # (name, parameter) the destinations are views of
     dsts: list[torch.Tensor]
-    srcs: list[torch.Tensor]
+    names: list[str]
+    want: list[tuple[torch.Size, torch.dtype]]  # each source's shape and dtype
+    tensors: Sequence[tuple[str, torch.Tensor]] | None = None  # stable views: the receiver's list, by identity
+    srcs: list[torch.Tensor] | None = None  # stable views: the sources, kept with them
 
     def current(self, params: dict[str, torch.Tensor]) -> bool:
         return all(params.get(name) is p for name, p in self.params)
+
+    def sources(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> list[torch.Tensor] | None:
+        """Fresh views of this bucket as sources, when they are what was checked (the same names,
+        shapes and dtypes, none of them a destination itself); else None (the full checks run)."""
+        if [n for n, _ in tensors] != self.names:
+            return None
+        srcs = [t for _, t in tensors]
+        if [(t.shape, t.dtype) for t in srcs] != self.want or any(map(operator.is_, srcs, self.dsts)):
+            return None
+        return srcs
 
 
 class EngineCore:
@@ -356,6 +372,7 @@ class EngineCore:
         self._copy_events: list[Any] = []
         self.direct_tensors = 0  # tensors a receiver wrote straight into the weights (no copy-out), so far
         self.kept_loads = 0  # buckets loaded by rerunning their kept copies (`_Program`), so far
+        self.checked_loads = 0  # buckets of fresh views loaded by a kept program's checks and copies, so far
         self.skipped_tensors = 0  # tensors loads dropped unread as names the model lacks (`known_only`), so far
         self.skipped_recent: list[str] = []  # the latest of their names
         # host seconds of the last session's loads (the server's clock): the receiver's read (decode,
@@ -762,12 +779,14 @@ class EngineCore:
         self.check_load(manifest, cast=cast)
         program = self._programs.get(manifest.index)
         if (
-            program is not None and program.tensors is tensors and expected is None and self.mangle is None
-            and tied_head == "check" and program.current(self.params) and self.session is not None
+            program is not None and program.manifest is manifest and expected is None and self.mangle is None
+            and tied_head == "check" and not cast and program.current(self.params) and self.session is not None
             and self.session.written is None
         ):  # fmt: skip
-            self._run_program(manifest, program)
-            return
+            srcs = program.srcs if program.tensors is tensors else program.sources(tensors)
+            if srcs is not None:
+                self._run_program(manifest, program, srcs, stable=program.tensors is tensors)
+                return
         try:
             self._check_tensors(manifest, tensors)
             if tied_head == "check":  # "skip": a server whose loader drops a tied head unread (SGLang's)
@@ -791,8 +810,8 @@ class EngineCore:
                     digests = [d for _, t in tensors for d in chunk_digests(t)]
                 untied = [(n, t) for n, t in tensors if n not in self.layout.tied]
                 pairs = self._write_all(untied, self.session)
-                if keep and pairs is not None and tied_head == "check" and expected is None and self.mangle is None:
-                    self._keep_program(manifest, tensors, untied, pairs)
+                if pairs is not None and tied_head == "check" and expected is None and self.mangle is None and not cast:
+                    self._keep_program(manifest, tensors, untied, pairs, stable=keep)
             else:
                 run: list[tuple[torch.Tensor, torch.Tensor]] = []  # digests stay in bucket order
                 for name, tensor in tensors:
@@ -932,17 +951,24 @@ class EngineCore:
         tensors: Sequence[tuple[str, torch.Tensor]],
         untied: Sequence[tuple[str, torch.Tensor]],
         pairs: list[tuple[torch.Tensor, torch.Tensor]],
+        *,
+        stable: bool,
     ) -> None:
-        """Keep a checked bucket's copies for a receiver that hands back the same views next time
-        (`IPCReceiver`: views of storages opened once): the next load of this bucket with that
-        very list skips the per-tensor checks and view building, and queues one batched copy."""
-        if len(untied) != len(tensors):  # a tied head was checked: the slow path each time
+        """Keep a checked bucket's copies: the next load of this manifest skips the per-tensor
+        checks and view building and queues one batched copy. `stable`: the receiver hands back
+        the same views next time (`IPCReceiver`: views of storages opened once), kept with it;
+        else only the destinations and what each source must be are kept (no view of the
+        receiver's, whose memory may be a trainer's export: SGLang's receiver)."""
+        whole = len(pairs) == len(tensors) and all(s is t for (_, s), (_, t) in zip(pairs, tensors, strict=True))
+        if len(untied) != len(tensors) or not (whole or stable):  # a tied head checked, or sources narrowed
             self._programs.pop(manifest.index, None)
             return
         targets = tuple(dict.fromkeys(self.layout.targets[n][0] for n, _ in untied))
         self._programs[manifest.index] = _Program(
-            tensors, tuple((t, self.params[t]) for t in targets), [d for d, _ in pairs], [s for _, s in pairs]
-        )
+            manifest, tuple((t, self.params[t]) for t in targets), [d for d, _ in pairs], [n for n, _ in tensors],
+            [(t.shape, t.dtype) for _, t in tensors], tensors if stable else None,
+            [s for _, s in pairs] if stable else None,
+        )  # fmt: skip
 
     def _start_copies(self) -> None:
         """Before a load queues its copies (GPU): the session's first one starts the copy-span clock,
@@ -960,13 +986,19 @@ class EngineCore:
         """Drop every kept bucket program (a receiver whose views they read is going away)."""
         self._programs = {}
 
-    def _run_program(self, manifest: BucketManifest, program: _Program) -> None:
-        """The kept copies of a bucket whose views and checks are those of its last load."""
+    def _run_program(
+        self, manifest: BucketManifest, program: _Program, srcs: list[torch.Tensor], *, stable: bool
+    ) -> None:
+        """The kept copies of a bucket whose checks are those of its last load (`stable`: its views
+        too; else `srcs` are fresh views found to be what was checked)."""
         assert self.session is not None
         self._start_copies()
         with torch.no_grad():
-            torch._foreach_copy_(program.dsts, program.srcs)
-        self.kept_loads += 1
+            torch._foreach_copy_(program.dsts, srcs)
+        if stable:
+            self.kept_loads += 1
+        else:
+            self.checked_loads += 1
         if not self.session.staged:
             self.weights_epoch += 1
             self.dirty = True
@@ -1562,6 +1594,7 @@ class EngineCore:
             "copy_span_s": self.copy_span_s,
             "direct_tensors": self.direct_tensors,
             "kept_loads": self.kept_loads,
+            "checked_loads": self.checked_loads,
             "load_host_s": {k: round(v, 6) for k, v in self.load_host_s.items()},
             "skipped_tensors": self.skipped_tensors,
             "skipped_recent": list(self.skipped_recent),
