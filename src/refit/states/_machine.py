@@ -2,8 +2,9 @@
 
 No callbacks, no I/O: a machine only answers "is this move legal?" and records where it is. A
 refused trigger raises `IllegalTransition`; it never returns False. The run machine uses
-`transitions`; an engine machine is a plain lookup in the same kind of table (a run has one per
-engine, so it must be cheap to build).
+`transitions`: it decides each (state, trigger) once per process and a run looks its moves up; an
+engine machine is a plain lookup in the same kind of table (a run has one per engine, so it must
+be cheap to build).
 """
 
 from __future__ import annotations
@@ -16,47 +17,74 @@ from refit.errors import IllegalTransition
 from refit.states._facts import FACT_TABLES
 from refit.states._table import ENGINE_TRANSITIONS, TRANSITIONS, EngineEvent, EngineState, RefitState, Trigger
 
-_TRIGGER_NAMES = frozenset(str(t) for t in Trigger)
+
+def _transitions_machine(model: Any, initial: RefitState) -> Machine:
+    """The run table as a `transitions` machine (strict: no auto transitions, refusals raise)."""
+    return Machine(
+        model=model,
+        states=RefitState,
+        transitions=[
+            {"trigger": str(trig), "source": list(sources), "dest": dest} for trig, sources, dest in TRANSITIONS
+        ],
+        initial=initial,
+        auto_transitions=False,
+        ignore_invalid_triggers=False,
+        queued=False,
+        send_event=False,
+    )
+
+
+def _decided_moves() -> dict[tuple[RefitState, str], RefitState]:
+    """Every (state, trigger) `transitions` allows and where it leads, asked of one machine once
+    per pair (set to the state, then triggered): a run then looks its moves up instead of building
+    a machine and walking `transitions`' trigger path per move (tens of microseconds each, inside
+    a stall)."""
+    moves: dict[tuple[RefitState, str], RefitState] = {}
+
+    class _Model:
+        state: RefitState
+
+    model = _Model()
+    machine = _transitions_machine(model, RefitState.IDLE)
+    for state in RefitState:
+        for trig in (str(t) for t in Trigger):
+            machine.set_state(state, model)
+            try:
+                moved = machine.events[trig].trigger(model)
+            except MachineError:  # refused from this state
+                continue
+            if moved:
+                moves[(state, trig)] = RefitState(model.state)
+    return moves
+
+
+_MOVES = _decided_moves()
 
 
 class RefitMachine:
-    """One run's position in the run table."""
+    """One run's position in the run table; its moves are the ones `transitions` decided from the
+    table (`_decided_moves`), looked up."""
 
-    state: RefitState
+    __slots__ = ("state",)
 
     def __init__(self, initial: RefitState = RefitState.IDLE) -> None:
-        self._machine = Machine(
-            model=self,
-            states=RefitState,
-            transitions=[
-                {"trigger": str(trig), "source": list(sources), "dest": dest} for trig, sources, dest in TRANSITIONS
-            ],
-            initial=initial,
-            auto_transitions=False,
-            ignore_invalid_triggers=False,
-            queued=False,
-            send_event=False,
-        )
+        self.state = RefitState(initial)
 
     def can(self, trigger: Trigger | str) -> bool:
         """True when `trigger` is legal from the current state."""
-        return str(trigger) in self._machine.get_triggers(self.state)
+        return (self.state, str(trigger)) in _MOVES
 
     def fire(self, trigger: Trigger | str) -> RefitState:
         """Commit a legal move and return the new state; raise IllegalTransition otherwise."""
         name = str(trigger)
-        if name not in _TRIGGER_NAMES:
+        dest = _MOVES.get((self.state, name))
+        if dest is None:
             raise IllegalTransition(str(self.state), name)
-        try:
-            moved = self._machine.events[name].trigger(self)
-        except MachineError:
-            raise IllegalTransition(str(self.state), name) from None
-        if not moved:  # no conditions exist in the table, so this means a transitions bug
-            raise IllegalTransition(str(self.state), name)
-        return self.state
+        self.state = dest
+        return dest
 
     def legal_triggers(self) -> list[str]:
-        return sorted(self._machine.get_triggers(self.state))
+        return sorted(t for (s, t) in _MOVES if s == self.state)
 
 
 _ENGINE_MOVES: dict[tuple[EngineState, EngineEvent], EngineState] = {
