@@ -143,8 +143,9 @@ def test_a_failed_load_is_the_runs_error_not_the_release_of_its_bucket(
     monkeypatch: pytest.MonkeyPatch, bucket: int
 ) -> None:
     """An engine whose load of a resident bucket failed may still hold its export: its release is
-    refused, but the run reports the load's failure, not the held memory, and the connection is
-    not reused (found by an adversarial review: the release's error hid the load's)."""
+    refused and the run fails with the load's error (the release's chained to it), not the held
+    memory's, and the connection is not reused (found by an adversarial review: the release's
+    error hid the load's)."""
     from refit.drivers import sglang_transport
 
     model = TinyLlama(CONFIG, seed=0)
@@ -169,7 +170,8 @@ def test_a_failed_load_is_the_runs_error_not_the_release_of_its_bucket(
             e for e in ctx.recorder.events
             if e.get("run") == result.run_id and e["event"] == "release" and e.get("bucket") == bucket
         ]  # fmt: skip
-        assert [e["outcome"] for e in releases] == ["error"]  # recorded, and not the run's error
+        assert [e["outcome"] for e in releases] == ["error"]  # recorded, the load's error reported
+        assert "still held" in str(result.error.__cause__)
         ctx.faults = None
         monkeypatch.undo()
         assert protocol.run(ctx).ok and matches(engine, model)  # the next run connects afresh

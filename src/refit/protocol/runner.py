@@ -450,28 +450,32 @@ class _Run(Recording):
         for e, pairs in held.items():  # recorded in POST_PROCESSING, as a last bucket's finalize is
             self.held.extend((e, s, r, w.batch) for s, r in pairs)
         timed_out = any(s.call == "load" and r.outcome == "timeout" for pairs in results.values() for s, r in pairs)
-        self.free(0, timed_out, load_failed=any(_load_failed(pairs) for pairs in results.values()))
+        self.free(
+            0, timed_out, load_error=next((x for e, pairs in results.items() if (x := _load_error(e, pairs))), None)
+        )
         self.rode = 1
 
     def free(
         self, k: int, timed_out: bool, *, cleanup: bool = False, hung: Sequence[RefitError] = (),
-        load_failed: bool = False,
+        load_error: RefitError | None = None,
     ) -> None:  # fmt: skip
         """Release bucket `k`'s buffer on every rank, or abandon it if an engine did not answer
         (it may still read it: the connection is not reused by the next run). `hung`: the calls of
         this bucket's wave that ran out of time (a last bucket's finalize or verify too): when the
         deadline has passed by the release, the first of them is the run's error, not the release.
-        `load_failed`: an engine's load of `k` failed; a release refused then (the failing engine
-        may still hold the buffer: a bucket of the trainer's own memory) is not the run's error
-        (the load's failure is, as recorded), and the connection is not reused."""
+        `load_error`: an engine's load of `k` failed; a release refused then (an engine still holds
+        the buffer: the one that failed, likely; a bucket of the trainer's own memory cannot be
+        replaced) fails the run with the load's error, the release's chained to it, and the
+        connection is not reused."""
         if timed_out:
             self.session.connection.fire(CE.ABANDON)
         call = "abandon" if timed_out else "release"
         rc = self.waves.rank_start(RankStep(call, "TRANSFERRING", (k,), k), cleanup=cleanup)
         _, exc = self.rank_wait(rc, state=str(self.machine.state) if cleanup else None)
-        if exc is not None and load_failed and not timed_out:
-            self.session.connection.fire(CE.ABANDON)
-            return
+        if exc is not None and load_error is not None and not cleanup:
+            if not timed_out:
+                self.session.connection.fire(CE.ABANDON)
+            raise load_error from exc
         if exc is not None and not cleanup:
             if isinstance(exc, NoTimeLeft) and hung:
                 raise hung[0] from exc
@@ -536,7 +540,8 @@ class _Run(Recording):
             for s, r in pairs
             if r.outcome == "timeout" and r.error is not None and not isinstance(r.error, NoTimeLeft)
         ]
-        self.free(k, timed_out, cleanup=cleanup, hung=hung, load_failed=bool(failed))
+        errors = (_load_error(e, pairs) for e, pairs in results.items())
+        self.free(k, timed_out, cleanup=cleanup, hung=hung, load_error=next((x for x in errors if x), None))
 
     def break_group(self, k: int, failed: list[str]) -> None:
         """A collective group is all-or-nothing per bucket: once a member failed, no later bucket
@@ -768,11 +773,15 @@ class _Run(Recording):
         self.enter(T.LATCH)
 
 
-def _load_failed(pairs: list[tuple[Step, StepResult]]) -> bool:
-    """Whether an engine's call list failed at its load (it ran, or may have: the engine may still
-    hold the bucket), not at a step before it (every step after a failure carries its error)."""
-    first = next((s for s, r in pairs if not r.ok), None)
-    return first is not None and first.call == "load"
+def _load_error(e: Engine, pairs: list[tuple[Step, StepResult]]) -> RefitError | None:
+    """The error of an engine's call list that failed at its load (it ran, or may have: the engine
+    may still hold the bucket), not at a step before it (every step after a failure carries its
+    error); None otherwise."""
+    first = next(((s, r) for s, r in pairs if not r.ok), None)
+    if first is None or first[0].call != "load" or first[1].error is None:
+        return None
+    step, res = first
+    return wrap_error(res.error, step.call, step.state, e.name, step.bucket)
 
 
 def _rendezvous_only(e: Engine, attach: list[tuple[Step, StepResult]]) -> bool:
