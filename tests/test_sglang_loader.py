@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -91,6 +92,34 @@ def test_numel_is_never_read(server: EmulatedSGLangEngine) -> None:
     resp = _post(server, _body([(NORM, norm)], wrong_numel))
     assert resp.status_code == 200 and resp.json()["success"], resp.text
     assert torch.equal(server.state_dict()[NORM], norm)
+
+
+def test_numel_must_be_there(server: EmulatedSGLangEngine) -> None:
+    """`_update_weights_from_flattened_bucket` copies each record's `numel` (its value unused): a
+    record without one raises in SGLang's scheduler, and the server dies."""
+
+    def no_numel(metadata: list[Any]) -> list[Any]:
+        return [types.SimpleNamespace(**{k: v for k, v in vars(m).items() if k != "numel"}) for m in metadata]
+
+    with pytest.raises(httpx.RemoteProtocolError):
+        _post(server, _body([(NORM, torch.ones(CONFIG.hidden_size))], no_numel))
+    assert server.server.crashed
+
+
+def test_a_tied_head_is_dropped_unread_whatever_its_shape() -> None:
+    """A model whose head is its embedding: SGLang's loaders never look at a sent lm_head.weight
+    (Qwen2's finds no such parameter, Llama's skips the name), so a wrong shape does not matter."""
+    tied = dataclasses.replace(CONFIG, tie_word_embeddings=True)
+    engine = EmulatedSGLangEngine.start("tied", config=tied, in_thread=True)
+    try:
+        assert httpx.post(engine.url + "/begin_weight_update", json={}).status_code == 200
+        norm = torch.full((tied.hidden_size,), 0.5)
+        resp = _post(engine, _body([("lm_head.weight", torch.ones(3, 5)), (NORM, norm)]))
+        assert resp.status_code == 200 and resp.json()["success"], resp.text
+        assert _alive(engine) and torch.equal(engine.state_dict()[NORM], norm)
+        assert engine.info()["engine"]["skipped_recent"] == ["lm_head.weight"]
+    finally:
+        engine.close()
 
 
 def test_a_bucket_with_no_tensors_loads_nothing_and_succeeds(server: EmulatedSGLangEngine) -> None:

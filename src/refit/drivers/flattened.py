@@ -386,16 +386,21 @@ def _raw(data: bytes | str) -> bytes:
 
 def manifest_from_metadata(index: int, metadata: Sequence[Any], *, as_sglang: bool = False) -> BucketManifest:
     """A bucket manifest read from flattened-bucket metadata (what an engine knows from the body).
-    `as_sglang`: read only what SGLang 0.5.23 reads (weight_sync/tensor_bucket.py
+    `as_sglang`: use only what SGLang 0.5.23 uses (weight_sync/tensor_bucket.py
     `FlattenedTensorBucket.reconstruct_tensors`: name, shape, dtype, start_idx, end_idx; `numel`
-    is never read) and accept a bucket with no tensors (SGLang loads nothing and answers success).
+    must be there, `_update_weights_from_flattened_bucket` copies it, but its value is never used)
+    and accept a bucket with no tensors (SGLang loads nothing and answers success).
     A span its shape and dtype do not fill is refused either way (SGLang's view or reshape raises)."""
     entries, end = [], 0
     for m in metadata:
         try:
             meta = TensorMeta(str(m.name), dtype_name(m.dtype), tuple(int(d) for d in m.shape))
             start, stop = int(m.start_idx), int(m.end_idx)
-            numel = meta.nbytes if as_sglang else int(m.numel)
+            if as_sglang:
+                _ = m.numel  # copied by `_update_weights_from_flattened_bucket`: it must be there, unused
+                numel = meta.nbytes
+            else:
+                numel = int(m.numel)
         except (AttributeError, TypeError, ValueError) as exc:
             raise ValueError(f"bad flattened-bucket metadata record: {exc}") from None
         itemsize(meta.dtype)  # names an unknown dtype

@@ -736,13 +736,15 @@ class EngineCore:
                     f"{meta.name}: {meta.dtype}{list(meta.shape)} != model {want}{list(shape)}",
                 )
 
-    def known_only(self, manifest: BucketManifest) -> tuple[BucketManifest, list[str]]:
-        """The bucket's entries naming tensors this model has (a tied head's alias counts), and the
-        names of the others, which a loader that skips unknown names drops unread (SGLang 0.5.23:
-        models/qwen2.py and llama.py `_legacy_load_weights` log "Parameter ... not found in
-        params_dict", or skip silently a layer out of range, and load the rest). They are counted
-        in `skipped_tensors` (`info`)."""
-        known = [e for e in manifest.entries if self.layout.tied.get(e.meta.name, e.meta.name) in self.layout.hf_shapes]
+    def known_only(self, manifest: BucketManifest, *, drop_tied: bool = False) -> tuple[BucketManifest, list[str]]:
+        """The bucket's entries naming tensors this model has, and the names of the others, which a
+        loader that skips unknown names drops unread (SGLang 0.5.23: models/qwen2.py and llama.py
+        `_legacy_load_weights` log "Parameter ... not found in params_dict", or skip silently a
+        layer out of range, and load the rest). `drop_tied`: a tied head's alias is dropped unread
+        too, whatever its shape (SGLang's loaders: Qwen2's finds no such parameter, Llama's skips
+        it). They are counted in `skipped_tensors` (`info`)."""
+        tied = {} if drop_tied else self.layout.tied
+        known = [e for e in manifest.entries if tied.get(e.meta.name, e.meta.name) in self.layout.hf_shapes]
         if len(known) == len(manifest.entries):
             return manifest, []
         skipped = [e.meta.name for e in manifest.entries if e not in known]

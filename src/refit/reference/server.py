@@ -433,7 +433,7 @@ class EngineServer:
         cast = payload.fields.get("dtype") == "cast"  # a loader that casts (SGLang's `param.data.copy_`)
         try:
             if payload.fields.get("unknown") == "skip":  # a loader that drops names the model lacks (SGLang's)
-                manifest, skipped = self.core.known_only(manifest)
+                manifest, skipped = self.core.known_only(manifest, drop_tied=payload.fields.get("tied_head") == "skip")
             self.core.check_load(manifest, cast=cast)  # the manifest first: a truncated bucket is named as such
         except EngineError:
             if payload.fields.get("receive_first"):  # a server that receives what the request names, then loads

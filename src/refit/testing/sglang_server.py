@@ -84,10 +84,11 @@ TIED_HEAD_DROPPED = {"tied_head": "skip"}
 # llama.py `_legacy_load_weights`, the default loader; both `update_weights_from_tensor` and
 # `update_weights_from_distributed` end in `model.load_weights`): a name the model lacks is skipped
 # (a warning, "Parameter ... not found in params_dict", or silently for a layer out of range), the
-# rest loaded; a tensor sent in another dtype is cast as `weight_loader` copies it
-# (`param.data.copy_`); a wrong shape fails its assert (the server dies). A flattened bucket's
-# metadata is read as `FlattenedTensorBucket.reconstruct_tensors` reads it (`numel` unread; no
-# tensors: nothing loaded, success).
+# rest loaded; a tied head is dropped unread; a tensor sent in another dtype is cast as
+# `weight_loader` copies it (`param.data.copy_`). A flattened bucket's metadata is read as
+# `FlattenedTensorBucket.reconstruct_tensors` reads it (`numel` there, its value unused; no tensors:
+# nothing loaded, success). Where this is still stricter than SGLang (a wrong shape always kills the
+# server here; SGLang's parallel-linear loaders truncate or zero-pad some): docs/engines.md.
 SGLANG_LOADER = {**TIED_HEAD_DROPPED, "unknown": "skip", "dtype": "cast", "metadata": "sglang"}
 
 # Request fields and defaults of SGLang 0.5.23's io_struct types (managers/io_struct.py) that the
