@@ -433,3 +433,76 @@ def test_fresh_views_of_a_checked_bucket_skip_the_per_tensor_checks(engine: Refe
     with pytest.raises(EngineError, match="payload float64"):
         core.load(plan[1], wrong)
     assert core.checked_loads == len(plan) + 1  # bucket 0 again; the wrong one was checked in full
+
+
+def test_tp_engines_refit_a_casting_source_again_and_again() -> None:
+    """A TP=2 engine over IPC whose source casts (every bucket staged: the receiver's views are a new
+    list each refit): sharded tensors are narrowed on each rank every time, never copied whole into
+    a shard from a kept check (found by an adversarial review: the second refit failed)."""
+    model = perturbed(TinyLlama(CONFIG, seed=0), seed=4)
+    engine = ReferenceEngine.spawn("ipc-tp2-cast", CONFIG, seed=0, tp=2)
+    ctx = protocol.RefitContext(
+        TorchSource(model, dtype=torch.float32), IPCTransport(signal_bytes=0, share_cpu=True), [engine],
+        mode="colocated", pause_mode="abort", bucket_bytes=SMALL_BUCKET, verify="off", retries=0, deadline_s=60,
+    )  # fmt: skip
+    try:
+        for i in range(3):
+            perturbed(model, seed=20 + i)
+            protocol.run(ctx).raise_for_error()
+            assert _exact(engine, model)
+    finally:
+        ctx.close()
+        engine.close()
+
+
+def test_a_copy_that_fails_on_one_tp_rank_fails_the_bucket_on_every_rank() -> None:
+    """Every TP rank reaches the load's closing collective, failed or not: a copy that raises on
+    rank 1 only fails the bucket on both ranks (rank 0 names rank 1), and the ranks' next
+    collective still pairs up (found by an adversarial review: the ranks fell out of step)."""
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from refit.buckets import plan_buckets
+    from refit.drivers.base import Receiver
+    from refit.reference.engine import Comm
+    from refit.reference.server import EngineServer
+
+    class _Given(Receiver):
+        def read(self, payload: Payload) -> list[tuple[str, torch.Tensor]]:
+            return payload.parts[self.tp_rank]["tensors"]
+
+    store = dist.HashStore()
+    state = {k: t.detach().clone() for k, t in perturbed(TinyLlama(CONFIG, seed=0), seed=5).state_dict().items()}
+    plan = plan_buckets([TensorMeta.of(k, t) for k, t in state.items()], SMALL_BUCKET)
+    outcome: dict[int, Any] = {}
+
+    def rank(r: int) -> None:
+        comm = Comm(dist.ProcessGroupGloo(store, r, 2, timedelta(seconds=30)), r, 2)
+        server = EngineServer(EngineCore(CONFIG, seed=0, comm=comm), "tp", in_process=True)
+        server.receivers["given"] = _Given(ConnectInfo("given", "tests:_Given"), r)
+        if r == 1:
+
+            def broken(*args: Any, **kwargs: Any) -> None:
+                raise RuntimeError("a copy failed part way")
+
+            server.core.load = broken  # type: ignore[method-assign]
+        server.core.begin(plan)
+        manifest = plan[0]
+        named = [(k, state[k]) for k in manifest.names]
+        try:
+            server._load(Payload("given", manifest, {}, ({"tensors": named}, {"tensors": named})))
+            outcome[r] = None
+        except EngineError as exc:
+            outcome[r] = exc
+        outcome[(r, "next")] = comm.gather_objects(r)  # paired with the other rank's
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert isinstance(outcome[0], EngineError) and "TP rank 1" in outcome[0].message, outcome
+    assert isinstance(outcome[1], EngineError) and outcome[1].kind == "internal", outcome
+    assert outcome[(0, "next")] == outcome[(1, "next")] == [0, 1]

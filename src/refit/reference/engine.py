@@ -276,6 +276,7 @@ class _Program:
     dsts: list[torch.Tensor]
     names: list[str]
     want: list[tuple[torch.Size, torch.dtype]]  # each source's shape and dtype
+    whole: bool  # each source is copied whole (no shard of it narrowed: a single-rank engine)
     tensors: Sequence[tuple[str, torch.Tensor]] | None = None  # stable views: the receiver's list, by identity
     srcs: list[torch.Tensor] | None = None  # stable views: the sources, kept with them
 
@@ -284,8 +285,9 @@ class _Program:
 
     def sources(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> list[torch.Tensor] | None:
         """Fresh views of this bucket as sources, when they are what was checked (the same names,
-        shapes and dtypes, none of them a destination itself); else None (the full checks run)."""
-        if [n for n, _ in tensors] != self.names:
+        shapes and dtypes, none of them a destination itself, each copied whole); else None (the
+        full checks run, and the views are narrowed to this rank's shards there)."""
+        if not self.whole or [n for n, _ in tensors] != self.names:
             return None
         srcs = [t for _, t in tensors]
         if [(t.shape, t.dtype) for t in srcs] != self.want or any(map(operator.is_, srcs, self.dsts)):
@@ -968,7 +970,7 @@ class EngineCore:
         targets = tuple(dict.fromkeys(self.layout.targets[n][0] for n, _ in untied))
         self._programs[manifest.index] = _Program(
             manifest, tuple((t, self.params[t]) for t in targets), [d for d, _ in pairs], [n for n, _ in tensors],
-            [(t.shape, t.dtype) for _, t in tensors], tensors if stable else None,
+            [(t.shape, t.dtype) for _, t in tensors], whole, tensors if stable else None,
             [s for _, s in pairs] if stable else None,
         )  # fmt: skip
 

@@ -477,6 +477,7 @@ class EngineServer:
             raise EngineError("bad_payload", f"bucket {index} (TP rank {rank}): {text}")
         stream = receiver.copy_stream
         t1 = time.perf_counter()
+        failed: EngineError | None = None
         try:
             with torch_stream(stream):
                 self.core.load(
@@ -484,18 +485,32 @@ class EngineServer:
                     tied_head=payload.fields.get("tied_head", "check"), keep=receiver.stable_views, cast=cast,
                 )  # fmt: skip
         except EngineError as exc:
+            failed = exc
             if into and exc.no_effect:  # refused after the receiver already wrote part of it into the weights
-                raise EngineError(
+                failed = EngineError(
                     "partial_load", f"{exc.message} (bucket {index} was read straight into the weights)"
-                ) from exc
-            raise
+                )
+                failed.__cause__ = exc
+        except Exception as exc:  # a copy that raised part way: what landed is unknown
+            self.core.break_session(f"bucket {index} failed while it was copied")
+            failed = EngineError("internal", f"{type(exc).__name__}: {exc}")
+            failed.__cause__ = exc
         finally:
             receiver.consumed(payload)  # the copies from its buffer are queued: the transport's side may order on them
             t2 = time.perf_counter()
             clock["load"] += t2 - t1
             tensors = into = None  # type: ignore[assignment]  # the views go now: a receiver's deleter may sync here
             clock["drop"] += time.perf_counter() - t2
-        comm.gather_objects(None)  # the ack leaves only once every rank has copied its shard
+        # the ack leaves only once every rank has copied its shard; every rank gets here, failed or
+        # not, so a rank's failure is every rank's (their collectives stay paired)
+        outcomes = comm.gather_objects(None if failed is None else (failed.kind, failed.message))
+        if failed is not None:
+            raise failed
+        bad = [(rank, o) for rank, o in enumerate(outcomes) if o is not None]
+        if bad:
+            rank, (kind, message) = bad[0]
+            self.core.break_session(f"bucket {index} failed on TP rank {rank}")
+            raise EngineError(kind, f"TP rank {rank}: {message}")
 
 
 def torch_stream(stream: Any) -> Any:
