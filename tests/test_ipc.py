@@ -459,6 +459,7 @@ def test_a_copy_that_fails_on_one_tp_rank_fails_the_bucket_on_every_rank() -> No
     """Every TP rank reaches the load's closing collective, failed or not: a copy that raises on
     rank 1 only fails the bucket on both ranks (rank 0 names rank 1), and the ranks' next
     collective still pairs up (found by an adversarial review: the ranks fell out of step)."""
+    import gc
     import threading
     from datetime import timedelta
 
@@ -495,7 +496,7 @@ def test_a_copy_that_fails_on_one_tp_rank_fails_the_bucket_on_every_rank() -> No
             server._load(Payload("given", manifest, {}, ({"tensors": named}, {"tensors": named})))
             outcome[r] = None
         except EngineError as exc:
-            outcome[r] = exc
+            outcome[r] = (exc.kind, exc.message)  # (not the exception: its frames would keep the group)
         outcome[(r, "next")] = comm.gather_objects(r)  # paired with the other rank's
 
     threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
@@ -503,6 +504,7 @@ def test_a_copy_that_fails_on_one_tp_rank_fails_the_bucket_on_every_rank() -> No
         t.start()
     for t in threads:
         t.join(60)
-    assert isinstance(outcome[0], EngineError) and "TP rank 1" in outcome[0].message, outcome
-    assert isinstance(outcome[1], EngineError) and outcome[1].kind == "internal", outcome
+    gc.collect()  # the ranks' gloo groups go now, not during a later test that counts descriptors
+    assert outcome[0] is not None and "TP rank 1" in outcome[0][1], outcome
+    assert outcome[1] is not None and outcome[1][0] == "internal", outcome
     assert outcome[(0, "next")] == outcome[(1, "next")] == [0, 1]
