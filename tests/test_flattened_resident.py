@@ -117,15 +117,7 @@ def test_an_engine_holding_the_trainers_memory_at_its_ack_fails_the_release(monk
     optimizer step write under its reads."""
     from refit.drivers import sglang_transport
 
-    model = TinyLlama(CONFIG, seed=0)
-    transport = SGLangTensorTransport()
-    source = TorchSource(model)
-    source.flatten_into(transport, SMALL_BUCKET)
-    engine = ReferenceEngine.in_thread("fh", CONFIG, seed=0)
-    ctx = protocol.RefitContext(
-        source, transport, [engine], mode="colocated", bucket_bytes=SMALL_BUCKET, deadline_s=30, verify="off",
-        retries=0,
-    )  # fmt: skip
+    _, engine, ctx = _laid_out_refit("fh")
     try:
         assert protocol.run(ctx).ok
         monkeypatch.setattr(sglang_transport, "_still_held", lambda handle, offset: True)
@@ -148,15 +140,7 @@ def test_a_failed_load_is_the_runs_error_not_the_release_of_its_bucket(
     error hid the load's)."""
     from refit.drivers import sglang_transport
 
-    model = TinyLlama(CONFIG, seed=0)
-    transport = SGLangTensorTransport()
-    source = TorchSource(model)
-    source.flatten_into(transport, SMALL_BUCKET)
-    engine = ReferenceEngine.in_thread("fl", CONFIG, seed=0)
-    ctx = protocol.RefitContext(
-        source, transport, [engine], mode="colocated", bucket_bytes=SMALL_BUCKET, deadline_s=30, verify="off",
-        retries=0,
-    )  # fmt: skip
+    model, engine, ctx = _laid_out_refit("fl")
     try:
         assert protocol.run(ctx).ok
         monkeypatch.setattr(sglang_transport, "_still_held", lambda handle, offset: offset == bucket)  # its export
@@ -178,6 +162,20 @@ def test_a_failed_load_is_the_runs_error_not_the_release_of_its_bucket(
     finally:
         ctx.close()
         engine.close()
+
+
+def _laid_out_refit(name: str) -> tuple[TinyLlama, ReferenceEngine, protocol.RefitContext]:
+    """A model laid out in an SGLang transport's buckets, refitting into an engine (no retries)."""
+    model = TinyLlama(CONFIG, seed=0)
+    transport = SGLangTensorTransport()
+    source = TorchSource(model)
+    source.flatten_into(transport, SMALL_BUCKET)
+    engine = ReferenceEngine.in_thread(name, CONFIG, seed=0)
+    ctx = protocol.RefitContext(
+        source, transport, [engine], mode="colocated", bucket_bytes=SMALL_BUCKET, deadline_s=30, verify="off",
+        retries=0,
+    )  # fmt: skip
+    return model, engine, ctx
 
 
 def _counting_serialize(serialize):  # type: ignore[no-untyped-def]

@@ -450,9 +450,7 @@ class _Run(Recording):
         for e, pairs in held.items():  # recorded in POST_PROCESSING, as a last bucket's finalize is
             self.held.extend((e, s, r, w.batch) for s, r in pairs)
         timed_out = any(s.call == "load" and r.outcome == "timeout" for pairs in results.values() for s, r in pairs)
-        self.free(
-            0, timed_out, load_error=next((x for e, pairs in results.items() if (x := _load_error(e, pairs))), None)
-        )
+        self.free(0, timed_out, load_error=_first_load_error(results))
         self.rode = 1
 
     def free(
@@ -540,8 +538,7 @@ class _Run(Recording):
             for s, r in pairs
             if r.outcome == "timeout" and r.error is not None and not isinstance(r.error, NoTimeLeft)
         ]
-        errors = (_load_error(e, pairs) for e, pairs in results.items())
-        self.free(k, timed_out, cleanup=cleanup, hung=hung, load_error=next((x for x in errors if x), None))
+        self.free(k, timed_out, cleanup=cleanup, hung=hung, load_error=_first_load_error(results))
 
     def break_group(self, k: int, failed: list[str]) -> None:
         """A collective group is all-or-nothing per bucket: once a member failed, no later bucket
@@ -773,15 +770,16 @@ class _Run(Recording):
         self.enter(T.LATCH)
 
 
-def _load_error(e: Engine, pairs: list[tuple[Step, StepResult]]) -> RefitError | None:
-    """The error of an engine's call list that failed at its load (it ran, or may have: the engine
-    may still hold the bucket), not at a step before it (every step after a failure carries its
-    error); None otherwise."""
-    first = next(((s, r) for s, r in pairs if not r.ok), None)
-    if first is None or first[0].call != "load" or first[1].error is None:
-        return None
-    step, res = first
-    return wrap_error(res.error, step.call, step.state, e.name, step.bucket)
+def _first_load_error(results: dict[Engine, list[tuple[Step, StepResult]]]) -> RefitError | None:
+    """The error of the first engine whose call list failed at its load (it ran, or may have: the
+    engine may still hold the bucket), not at a step before it (every step after a failure carries
+    its error); None when none did."""
+    for e, pairs in results.items():
+        first = next(((s, r) for s, r in pairs if not r.ok), None)
+        if first is not None and first[0].call == "load" and first[1].error is not None:
+            step, res = first
+            return wrap_error(res.error, step.call, step.state, e.name, step.bucket)
+    return None
 
 
 def _rendezvous_only(e: Engine, attach: list[tuple[Step, StepResult]]) -> bool:

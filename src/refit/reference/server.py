@@ -429,11 +429,12 @@ class EngineServer:
         if receiver is None:
             raise EngineError("not_attached", f"no {payload.kind!r} transport attached; attach before load")
         index = payload.manifest.index
-        manifest, skipped = payload.manifest, []
+        manifest, skipped = payload.manifest, frozenset[str]()
         cast = payload.fields.get("dtype") == "cast"  # a loader that casts (SGLang's `param.data.copy_`)
         try:
             if payload.fields.get("unknown") == "skip":  # a loader that drops names the model lacks (SGLang's)
-                manifest, skipped = self.core.known_only(manifest, drop_tied=payload.fields.get("tied_head") == "skip")
+                manifest, dropped = self.core.known_only(manifest, drop_tied=payload.fields.get("tied_head") == "skip")
+                skipped = frozenset(dropped)
             self.core.check_load(manifest, cast=cast)  # the manifest first: a truncated bucket is named as such
         except EngineError:
             if payload.fields.get("receive_first"):  # a server that receives what the request names, then loads
