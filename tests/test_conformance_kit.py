@@ -342,15 +342,18 @@ def test_the_kit_fails_a_broken_driver_naming_the_invariant(invariant: str, driv
 
 @pytest.mark.parametrize(
     ("invariant", "driver"),
-    [("kv_fresh", StagesIntoServedWeights), ("served", StagesIntoServedWeightsNoAudit)],
+    [(("kv_fresh",), StagesIntoServedWeights), (("served", "token_version"), StagesIntoServedWeightsNoAudit)],
     ids=["StagesIntoServedWeights", "StagesIntoServedWeightsNoAudit"],
 )
 def test_the_kits_atomic_sweep_fails_a_driver_that_writes_into_the_served_weights(
-    invariant: str, driver: type[ReferenceEngine]
+    invariant: tuple[str, ...], driver: type[ReferenceEngine]
 ) -> None:
     """The sweep of atomic runs alone (the colocated sweep passes these drivers: they break only
     what stage-then-swap promises): the engine's audit names the buckets applied to the weights
-    it served, and without an audit the tokens its requests got show it."""
+    it served, and without an audit the tokens its requests got show it: a token sampled between
+    buckets differs from its version's weights (`served`), or, where the tiny model samples the
+    same token anyway, its weights epoch is no commit point (`token_version`). Which of the two
+    fires first depends on the token drawn (CI at 073da15 saw `token_version`)."""
 
     class Machine(DriverStateMachine):
         coverage = Coverage()
@@ -364,4 +367,4 @@ def test_the_kits_atomic_sweep_fails_a_driver_that_writes_into_the_served_weight
             sweep(machine)
     finally:
         machine.teardown()
-    assert f"{invariant}:" in str(info.value), str(info.value)
+    assert any(f"{name}:" in str(info.value) for name in invariant), str(info.value)
