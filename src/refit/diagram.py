@@ -52,6 +52,7 @@ FACT_SECTIONS = (
     ("connection", "The transport's connection, across runs (the session)"),
     ("trainer", "The trainer, in a colocated run"),
     ("ranks", "The trainer ranks' answers"),
+    ("adapter", "One version of a LoRA adapter in an engine, across runs"),
 )
 
 

@@ -49,6 +49,7 @@ import torch.nn.functional as F
 
 from refit.buckets import BucketManifest, chunk_digests, combine, copy_digests, dtype_name
 from refit.errors import EngineError
+from refit.reference import lora
 from refit.reference.model import ModelConfig, attention, grouped_attention, iter_init_weights, rms_norm, rope
 
 PAUSE_MODES = ("abort", "retract", "in_place")
@@ -197,6 +198,8 @@ class Request:
     stale_kv_tokens: int = 0
     cached_tokens: int = 0
     num_retractions: int = 0
+    adapter: Any = None  # the LoRA adapter version it is pinned to (`lora.AdapterVersion`), or None
+    seqs: list[int] = field(default_factory=list)  # the engine's token counter at each of its tokens
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -210,6 +213,9 @@ class Request:
             "stale_kv_tokens": self.stale_kv_tokens,
             "cached_tokens": self.cached_tokens,
             "num_retractions": self.num_retractions,
+            "adapter": None if self.adapter is None else self.adapter.name,
+            "adapter_version": None if self.adapter is None else self.adapter.version,
+            "token_seqs": self.seqs,
         }
 
 
@@ -363,6 +369,8 @@ class EngineCore:
         self.kv_released = False
         self._backup: dict[str, torch.Tensor] | None = None
         self.cache = PrefixCache()
+        # LoRA adapters, several versions live; each version keeps its own prefix cache
+        self.lora = lora.AdapterTable(config, self.device, self.record, lambda: self.tokens_sampled)
         self.max_running = max_running
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -1157,6 +1165,52 @@ class EngineCore:
         that the weights are complete. refit never calls it; it exists so tests can show why."""
         self.version = version
 
+    # ---- LoRA adapters (`refit.reference.lora`) ----------------------------------------------
+
+    def stage_adapter(
+        self, name: str, version: int, spec: Any, dtype: str | None = None, *, max_live: int | None = None
+    ) -> dict[str, Any]:
+        """Open STAGING for version `version` of adapter `name` (`spec`: a `LoraSpec`, its dict or a
+        PEFT config; `dtype`: its tensors', the model's by default). Generation goes on: requests
+        pinned to other versions are untouched. `max_live`: at most this many versions of `name`
+        serve at once (`max_staleness + 1`); staging one more is refused while the oldest still has
+        requests. A TP engine refuses (its shards of A and B are not served yet)."""
+        if self.comm.size > 1:
+            raise EngineError("unsupported", f"LoRA adapters on a TP={self.comm.size} reference engine are not served")
+        try:
+            parsed = spec if isinstance(spec, lora.LoraSpec) else lora.LoraSpec.from_dict(spec)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise EngineError("bad_request", f"adapter {name!r}: {exc}") from exc
+        if max_live is not None:
+            if max_live < 1:
+                raise EngineError("bad_request", f"max_live={max_live}: at least 1")
+            self.lora.max_live = max_live
+        want = dtype or self.config.dtype
+        if want not in ("float32", "bfloat16", "float16"):
+            raise EngineError("bad_request", f"adapter {name!r}: dtype {want!r}")
+        v = self.lora.stage(name, version, parsed, getattr(torch, want))
+        return {"adapter": name, "version": version, "tensors": len(v.shapes)}
+
+    def load_adapter(self, name: str, tensors: Sequence[tuple[str, torch.Tensor]]) -> dict[str, int]:
+        """Copy a bucket of adapter tensors into the staging version of `name` (checked first)."""
+        return {"bytes": self.lora.load(name, tensors)}
+
+    def publish_adapter(self, name: str) -> dict[str, Any]:
+        """Check the staged version of `name` whole (STAGED), then make it LIVE: new requests get
+        it, the one before is retired and unloaded once its last pinned request finishes."""
+        staged = self.lora.staged(name)
+        if staged is not None and staged.state == "STAGING":
+            self.lora.complete(name)
+        v = self.lora.publish(name)
+        return {"adapter": name, "version": v.version, "live": [x.version for x in self.lora.servable(name)]}
+
+    def discard_adapter(self, name: str, reason: str = "discarded") -> dict[str, bool]:
+        return {"discarded": self.lora.discard(name, reason=reason)}
+
+    def unload_adapter(self, name: str) -> dict[str, int]:
+        """No new request gets adapter `name`; each of its versions is freed once no request is pinned to it."""
+        return {"unloaded": self.lora.unload(name)}
+
     def abort_requests(self) -> int:
         """Finish every running and waiting request as aborted (SGLang's abort_all); returns how many."""
         reqs = [*self.running, *self.waiting]
@@ -1273,17 +1327,19 @@ class EngineCore:
         reset_prefix_cache) passes keep_held=False."""
         holders = [r.rid for r in self.running if r.kv is not None]
         if holders and keep_held and self.paused and self.held_in_place:  # they keep their own KV
-            return {"flushed_tokens": self.cache.clear(), "kept_kv_requests": len(holders)}
+            return {"flushed_tokens": self.cache.clear() + self.lora.flush(), "kept_kv_requests": len(holders)}
         if holders:
             raise EngineError(
                 "flush_refused",
                 f"{len(holders)} running requests hold KV (rids {holders[:5]}); pause with abort or retract",
             )
-        return {"flushed_tokens": self.cache.clear()}
+        return {"flushed_tokens": self.cache.clear() + self.lora.flush()}
 
     # ---- requests ---------------------------------------------------------------------------
 
-    def submit(self, prompt: Sequence[int], max_new_tokens: int) -> int:
+    def submit(self, prompt: Sequence[int], max_new_tokens: int, adapter: str | None = None) -> int:
+        """Queue a request; `adapter`: the name of a loaded LoRA adapter, whose live version the
+        request is pinned to until its last token (EngineError if no version of it is live)."""
         if self.quarantined:
             raise EngineError("quarantined", f"engine is quarantined ({self.quarantined})")
         c = self.config
@@ -1291,7 +1347,8 @@ class EngineCore:
             raise EngineError("bad_request", f"prompt must be non-empty token ids in [0, {c.vocab_size})")
         if max_new_tokens < 1 or len(prompt) + max_new_tokens > c.max_seq_len:
             raise EngineError("bad_request", f"prompt + max_new_tokens exceeds max_seq_len {c.max_seq_len}")
-        req = Request(next(self._rids), list(prompt), max_new_tokens)
+        pinned = None if adapter is None else self.lora.pin(adapter)
+        req = Request(next(self._rids), list(prompt), max_new_tokens, adapter=pinned)
         self.requests[req.rid] = req
         self.waiting.append(req)
         return req.rid
@@ -1331,6 +1388,8 @@ class EngineCore:
 
     def _finish(self, req: Request, reason: str) -> None:
         req.finish_reason = reason
+        if req.adapter is not None:
+            self.lora.unpin(req.adapter)
         req.kv, req.kv_epochs = None, []
         self._slot_of.pop(req.rid, None)  # (requests leaving otherwise give theirs back at the next step)
         self._finished.append(req.rid)
@@ -1338,19 +1397,20 @@ class EngineCore:
     @torch.no_grad()
     def _advance(self, req: Request) -> None:
         tokens = req.prompt + req.output
+        cache = self.cache if req.adapter is None else self._adapter_cache(req.adapter)
         if req.kv is None:  # prefill (first time, or after a retraction)
-            nodes = self.cache.match(tokens, len(tokens) - 1)
+            nodes = cache.match(tokens, len(tokens) - 1)
             past = self._stack(nodes) if nodes else None
             epochs = [n.epoch for n in nodes]
             req.cached_tokens += len(nodes)
             req.stale_kv_tokens += sum(e != self.weights_epoch for e in epochs)
-            logits, kv = self._forward(tokens[len(nodes) :], past, len(nodes))
+            logits, kv = self._forward(tokens[len(nodes) :], past, len(nodes), req.adapter)
             req.kv_epochs = epochs + [self.weights_epoch] * (len(tokens) - len(nodes))
-            self.cache.insert(req.prompt, kv, req.kv_epochs)
+            cache.insert(req.prompt, kv, req.kv_epochs)
             req.kv = self._into_slot(req, kv) if self.batch_decode else kv
         else:  # decode the last token against the request's own KV
             req.stale_kv_tokens += len(req.kv_epochs) - req.kv_epochs.count(self.weights_epoch)
-            logits, req.kv = self._forward(tokens[-1:], req.kv, len(tokens) - 1)
+            logits, req.kv = self._forward(tokens[-1:], req.kv, len(tokens) - 1, req.adapter)
             req.kv_epochs.append(self.weights_epoch)
         last = logits[-1].float()
         token = int(torch.argmax(last))
@@ -1361,6 +1421,7 @@ class EngineCore:
         req.logprobs.append(logprob)
         req.versions.append(self.version)
         req.epochs.append(self.weights_epoch)
+        req.seqs.append(self.tokens_sampled)
         self.tokens_sampled += 1
         if self._live is not None:
             self.tokens_while_staged += 1  # generated with the served weights while a staged copy is written
@@ -1403,7 +1464,8 @@ class EngineCore:
             req.stale_kv_tokens += len(req.kv_epochs) - req.kv_epochs.count(self.weights_epoch)
         last = (r.output[-1] if r.output else r.prompt[-1] for r in reqs)
         positions = [len(r.prompt) + len(r.output) - 1 for r in reqs]
-        logits = self._forward_slots(list(last), [self._slot_of[r.rid] for r in reqs], positions).float()
+        slots = [self._slot_of[r.rid] for r in reqs]
+        logits = self._forward_slots(list(last), slots, positions, [r.adapter for r in reqs]).float()
         tokens = torch.argmax(logits, dim=-1)
         logprobs = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None])[:, 0]
         for req, token, logprob in zip(reqs, tokens.tolist(), logprobs.tolist(), strict=True):
@@ -1418,15 +1480,32 @@ class EngineCore:
     # ---- forward ----------------------------------------------------------------------------
 
     @torch.no_grad()
-    def score(self, tokens: Sequence[int]) -> torch.Tensor:
-        """Logits [T, V] for every position, computed fresh (the cache is neither read nor written)."""
+    def score(self, tokens: Sequence[int], adapter: str | None = None) -> torch.Tensor:
+        """Logits [T, V] for every position, computed fresh (the cache is neither read nor written),
+        under the live version of LoRA adapter `adapter` where one is named."""
         self._require_weights()
-        return self._forward(list(tokens), None, 0)[0]
+        version = None
+        if adapter is not None:
+            version = self.lora.live(adapter)
+            if version is None:
+                raise EngineError("bad_request", f"adapter {adapter!r} is not loaded (loaded: {self.lora.names()})")
+        return self._forward(list(tokens), None, 0, version)[0]
+
+    def _adapter_cache(self, version: lora.AdapterVersion) -> PrefixCache:
+        if version.cache is None:
+            version.cache = PrefixCache()
+        cache: PrefixCache = version.cache
+        return cache
 
     def _forward(
-        self, tokens: list[int], past: list[tuple[torch.Tensor, torch.Tensor]] | None, start: int
+        self,
+        tokens: list[int],
+        past: list[tuple[torch.Tensor, torch.Tensor]] | None,
+        start: int,
+        adapter: lora.AdapterVersion | None = None,
     ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
         c, comm = self.config, self.comm
+        ad = [adapter]
         p, head = self._live if self._live is not None else (self.params, self.head_serving)  # what is served
         assert c.head_dim is not None
         heads, kv_heads = c.num_heads // comm.size, self.layout.kv_rows // c.head_dim  # this rank's heads
@@ -1438,6 +1517,7 @@ class EngineCore:
             pre = f"model.layers.{i}."
             n = rms_norm(x, p[pre + "input_layernorm.weight"], c.rms_norm_eps)
             qkv = F.linear(n, p[pre + "self_attn.qkv_proj.weight"], p.get(pre + "self_attn.qkv_proj.bias"))
+            qkv = lora.apply(qkv, n, i, (("q_proj", qd), ("k_proj", kvd), ("v_proj", kvd)), ad)
             q = qkv[..., :qd].contiguous().view(1, t, heads, c.head_dim).transpose(1, 2)
             k = qkv[..., qd : qd + kvd].contiguous().view(1, t, kv_heads, c.head_dim).transpose(1, 2)
             v = qkv[..., qd + kvd :].contiguous().view(1, t, kv_heads, c.head_dim).transpose(1, 2)
@@ -1447,16 +1527,30 @@ class EngineCore:
                 v = torch.cat([past[i][1], v], dim=2)
             new_kv.append((k, v))
             out = attention(q, k, v, start).transpose(1, 2).reshape(1, t, qd)
-            x = x + self._row_parallel(out, p[pre + "self_attn.o_proj.weight"], p.get(pre + "self_attn.o_proj.bias"))
+            o = self._row_parallel(out, p[pre + "self_attn.o_proj.weight"], p.get(pre + "self_attn.o_proj.bias"))
+            x = x + lora.apply(o, out, i, (("o_proj", o.shape[-1]),), ad)
             n = rms_norm(x, p[pre + "post_attention_layernorm.weight"], c.rms_norm_eps)
-            gate, up = F.linear(n, p[pre + "mlp.gate_up_proj.weight"]).chunk(2, dim=-1)
-            x = x + self._row_parallel(F.silu(gate) * up, p[pre + "mlp.down_proj.weight"], None)
+            gate_up = F.linear(n, p[pre + "mlp.gate_up_proj.weight"])
+            half = gate_up.shape[-1] // 2
+            gate, up = lora.apply(gate_up, n, i, (("gate_proj", half), ("up_proj", half)), ad).chunk(2, dim=-1)
+            h = F.silu(gate) * up
+            x = x + lora.apply(
+                self._row_parallel(h, p[pre + "mlp.down_proj.weight"], None), h, i, (("down_proj", c.hidden_size),), ad
+            )
         logits = F.linear(rms_norm(x, p["model.norm.weight"], c.rms_norm_eps), head)
         return comm.all_gather_cat(logits[0], dim=-1), new_kv
 
-    def _forward_slots(self, tokens: list[int], slots: list[int], positions: list[int]) -> torch.Tensor:
+    def _forward_slots(
+        self,
+        tokens: list[int],
+        slots: list[int],
+        positions: list[int],
+        ad: Sequence[lora.AdapterVersion | None] | None = None,
+    ) -> torch.Tensor:
         """Logits [B, V] for one token per row (`tokens[b]` at `positions[b]`), attending to the
-        KV in `slots[b]` (this token's K and V are written there first)."""
+        KV in `slots[b]` (this token's K and V are written there first); row b under LoRA adapter
+        version `ad[b]` where one is given."""
+        ad = ad or [None] * len(tokens)
         c, comm = self.config, self.comm
         p, head = self._live if self._live is not None else (self.params, self.head_serving)
         assert c.head_dim is not None and self._slots is not None
@@ -1471,6 +1565,7 @@ class EngineCore:
             pre = f"model.layers.{i}."
             n = rms_norm(x, p[pre + "input_layernorm.weight"], c.rms_norm_eps)
             qkv = F.linear(n, p[pre + "self_attn.qkv_proj.weight"], p.get(pre + "self_attn.qkv_proj.bias"))
+            qkv = lora.apply(qkv, n, i, (("q_proj", qd), ("k_proj", kvd), ("v_proj", kvd)), ad)
             q = qkv[..., :qd].reshape(b, 1, heads, d).transpose(1, 2)
             k = qkv[..., qd : qd + kvd].reshape(b, 1, kv_heads, d).transpose(1, 2)
             v = qkv[..., qd + kvd :].reshape(b, 1, kv_heads, d).transpose(1, 2)
@@ -1483,10 +1578,16 @@ class EngineCore:
             else:
                 keys, values = keys[rows, :, :t], values[rows, :, :t]
             out = grouped_attention(q, keys, values, masked).transpose(1, 2).reshape(b, 1, qd)
-            x = x + self._row_parallel(out, p[pre + "self_attn.o_proj.weight"], p.get(pre + "self_attn.o_proj.bias"))
+            o = self._row_parallel(out, p[pre + "self_attn.o_proj.weight"], p.get(pre + "self_attn.o_proj.bias"))
+            x = x + lora.apply(o, out, i, (("o_proj", o.shape[-1]),), ad)
             n = rms_norm(x, p[pre + "post_attention_layernorm.weight"], c.rms_norm_eps)
-            gate, up = F.linear(n, p[pre + "mlp.gate_up_proj.weight"]).chunk(2, dim=-1)
-            x = x + self._row_parallel(F.silu(gate) * up, p[pre + "mlp.down_proj.weight"], None)
+            gate_up = F.linear(n, p[pre + "mlp.gate_up_proj.weight"])
+            half = gate_up.shape[-1] // 2
+            gate, up = lora.apply(gate_up, n, i, (("gate_proj", half), ("up_proj", half)), ad).chunk(2, dim=-1)
+            h = F.silu(gate) * up
+            x = x + lora.apply(
+                self._row_parallel(h, p[pre + "mlp.down_proj.weight"], None), h, i, (("down_proj", c.hidden_size),), ad
+            )
         logits = F.linear(rms_norm(x, p["model.norm.weight"], c.rms_norm_eps), head)
         return comm.all_gather_cat(logits[:, 0], dim=-1)
 
@@ -1602,6 +1703,7 @@ class EngineCore:
             "load_host_s": {k: round(v, 6) for k, v in self.load_host_s.items()},
             "skipped_tensors": self.skipped_tensors,
             "skipped_recent": list(self.skipped_recent),
+            "adapters": self.lora.info(),
             "gpu_allocated_bytes": torch.cuda.memory_allocated(self.device) if cuda else None,
             "gpu_peak_bytes": torch.cuda.max_memory_allocated(self.device) if cuda else None,
         }

@@ -2,15 +2,19 @@
 
 from refit.errors import IllegalTransition
 from refit.states._facts import (
+    ADAPTER_TRANSITIONS,
     CONNECTION_TRANSITIONS,
     FACT_TABLES,
     FAILURE_TRANSITIONS,
     MEMORY_REGIONS,
     MEMORY_TRANSITIONS,
     RANKS_TRANSITIONS,
+    SERVABLE_ADAPTER,
     TRAINER_TRANSITIONS,
     UPDATE_TRANSITIONS,
     WEIGHTS_TRANSITIONS,
+    Adapter,
+    AdapterEvent,
     Connection,
     ConnectionEvent,
     Failure,
@@ -43,6 +47,7 @@ from refit.states._table import (
 
 __all__ = [
     "ACTIVE_STATES",
+    "ADAPTER_TRANSITIONS",
     "CONNECTION_TRANSITIONS",
     "ENGINE_TRANSITIONS",
     "FACT_TABLES",
@@ -51,6 +56,7 @@ __all__ = [
     "MEMORY_TRANSITIONS",
     "RANKS_TRANSITIONS",
     "RETRY_STATES",
+    "SERVABLE_ADAPTER",
     "STAGED_STATES",
     "TERMINAL_STATES",
     "TRAINER_TRANSITIONS",
@@ -58,6 +64,8 @@ __all__ = [
     "UNPAUSED_STAGED",
     "UPDATE_TRANSITIONS",
     "WEIGHTS_TRANSITIONS",
+    "Adapter",
+    "AdapterEvent",
     "Connection",
     "ConnectionEvent",
     "EngineEvent",

@@ -31,6 +31,14 @@ Per context (`refit.protocol.session.Session`), across runs:
   broke the collective group: rebuild before streaming again), CLOSED (the context is closed;
   final: a run that outlived the close changes nothing).
 
+Per engine and adapter version (`refit.reference.lora.AdapterTable`), across runs: a LoRA refit
+loads a new version of an adapter beside the ones requests still use.
+- **Adapter**: STAGING (its tensors land in memory nothing serves), STAGED (every planned tensor
+  landed and it was checked whole), LIVE (published: new requests naming the adapter get it),
+  RETIRED (a newer version is live: only requests pinned to it use it), UNLOADED (freed once no
+  request is pinned to it), DISCARDED (a staged version that never serves). A request is pinned to
+  the LIVE version when it is admitted and keeps it to its last token.
+
 Per run:
 - **Trainer**: RESIDENT or OFFLOADED (colocated runs: owed a restore).
 - **Ranks**: ANSWERING, or STUCK once a trainer-side step did not answer in time (later calls get
@@ -214,6 +222,34 @@ RANKS_TRANSITIONS: tuple[tuple[RanksEvent, tuple[Ranks, ...], Ranks], ...] = (
     (RanksEvent.STALL, (Ranks.ANSWERING, Ranks.STUCK), Ranks.STUCK),
 )
 
+class Adapter(StrEnum):
+    STAGING = "STAGING"
+    STAGED = "STAGED"
+    LIVE = "LIVE"
+    RETIRED = "RETIRED"
+    UNLOADED = "UNLOADED"
+    DISCARDED = "DISCARDED"
+
+
+class AdapterEvent(StrEnum):
+    COMPLETE = "complete"  # every planned tensor landed and the adapter was checked whole
+    PUBLISH = "publish"  # new requests naming its adapter get this version
+    SUPERSEDE = "supersede"  # a newer version of its adapter was published: only requests pinned to it use it
+    UNLOAD = "unload"  # its memory freed (the engine's guard: no request is pinned to it)
+    DISCARD = "discard"  # a staged version that will never serve (a failed load or run)
+
+
+A, AE = Adapter, AdapterEvent
+ADAPTER_TRANSITIONS: tuple[tuple[AdapterEvent, tuple[Adapter, ...], Adapter], ...] = (
+    (AE.COMPLETE, (A.STAGING,), A.STAGED),
+    (AE.PUBLISH, (A.STAGED,), A.LIVE),
+    (AE.SUPERSEDE, (A.LIVE,), A.RETIRED),
+    (AE.UNLOAD, (A.LIVE, A.RETIRED), A.UNLOADED),
+    (AE.DISCARD, (A.STAGING, A.STAGED), A.DISCARDED),
+)
+# the positions in which requests may use a version (LIVE: new ones too; RETIRED: those pinned to it)
+SERVABLE_ADAPTER: tuple[Adapter, ...] = (A.LIVE, A.RETIRED)
+
 # name -> (table, initial state, terminal states): what `refit diagram` draws, in this order
 FACT_TABLES: dict[str, tuple[tuple[tuple[Any, tuple[Any, ...], Any], ...], StrEnum, tuple[StrEnum, ...]]] = {
     "weights": (WEIGHTS_TRANSITIONS, W.KEPT, (W.LABELLED,)),
@@ -223,4 +259,5 @@ FACT_TABLES: dict[str, tuple[tuple[tuple[Any, tuple[Any, ...], Any], ...], StrEn
     "connection": (CONNECTION_TRANSITIONS, C.CLEAN, (C.CLOSED,)),
     "trainer": (TRAINER_TRANSITIONS, Trainer.RESIDENT, ()),
     "ranks": (RANKS_TRANSITIONS, Ranks.ANSWERING, ()),
+    "adapter": (ADAPTER_TRANSITIONS, A.STAGING, (A.UNLOADED, A.DISCARDED)),
 }

@@ -1,0 +1,403 @@
+"""LoRA adapters in the reference engine: several versions of an adapter live at once, applied
+unmerged, chosen per request; a new version loads beside the ones requests still use.
+
+What a LoRA refit moves is an adapter: for each targeted linear layer of the model, `A` [r, in]
+and `B` [out, r], named as PEFT saves them (`get_peft_model_state_dict`, `adapter_model.safetensors`):
+  base_model.model.model.layers.{i}.self_attn.{q,k,v,o}_proj.lora_{A,B}.weight
+  base_model.model.model.layers.{i}.mlp.{gate,up,down}_proj.lora_{A,B}.weight
+and a spec (`LoraSpec`: rank, alpha, target modules). A targeted layer computes
+`base(x) + (B @ (A @ x)) * scale`, `scale = alpha / r` (`alpha / sqrt(r)` with rsLoRA), x cast to
+the adapter's dtype for the product and the sum cast back to the layer's, as PEFT's
+`peft.tuners.lora.layer.Linear.forward` does. The engine fuses q/k/v and gate/up: each slice of
+the fused output gets its own projection's update.
+
+Each version moves through the adapter table (`refit.states`, "adapter"): STAGING (its tensors
+land in memory nothing serves), STAGED (checked whole), LIVE (new requests naming the adapter get
+it), RETIRED (a newer one is live: only requests pinned to it use it), UNLOADED (freed once no
+request is pinned to it), or DISCARDED (never served). `AdapterTable` keeps the versions, their
+machines, who is pinned to which, and the per-version prefix caches (KV computed under one
+adapter is never read under another). It records each move as an engine audit record
+(op "adapter"), with the engine's token counter, for `refit.invariants.adapters`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from refit.errors import EngineError
+from refit.reference.model import ModelConfig
+from refit.states import SERVABLE_ADAPTER, Adapter, AdapterEvent, FactMachine
+
+# the projections an adapter may target, and where each lives in a decoder layer
+LORA_TARGETS: dict[str, str] = {
+    "q_proj": "self_attn",
+    "k_proj": "self_attn",
+    "v_proj": "self_attn",
+    "o_proj": "self_attn",
+    "gate_proj": "mlp",
+    "up_proj": "mlp",
+    "down_proj": "mlp",
+}
+PEFT_PREFIX = "base_model.model."  # what PEFT's saved state dict puts before the model's own names
+# PEFT LoraConfig fields whose non-default values change the math this engine computes: refused by name
+_REFUSED: dict[str, Any] = {
+    "use_dora": False,
+    "bias": "none",
+    "fan_in_fan_out": False,
+    "modules_to_save": None,
+    "layers_to_transform": None,
+    "rank_pattern": {},
+    "alpha_pattern": {},
+    "layer_replication": None,
+    "lora_bias": False,
+    "trainable_token_indices": None,
+    "target_parameters": None,
+    "use_qalora": False,
+    "alora_invocation_tokens": None,
+}
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """What an adapter is, beside its tensors: rank, alpha, the projections it targets, rsLoRA."""
+
+    r: int
+    alpha: float
+    targets: tuple[str, ...]
+    rslora: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.r, int) or isinstance(self.r, bool) or self.r < 1:
+            raise ValueError(f"LoRA rank r={self.r!r}: a positive integer")
+        if not isinstance(self.alpha, int | float) or isinstance(self.alpha, bool) or not math.isfinite(self.alpha):
+            raise ValueError(f"lora_alpha={self.alpha!r}: a finite number")
+        unknown = sorted(set(self.targets) - set(LORA_TARGETS))
+        if unknown or not self.targets:
+            raise ValueError(
+                f"target modules {unknown or '(none)'}: the reference engine applies LoRA to {sorted(LORA_TARGETS)}"
+            )
+        object.__setattr__(self, "targets", tuple(t for t in LORA_TARGETS if t in self.targets))  # canonical order
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / math.sqrt(self.r) if self.rslora else self.alpha / self.r
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"r": self.r, "lora_alpha": self.alpha, "target_modules": list(self.targets), "use_rslora": self.rslora}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> LoraSpec:
+        """From `to_dict`'s form or a PEFT `LoraConfig` (its object or its `adapter_config.json`
+        dict). Fields whose non-default values change the math (DoRA, LoRA biases, rank or alpha
+        patterns, fan_in_fan_out, modules_to_save, ...) are refused by name, never ignored."""
+        d = _as_dict(d)
+        for key, default in _REFUSED.items():
+            value = d.get(key, default)
+            if value not in (default, None) and value != default and not (value == [] and default is None):
+                raise ValueError(f"{key}={value!r}: the reference engine serves plain LoRA (default {default!r})")
+        targets = d.get("target_modules")
+        if isinstance(targets, str):  # PEFT allows a regex; only explicit lists are served
+            raise ValueError(f"target_modules={targets!r}: name the projections as a list")
+        if d.get("peft_type") not in (None, "LORA"):
+            raise ValueError(f"peft_type={d.get('peft_type')!r}: only LORA adapters are served")
+        return cls(int(d["r"]), float(d["lora_alpha"]), tuple(targets or ()), bool(d.get("use_rslora", False)))
+
+    def shapes(self, config: ModelConfig) -> dict[str, tuple[int, ...]]:
+        """Every tensor of an adapter with this spec on `config`'s model, PEFT-named, in order."""
+        assert config.head_dim is not None
+        h, q, kv, inter = (
+            config.hidden_size, config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim,
+            config.intermediate_size,
+        )  # fmt: skip
+        dims = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+                "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}  # fmt: skip
+        out: dict[str, tuple[int, ...]] = {}
+        for i in range(config.num_layers):
+            for proj in self.targets:
+                n_in, n_out = dims[proj]
+                stem = f"{PEFT_PREFIX}model.layers.{i}.{LORA_TARGETS[proj]}.{proj}"
+                out[f"{stem}.lora_A.weight"] = (self.r, n_in)
+                out[f"{stem}.lora_B.weight"] = (n_out, self.r)
+        return out
+
+
+def _as_dict(d: Any) -> dict[str, Any]:
+    if isinstance(d, Mapping):
+        return dict(d)
+    if hasattr(d, "to_dict"):
+        return dict(d.to_dict())
+    raise ValueError(f"a LoRA spec is a mapping or a PEFT LoraConfig, not {type(d).__name__}")
+
+
+def parse_name(name: str) -> tuple[int, str, str]:
+    """(layer, projection, "A" or "B") of a PEFT-named adapter tensor; ValueError otherwise."""
+    parts = name.removeprefix(PEFT_PREFIX).split(".")
+    # model.layers.{i}.{self_attn|mlp}.{proj}.lora_{A|B}.weight
+    ok = (
+        name.startswith(PEFT_PREFIX) and len(parts) == 7 and parts[:2] == ["model", "layers"] and parts[2].isdigit()
+        and parts[4] in LORA_TARGETS and LORA_TARGETS[parts[4]] == parts[3] and parts[5] in ("lora_A", "lora_B")
+        and parts[6] == "weight"
+    )  # fmt: skip
+    if not ok:
+        raise ValueError(
+            f"{name!r} is not a LoRA tensor name ({PEFT_PREFIX}model.layers.N.<module>.<proj>.lora_A.weight)"
+        )
+    return int(parts[2]), parts[4], parts[5][-1]
+
+
+@dataclass
+class AdapterVersion:
+    """One version of an adapter: its spec, its tensors ((layer, proj) -> [A, B]), its position."""
+
+    name: str
+    version: int
+    spec: LoraSpec
+    shapes: dict[str, tuple[int, ...]]
+    dtype: torch.dtype
+    machine: FactMachine = field(default_factory=lambda: FactMachine("adapter"))
+    weights: dict[tuple[int, str], list[torch.Tensor | None]] = field(default_factory=dict)
+    landed: set[str] = field(default_factory=set)
+    pinned: int = 0  # requests admitted with this version that have not finished
+    cache: Any = None  # its prefix cache (the engine's PrefixCache), made on first use
+
+    @property
+    def state(self) -> Adapter:
+        return self.machine.state
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for pair in self.weights.values() for t in pair if t is not None)
+
+    def delta(self, layer: int, proj: str, x: torch.Tensor) -> torch.Tensor | None:
+        """`(B @ (A @ x)) * scale` for projection `proj` of `layer`, in the adapter's dtype (None
+        where the adapter does not target it)."""
+        pair = self.weights.get((layer, proj))
+        if pair is None:
+            return None
+        a, b = pair
+        assert a is not None and b is not None
+        return F.linear(F.linear(x.to(a.dtype), a), b) * self.spec.scale
+
+
+class AdapterTable:
+    """The adapters an engine holds, per name: at most one STAGING/STAGED version (the refit in
+    progress), one LIVE, and RETIRED ones until the requests pinned to them finish. `max_live`
+    bounds LIVE + RETIRED per name (`max_staleness + 1`): a version that would exceed it is not
+    staged while the oldest retired one still has requests (the caller's error names them)."""
+
+    def __init__(
+        self, config: ModelConfig, device: torch.device, record: Callable[..., None], clock: Callable[[], int]
+    ) -> None:
+        self.config = config
+        self.device = device
+        self._record = record
+        self._clock = clock  # the engine's tokens sampled so far: when each move happened, in tokens
+        self.versions: dict[str, dict[int, AdapterVersion]] = {}
+        self.max_live: int | None = None
+        self.loads = 0  # adapter versions published so far
+        self.unloads = 0
+
+    # ---- the versions -------------------------------------------------------------------------
+
+    def _move(self, v: AdapterVersion, event: AdapterEvent, **fields: Any) -> None:
+        v.machine.fire(event)
+        self._record("adapter", True, adapter=v.name, adapter_version=v.version, event=str(event),
+                     state=str(v.state), seq=self._clock(), **fields)  # fmt: skip
+
+    def live(self, name: str) -> AdapterVersion | None:
+        return next((v for v in self.versions.get(name, {}).values() if v.state == Adapter.LIVE), None)
+
+    def servable(self, name: str) -> list[AdapterVersion]:
+        return [v for v in self.versions.get(name, {}).values() if v.state in SERVABLE_ADAPTER]
+
+    def staged(self, name: str) -> AdapterVersion | None:
+        return next(
+            (v for v in self.versions.get(name, {}).values() if v.state in (Adapter.STAGING, Adapter.STAGED)), None
+        )
+
+    def names(self) -> list[str]:
+        return sorted(n for n in self.versions if self.live(n) is not None)
+
+    def stage(self, name: str, version: int, spec: LoraSpec, dtype: torch.dtype) -> AdapterVersion:
+        """Open STAGING for `name` at `version` (a staged version of `name` not yet published is
+        discarded first). Refused (EngineError) for a version not newer than the live one, and
+        where the live + retired versions already fill `max_live` and the oldest of them still has
+        requests pinned to it."""
+        if not name or not isinstance(name, str):
+            raise EngineError("bad_request", f"adapter name {name!r}: a non-empty string")
+        self.collect()
+        old = self.staged(name)
+        if old is not None:
+            self.discard(name, reason=f"version {version} staged instead")
+        live = self.live(name)
+        if live is not None and version <= live.version:
+            raise EngineError(
+                "bad_request", f"adapter {name!r} version {version}: not newer than the live version {live.version}"
+            )
+        servable = self.servable(name)
+        if self.max_live is not None and len(servable) >= self.max_live:
+            oldest = min(servable, key=lambda v: v.version)
+            if oldest.pinned:
+                raise EngineError(
+                    "busy",
+                    f"adapter {name!r}: {len(servable)} versions live (max {self.max_live}) and the oldest, "
+                    f"version {oldest.version}, still has {oldest.pinned} requests pinned to it",
+                )
+        v = AdapterVersion(name, version, spec, spec.shapes(self.config), dtype)
+        self.versions.setdefault(name, {})[version] = v
+        self._record("adapter", True, adapter=name, adapter_version=version, event="stage", state=str(v.state),
+                     seq=self._clock(), r=spec.r, targets=list(spec.targets))  # fmt: skip
+        return v
+
+    def load(self, name: str, tensors: Sequence[tuple[str, torch.Tensor]]) -> int:
+        """Copy tensors into the staged version of `name`; every name, shape and dtype is checked
+        before any is kept (EngineError naming the first wrong one). Returns the bytes kept."""
+        v = self.staged(name)
+        if v is None or v.state != Adapter.STAGING:
+            raise EngineError("no_session", f"adapter {name!r}: no version is staging")
+        for tname, t in tensors:
+            want = v.shapes.get(tname)
+            if want is None:
+                raise EngineError("bad_request", f"adapter {name!r}: {tname!r} is not a tensor of its spec")
+            if tuple(t.shape) != want:
+                raise EngineError(
+                    "bad_request", f"adapter {name!r}: {tname} has shape {tuple(t.shape)}, expected {want}"
+                )
+            if t.dtype != v.dtype:
+                raise EngineError("bad_request", f"adapter {name!r}: {tname} is {t.dtype}, expected {v.dtype}")
+        n = 0
+        for tname, t in tensors:
+            layer, proj, which = parse_name(tname)
+            pair = v.weights.setdefault((layer, proj), [None, None])
+            pair[0 if which == "A" else 1] = t.detach().to(self.device, copy=True)
+            v.landed.add(tname)
+            n += t.numel() * t.element_size()
+        return n
+
+    def complete(self, name: str) -> AdapterVersion:
+        """STAGING -> STAGED once every tensor of the spec landed (EngineError naming what is missing)."""
+        v = self.staged(name)
+        if v is None or v.state != Adapter.STAGING:
+            raise EngineError("no_session", f"adapter {name!r}: no version is staging")
+        missing = [t for t in v.shapes if t not in v.landed]
+        if missing:
+            raise EngineError(
+                "incomplete",
+                f"adapter {name!r} version {v.version}: {len(missing)} tensors never landed ({missing[0]}...)",
+            )
+        self._move(v, AdapterEvent.COMPLETE, nbytes=v.nbytes)
+        return v
+
+    def publish(self, name: str) -> AdapterVersion:
+        """STAGED -> LIVE; the live one before it is RETIRED (unloaded at once if nothing is
+        pinned to it, and any retired one past `max_live` likewise)."""
+        v = self.staged(name)
+        if v is None or v.state != Adapter.STAGED:
+            raise EngineError("not_ready", f"adapter {name!r}: no staged version was completed")
+        before = self.live(name)
+        if before is not None:
+            self._move(before, AdapterEvent.SUPERSEDE)
+        self._move(v, AdapterEvent.PUBLISH)
+        self.loads += 1
+        self.collect()
+        return v
+
+    def discard(self, name: str, *, reason: str) -> bool:
+        v = self.staged(name)
+        if v is None:
+            return False
+        v.weights.clear()
+        self._move(v, AdapterEvent.DISCARD, reason=reason)
+        del self.versions[name][v.version]
+        return True
+
+    def unload(self, name: str) -> int:
+        """Every servable version of `name` stops taking new requests; each is unloaded once no
+        request is pinned to it (now, or when its last one finishes). Returns how many were unloaded now."""
+        live = self.live(name)
+        if live is None and not self.servable(name):
+            raise EngineError("bad_request", f"adapter {name!r} is not loaded (loaded: {self.names()})")
+        if live is not None:
+            self._move(live, AdapterEvent.SUPERSEDE, reason="unload asked")
+        before = self.unloads
+        self.collect()
+        return self.unloads - before
+
+    def collect(self) -> None:
+        """Unload every RETIRED version no request is pinned to."""
+        for name in list(self.versions):
+            for v in list(self.versions[name].values()):
+                if v.state == Adapter.RETIRED and v.pinned == 0:
+                    v.weights.clear()
+                    v.cache = None
+                    self._move(v, AdapterEvent.UNLOAD)
+                    self.unloads += 1
+                    del self.versions[name][v.version]
+            if not self.versions[name]:
+                del self.versions[name]
+
+    # ---- requests -----------------------------------------------------------------------------
+
+    def pin(self, name: str) -> AdapterVersion:
+        """The LIVE version of `name` for a new request (EngineError if none)."""
+        v = self.live(name)
+        if v is None:
+            raise EngineError("bad_request", f"adapter {name!r} is not loaded (loaded: {self.names()})")
+        v.pinned += 1
+        return v
+
+    def unpin(self, v: AdapterVersion) -> None:
+        v.pinned -= 1
+        if v.pinned == 0 and v.state == Adapter.RETIRED:
+            self.collect()
+
+    def flush(self) -> int:
+        """Clear every version's prefix cache; the tokens dropped."""
+        n = 0
+        for versions in self.versions.values():
+            for v in versions.values():
+                if v.cache is not None:
+                    n += v.cache.clear()
+        return n
+
+    def info(self) -> dict[str, Any]:
+        return {
+            name: {str(v.version): {"state": str(v.state), "pinned": v.pinned, "bytes": v.nbytes}
+                   for v in versions.values()}
+            for name, versions in self.versions.items()
+        }  # fmt: skip
+
+
+def apply(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    layer: int,
+    projs: Sequence[tuple[str, int]],
+    rows: Sequence[AdapterVersion | None],
+) -> torch.Tensor:
+    """`out` (a projection's output [B, T, width]; `projs`: (projection, width) fused side by side
+    in that order) plus each row's adapter update on its projection's slice, the sum in the
+    adapter's dtype cast back to `out`'s (PEFT's order: base output + update). Rows with no
+    adapter (None), and projections an adapter does not target, are left as they are."""
+    if all(v is None for v in rows):
+        return out
+    result = out
+    for v in {id(v): v for v in rows if v is not None}.values():
+        idx = [i for i, r in enumerate(rows) if r is v]
+        xs = x[idx]
+        start = 0
+        for proj, width in projs:
+            d = v.delta(layer, proj, xs)
+            if d is not None:
+                if result is out:
+                    result = out.clone()
+                base = out[idx, ..., start : start + width]
+                result[idx, ..., start : start + width] = (base.to(d.dtype) + d).to(out.dtype)
+            start += width
+    return result
