@@ -252,7 +252,7 @@ class AdapterTable:
         v = AdapterVersion(name, version, spec, spec.shapes(self.config), dtype)
         self.versions.setdefault(name, {})[version] = v
         self._record("adapter", True, adapter=name, adapter_version=version, event="stage", state=str(v.state),
-                     seq=self._clock(), r=spec.r, targets=list(spec.targets))  # fmt: skip
+                     seq=self._clock(), r=spec.r, targets=list(spec.targets), max_live=self.max_live)  # fmt: skip
         return v
 
     def load(self, name: str, tensors: Sequence[tuple[str, torch.Tensor]]) -> int:
@@ -315,6 +315,8 @@ class AdapterTable:
         v.weights.clear()
         self._move(v, AdapterEvent.DISCARD, reason=reason)
         del self.versions[name][v.version]
+        if not self.versions[name]:
+            del self.versions[name]
         return True
 
     def unload(self, name: str) -> int:

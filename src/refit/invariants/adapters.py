@@ -1,0 +1,105 @@
+"""LoRA adapter versions: pure checks over an engine's adapter records (audit records with
+op "adapter", as `refit.reference.lora.AdapterTable` writes them: adapter, adapter_version, event,
+state, seq = the engine's token counter at the move) and over the requests it served (`adapter`,
+`adapter_version`, `token_seqs`). Used by the tests, the conformance kit and `refit check`.
+
+  adapter_moves    each version moves only as the adapter table allows (stage opens it; complete,
+                   publish, supersede, unload, discard as `refit.states` "adapter" lists them):
+                   in particular no version is published without a complete load.
+  adapter_live     at most `max_live` versions of an adapter are servable (LIVE or RETIRED) at
+                   once, where its stage record names a bound; one LIVE version at a time.
+  adapter_served   every token a request got under an adapter version was sampled while that
+                   version was servable: after its publish, before its unload.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from refit.invariants._core import Violation
+from refit.states import ADAPTER_TRANSITIONS, SERVABLE_ADAPTER, Adapter
+
+_MOVES = {(src, str(ev)): dest for ev, sources, dest in ADAPTER_TRANSITIONS for src in sources}
+
+
+def adapter_records(audit: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    return [r for r in audit if r.get("op") == "adapter"]
+
+
+def _key(r: Mapping[str, Any]) -> tuple[Any, Any]:
+    return r.get("adapter"), r.get("adapter_version")
+
+
+def check_adapter_moves(records: Sequence[Mapping[str, Any]], *, engine: str = "engine") -> list[Violation]:
+    """adapter_moves and adapter_live over one engine's adapter records, in order."""
+    out: list[Violation] = []
+    state: dict[tuple[Any, Any], Adapter] = {}
+    bound: dict[Any, int] = {}
+    for r in records:
+        key, event = _key(r), str(r.get("event"))
+        name, version = key
+        if event == "stage":
+            if key in state and state[key] not in (Adapter.UNLOADED, Adapter.DISCARDED):
+                out.append(
+                    Violation("adapter_moves", f"engine {engine}: {name} v{version} staged again while {state[key]}")
+                )
+            state[key] = Adapter.STAGING
+            if isinstance(r.get("max_live"), int):
+                bound[name] = r["max_live"]
+            continue
+        src = state.get(key)
+        dest = None if src is None else _MOVES.get((src, event))
+        if dest is None:
+            what = "never staged" if src is None else f"from {src}"
+            if event == "publish" and src == Adapter.STAGING:
+                what = "before its load was complete"
+            out.append(Violation("adapter_moves", f"engine {engine}: {name} v{version}: {event} {what}"))
+            continue
+        state[key] = dest
+        live = [k for k, s in state.items() if k[0] == name and s == Adapter.LIVE]
+        servable = [k for k, s in state.items() if k[0] == name and s in SERVABLE_ADAPTER]
+        if len(live) > 1:
+            out.append(
+                Violation("adapter_live", f"engine {engine}: {name}: versions {sorted(v for _, v in live)} all LIVE")
+            )
+        if name in bound and len(servable) > bound[name]:
+            out.append(
+                Violation(
+                    "adapter_live",
+                    f"engine {engine}: {name}: {len(servable)} versions servable "
+                    f"({sorted(v for _, v in servable)}), max {bound[name]}",
+                )
+            )
+    return out
+
+
+def check_adapter_served(
+    records: Sequence[Mapping[str, Any]], requests: Iterable[Mapping[str, Any]], *, engine: str = "engine"
+) -> list[Violation]:
+    """adapter_served: each request's tokens (by `token_seqs`) fall inside its version's servable
+    interval [publish, unload) as the engine's records give it. A request whose version has no
+    publish record in `records` (trimmed away) is not judged."""
+    opened: dict[tuple[Any, Any], int] = {}
+    closed: dict[tuple[Any, Any], int] = {}
+    for r in records:
+        if r.get("event") == "publish":
+            opened[_key(r)] = int(r.get("seq", 0))
+        elif r.get("event") == "unload":
+            closed[_key(r)] = int(r.get("seq", 0))
+    out: list[Violation] = []
+    for req in requests:
+        key = (req.get("adapter"), req.get("adapter_version"))
+        if key[0] is None or key not in opened:
+            continue
+        seqs = req.get("token_seqs") or []
+        if not seqs:
+            continue
+        rid = req.get("rid", "?")
+        if seqs[0] < opened[key]:
+            out.append(Violation("adapter_served", f"engine {engine}: request {rid}: token at {seqs[0]} under "
+                                 f"{key[0]} v{key[1]}, published at {opened[key]}"))  # fmt: skip
+        if key in closed and seqs[-1] >= closed[key]:
+            out.append(Violation("adapter_served", f"engine {engine}: request {rid}: token at {seqs[-1]} under "
+                                 f"{key[0]} v{key[1]}, unloaded at {closed[key]}"))  # fmt: skip
+    return out

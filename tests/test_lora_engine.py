@@ -1,0 +1,273 @@
+"""LoRA adapters in the reference engine, with `transformers` + PEFT as the oracle: a tiny HF model
+wrapped by PEFT (random A and B, so the update is not zero) gives the logits and greedy tokens the
+engine must give under that adapter, unmerged, and the merged model (`merge_and_unload`) the same
+within tolerance. Then the version lifecycle: requests pinned to a version keep it while a newer
+one loads and publishes, a retired version is freed once its last request finishes, at most
+`max_live` versions serve, and what is not an adapter of the spec is refused by name."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import peft
+import pytest
+import torch
+
+from refit.buckets import TensorMeta, plan_buckets
+from refit.errors import EngineError
+from refit.invariants.adapters import adapter_records, check_adapter_moves, check_adapter_served
+from refit.reference.engine import EngineCore
+from refit.reference.lora import LORA_TARGETS, LoraSpec
+from refit.reference.model import ModelConfig
+
+from .test_model_families import PROMPTS, hf_greedy, hf_logits, hf_model, logit_tolerance
+
+ALL = list(LORA_TARGETS)
+
+
+def _engine(model: Any, **kwargs: Any) -> EngineCore:
+    """An engine serving the HF model's weights, loaded by hand (begin, load, finalize, publish);
+    a model PEFT wrapped in place gives its base weights."""
+    core = EngineCore(ModelConfig.from_hf(model.config), seed=0, **kwargs)
+    sd = {n.replace(".base_layer.", "."): t.detach().clone() for n, t in model.state_dict().items() if ".lora_" not in n}
+    plan = plan_buckets([TensorMeta.of(n, t) for n, t in sd.items()], 64 << 10)
+    core.pause("abort")
+    core.begin(plan)
+    for m in plan:
+        core.load(m, [(n, sd[n]) for n in m.names])
+    core.finalize()
+    core.publish(1)
+    core.continue_generation()
+    return core
+
+
+def _peft(model: Any, r: int = 8, alpha: float = 16, targets: list[str] = ALL, seed: int = 5, **kw: Any) -> Any:
+    """`model` wrapped by PEFT with random A and B (PEFT's default B is zero: no update to see)."""
+    torch.manual_seed(seed)
+    config = peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0,
+                             init_lora_weights=False, **kw)  # fmt: skip
+    return peft.get_peft_model(model, config).eval()
+
+
+def _adapter(pm: Any) -> list[tuple[str, torch.Tensor]]:
+    return [(n, t.detach().clone()) for n, t in peft.get_peft_model_state_dict(pm).items()]
+
+
+def _load(core: EngineCore, name: str, version: int, pm: Any, **kw: Any) -> None:
+    core.stage_adapter(name, version, pm.peft_config["default"], **kw)
+    core.load_adapter(name, _adapter(pm))
+    core.publish_adapter(name)
+
+
+def _run(core: EngineCore, prompt: list[int], n: int, adapter: str | None = None) -> dict[str, Any]:
+    rid = core.submit(prompt, n, adapter=adapter)
+    while core.has_work():
+        core.step()
+    return core.result(rid)
+
+
+@pytest.mark.parametrize(
+    ("family", "dtype", "targets", "rslora"),
+    [
+        ("llama", torch.float32, ALL, False),
+        ("qwen2", torch.float32, ["q_proj", "v_proj"], True),  # fused q/k/v with k untouched; rsLoRA's scale
+        ("qwen2", torch.bfloat16, ALL, False),  # PEFT keeps bf16 adapters in float32 (autocast_adapter_dtype)
+        ("llama", torch.float32, ["gate_proj", "down_proj"], False),
+    ],
+    ids=["llama-fp32-all", "qwen2-fp32-qv-rslora", "qwen2-bf16-all", "llama-fp32-gate-down"],
+)
+def test_the_engine_under_an_adapter_gives_what_transformers_and_peft_give(
+    family: str, dtype: torch.dtype, targets: list[str], rslora: bool
+) -> None:
+    model = hf_model(family, dtype, seed=1, attention_bias=False)
+    core = _engine(model, batch_decode=True)
+    base = {i: hf_logits(model, p) for i, p in enumerate(PROMPTS[:6])}
+    pm = _peft(model, targets=targets, use_rslora=rslora)
+    adapter = _adapter(pm)
+    assert {t.dtype for _, t in adapter} == {torch.float32}  # PEFT's own choice, kept as sent
+    core.stage_adapter("tuned", 1, pm.peft_config["default"], dtype="float32")
+    core.load_adapter("tuned", adapter)
+    core.publish_adapter("tuned")
+    merged = pm.merge_and_unload() if dtype == torch.float32 else None  # (bf16 merge rounds the sum in bf16)
+    for i, prompt in enumerate(PROMPTS[:6]):
+        with torch.no_grad():
+            want = pm(torch.tensor([prompt])).logits[0].float() if merged is None else None
+        if merged is not None:
+            want = hf_logits(merged, prompt)
+        got = core.score(prompt, adapter="tuned").float()
+        tol = logit_tolerance(dtype, want)
+        assert (got - want).abs().max() <= tol, (i, float((got - want).abs().max()), tol)
+        assert (want - base[i]).abs().max() > 5 * tol  # the adapter changes the logits: the check could fail
+        assert (core.score(prompt).float() - base[i]).abs().max() <= tol  # no adapter named: the base model
+    oracle = merged if merged is not None else pm
+    for prompt in PROMPTS[:6]:  # greedy decoding through the engine's scheduler, batched, cache and all
+        want_tokens, gap = hf_greedy(oracle, prompt, 6)
+        out = _run(core, prompt, 6, adapter="tuned")
+        assert out["adapter"] == "tuned" and out["adapter_version"] == 1
+        if gap > 4 * logit_tolerance(dtype, torch.ones(1) * 8):
+            assert out["output"] == want_tokens, prompt
+
+
+def test_unmerged_equals_peft_bit_for_bit_on_one_rank_in_fp32() -> None:
+    """The engine's update is PEFT's computation (x cast to the adapter's dtype, A then B, times
+    the scale, added to the base output), so in fp32 on one rank the logits are equal exactly."""
+    model = hf_model("llama", torch.float32, seed=2)
+    core = _engine(model)
+    pm = _peft(model, r=4, alpha=32)
+    _load(core, "a", 1, pm)
+    for prompt in PROMPTS[:4]:
+        with torch.no_grad():
+            want = pm(torch.tensor([prompt])).logits[0]
+        assert torch.equal(core.score(prompt, adapter="a"), want)
+
+
+def test_a_request_keeps_its_version_while_a_newer_one_loads_and_publishes() -> None:
+    model = hf_model("llama", torch.float32, seed=3)
+    core = _engine(model, batch_decode=True, max_running=4)
+    pm1 = _peft(model, seed=1)
+    spec = pm1.peft_config["default"]
+    v1 = _adapter(pm1)
+    v2 = [(n, t + 0.3 * torch.randn(t.shape, generator=torch.Generator().manual_seed(9))) for n, t in v1]
+    core.stage_adapter("policy", 1, spec, max_live=2)
+    core.load_adapter("policy", v1)
+    core.publish_adapter("policy")
+    prompt = [5, 6, 7, 8]
+    old = core.submit(prompt, 24, adapter="policy")
+    for _ in range(4):
+        core.step()
+    # version 2 stages, loads in two buckets and publishes while `old` decodes between the steps
+    core.stage_adapter("policy", 2, spec)
+    core.load_adapter("policy", v2[: len(v2) // 2])
+    core.step()
+    core.load_adapter("policy", v2[len(v2) // 2 :])
+    core.step()
+    core.publish_adapter("policy")
+    new = core.submit(prompt, 24, adapter="policy")
+    nbytes = sum(t.numel() * t.element_size() for _, t in v1)
+    assert core.info()["adapters"]["policy"]["1"] == {"state": "RETIRED", "pinned": 1, "bytes": nbytes}
+    while core.has_work():
+        core.step()
+    a, b = core.result(old), core.result(new)
+    assert (a["adapter_version"], b["adapter_version"]) == (1, 2)
+    assert a["finish_reason"] == b["finish_reason"] == "length"
+    # each equals a fresh engine serving only its version, and the two differ
+    for out, weights in ((a, v1), (b, v2)):
+        fresh = _engine(model)
+        fresh.stage_adapter("policy", 1, spec)
+        fresh.load_adapter("policy", weights)
+        fresh.publish_adapter("policy")
+        assert _run(fresh, prompt, 24, adapter="policy")["output"] == out["output"]
+    assert a["output"] != b["output"]
+    # version 1 was freed when `old` finished; its moves are in the engine's audit, in order
+    assert list(core.info()["adapters"]["policy"]) == ["2"]
+    moves = [(r["adapter_version"], r["event"]) for r in core.audit if r["op"] == "adapter"]
+    assert moves == [(1, "stage"), (1, "complete"), (1, "publish"), (2, "stage"), (2, "complete"),
+                     (1, "supersede"), (2, "publish"), (1, "unload")]  # fmt: skip
+    unload = next(r for r in core.audit if r["op"] == "adapter" and r["event"] == "unload")
+    assert unload["seq"] > a["token_seqs"][-1]  # freed after its last token, not before
+
+
+def test_at_most_max_live_versions_serve_and_a_busy_oldest_refuses_the_next() -> None:
+    model = hf_model("llama", torch.float32, seed=4)
+    core = _engine(model, max_running=4)
+    pm = _peft(model, seed=1)
+    spec, weights = pm.peft_config["default"], _adapter(pm)
+    _load(core, "p", 1, pm, max_live=2)
+    pinned = core.submit([1, 2, 3], 40, adapter="p")
+    core.step()
+    for version in (2,):
+        core.stage_adapter("p", version, spec)
+        core.load_adapter("p", weights)
+        core.publish_adapter("p")
+    assert sorted(core.info()["adapters"]["p"]) == ["1", "2"]
+    with pytest.raises(EngineError, match=r"2 versions live \(max 2\).*version 1, still has 1 requests") as info:
+        core.stage_adapter("p", 3, spec)
+    assert info.value.kind == "busy"
+    while core.has_work():
+        core.step()
+    assert core.result(pinned)["adapter_version"] == 1 and core.result(pinned)["finish_reason"] == "length"
+    core.stage_adapter("p", 3, spec)  # the oldest drained (freed at its last token): room now
+    core.load_adapter("p", weights)
+    core.publish_adapter("p")
+    assert sorted(core.info()["adapters"]["p"]) == ["3"]
+
+
+def test_the_prefix_cache_is_kept_per_adapter_version() -> None:
+    """KV computed under the base model (or another version) is never read under an adapter."""
+    model = hf_model("llama", torch.float32, seed=5)
+    core = _engine(model)
+    pm = _peft(model)
+    _load(core, "a", 1, pm)
+    prompt = list(range(20, 40))
+    _run(core, prompt, 2)  # caches the prompt's KV under the base weights
+    first = _run(core, prompt, 4, adapter="a")
+    again = _run(core, prompt, 4, adapter="a")
+    assert first["cached_tokens"] == 0 and again["cached_tokens"] == len(prompt) - 1
+    assert first["output"] == again["output"] == hf_greedy(pm, prompt, 4)[0]
+    assert core.flush()["flushed_tokens"] == 2 * len(prompt)
+
+
+def test_what_is_not_an_adapter_of_its_spec_is_refused_by_name() -> None:
+    model = hf_model("llama", torch.float32, seed=6)
+    core = _engine(model)
+    pm = _peft(model, targets=["q_proj", "v_proj"])
+    spec, weights = pm.peft_config["default"], _adapter(pm)
+    name0, t0 = weights[0]
+    with pytest.raises(EngineError, match="not loaded"):
+        core.submit([1, 2], 2, adapter="nope")
+    core.stage_adapter("a", 1, spec)
+    with pytest.raises(EngineError, match=r"has shape \(8, 65\), expected \(8, 64\)"):
+        core.load_adapter("a", [(name0, torch.zeros(8, 65))])
+    with pytest.raises(EngineError, match=re.escape("is torch.float16, expected torch.float32")):
+        core.load_adapter("a", [(name0, t0.half())])
+    k_name = name0.replace("q_proj", "k_proj")  # a projection the spec does not target
+    with pytest.raises(EngineError, match=re.escape(f"{k_name!r} is not a tensor of its spec")):
+        core.load_adapter("a", [(k_name, t0)])
+    core.load_adapter("a", weights[:-1])
+    with pytest.raises(EngineError, match=r"1 tensors never landed \(.*v_proj.lora_B.weight") as info:
+        core.publish_adapter("a")
+    assert info.value.kind == "incomplete" and core.info()["adapters"]["a"]["1"]["state"] == "STAGING"
+    core.discard_adapter("a")
+    assert core.info()["adapters"] == {}
+    with pytest.raises(EngineError, match="use_dora=True"):
+        core.stage_adapter("d", 1, {**spec.to_dict(), "use_dora": True})
+    with pytest.raises(EngineError, match="embed_tokens"):
+        core.stage_adapter("e", 1, {"r": 4, "lora_alpha": 8, "target_modules": ["embed_tokens"]})
+    _load(core, "a", 2, pm)
+    with pytest.raises(EngineError, match="version 2: not newer than the live version 2"):
+        core.stage_adapter("a", 2, spec)
+    assert LoraSpec.from_dict(spec).scale == 16 / 8
+
+
+def test_the_adapter_invariants_pass_a_real_history_and_name_each_tampering() -> None:
+    model = hf_model("llama", torch.float32, seed=7)
+    core = _engine(model, batch_decode=True, max_running=4)
+    pm = _peft(model, seed=1)
+    spec, weights = pm.peft_config["default"], _adapter(pm)
+    rids = []
+    for version in range(1, 6):
+        core.stage_adapter("p", version, spec, max_live=2)
+        core.load_adapter("p", weights)
+        core.publish_adapter("p")
+        rids.append(core.submit([version, 2, 3], 6, adapter="p"))
+        for _ in range(3):
+            core.step()
+    while core.has_work():
+        core.step()
+    records = adapter_records(core.audit)
+    requests = [core.result(r) for r in rids]
+    assert [r["adapter_version"] for r in requests] == [1, 2, 3, 4, 5]
+    assert check_adapter_moves(records) == [] and check_adapter_served(records, requests) == []
+
+    def names(violations: list[Any]) -> list[str]:
+        return [f"{v.invariant}: {v.message}" for v in violations]
+
+    no_complete = [r for r in records if not (r["event"] == "complete" and r["adapter_version"] == 3)]
+    assert any("p v3: publish before its load was complete" in m for m in names(check_adapter_moves(no_complete)))
+    no_unload = [r for r in records if not (r["event"] == "unload" and r["adapter_version"] == 1)]
+    assert any("adapter_live: engine engine: p: 3 versions servable" in m for m in names(check_adapter_moves(no_unload)))
+    late = [{**requests[0], "token_seqs": [*requests[0]["token_seqs"][:-1], 10_000]}]
+    assert any("under p v1, unloaded at" in m for m in names(check_adapter_served(records, late)))
+    early = [{**requests[2], "token_seqs": [0, *requests[2]["token_seqs"][1:]]}]
+    assert any("token at 0 under p v3, published at" in m for m in names(check_adapter_served(records, early)))
