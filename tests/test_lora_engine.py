@@ -30,7 +30,9 @@ def _engine(model: Any, **kwargs: Any) -> EngineCore:
     """An engine serving the HF model's weights, loaded by hand (begin, load, finalize, publish);
     a model PEFT wrapped in place gives its base weights."""
     core = EngineCore(ModelConfig.from_hf(model.config), seed=0, **kwargs)
-    sd = {n.replace(".base_layer.", "."): t.detach().clone() for n, t in model.state_dict().items() if ".lora_" not in n}
+    sd = {
+        n.replace(".base_layer.", "."): t.detach().clone() for n, t in model.state_dict().items() if ".lora_" not in n
+    }
     plan = plan_buckets([TensorMeta.of(n, t) for n, t in sd.items()], 64 << 10)
     core.pause("abort")
     core.begin(plan)
@@ -266,7 +268,9 @@ def test_the_adapter_invariants_pass_a_real_history_and_name_each_tampering() ->
     no_complete = [r for r in records if not (r["event"] == "complete" and r["adapter_version"] == 3)]
     assert any("p v3: publish before its load was complete" in m for m in names(check_adapter_moves(no_complete)))
     no_unload = [r for r in records if not (r["event"] == "unload" and r["adapter_version"] == 1)]
-    assert any("adapter_live: engine engine: p: 3 versions servable" in m for m in names(check_adapter_moves(no_unload)))
+    assert any(
+        "adapter_live: engine engine: p: 3 versions servable" in m for m in names(check_adapter_moves(no_unload))
+    )
     late = [{**requests[0], "token_seqs": [*requests[0]["token_seqs"][:-1], 10_000]}]
     assert any("under p v1, unloaded at" in m for m in names(check_adapter_served(records, late)))
     early = [{**requests[2], "token_seqs": [0, *requests[2]["token_seqs"][1:]]}]

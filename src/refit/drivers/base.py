@@ -457,6 +457,14 @@ class EngineDriver(ABC):
                              copy, leaving the served weights exactly as they were. Its probe
                              reports "staging_bytes" (what a copy needs), "free_bytes" (None:
                              unknown) and "pool" (engines naming one pool share that memory).
+      LoRA refits            (`serves_adapters`) as an atomic run with `stage(plan, kind, adapter)`:
+                             ({"name", "version", "r", "lora_alpha", "target_modules",
+                             "use_rslora", "dtype", "max_live"}) opens a new version of that
+                             adapter beside the live ones; loads, finalize and verify act on it;
+                             `publish(version)` makes it the version new requests naming the
+                             adapter get (requests pinned to older ones keep theirs; an older
+                             one is unloaded once none uses it); nothing pauses, flushes or
+                             swaps. `probe(version, adapter)` reports the adapter's live version.
       abort before pausing   `release_memory(["weights"])` (colocated): give back what OFFLOADING
                              took, so the engine is as it was before the run.
       disconnect             `detach()`.
@@ -479,7 +487,8 @@ class EngineDriver(ABC):
     `holds_requests` (`quarantine(reason, keep_requests=True)` keeps its requests waiting instead
     of ending them: the version policy's hold of an engine merely behind; without it a hold ends
     them as a quarantine does); `stages` (atomic runs: `stage`, `swap`, `discard`; otherwise
-    the runner refuses `atomic=True`, with `no_stage` as the reason).
+    the runner refuses `atomic=True`, with `no_stage` as the reason); `serves_adapters` (LoRA
+    refits: versions of an adapter loaded at runtime, chosen per request).
     """
 
     supports_in_place_pause: ClassVar[bool] = False
@@ -493,6 +502,7 @@ class EngineDriver(ABC):
     probes: ClassVar[bool] = False
     holds_requests: ClassVar[bool] = False
     stages: ClassVar[bool] = False
+    serves_adapters: ClassVar[bool] = False
     no_stage: ClassVar[str | None] = None  # why `stages` is False, for the refusal
     no_digests: ClassVar[str | None] = None  # why `digest_kinds` is empty, for the refusal (optional)
 

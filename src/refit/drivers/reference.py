@@ -17,6 +17,9 @@ Lifecycle, per state (each is one step, answered when done):
                           the reply is the acknowledgement
   POST_PROCESSING         finalize(): completeness check + post-load processing, closes session
   CONTINUING              publish(version), continue_generation()
+  LoRA refits             as atomic runs: stage(plan, digest, adapter) opens a new version of the
+                          adapter (`EngineCore.begin(adapter=...)`), loads fill it, finalize checks
+                          it whole, verify hashes it, publish makes it live; never paused
   RESTORING (colocated)   resume_memory(["kv_cache"])
   QUARANTINING            quarantine(reason): aborts queued work, refuses to serve until a
                           complete refit publishes a new version
@@ -61,6 +64,7 @@ class ReferenceEngine(EngineDriver):
     transports = frozenset({"shm", "broadcast", "ipc", "sglang_tensor"})
     holds_requests = True  # a hold keeps its requests waiting (quarantine(reason, keep_requests=True))
     stages = True  # atomic runs: a second copy written while generating (`EngineCore.begin(staged=True)`)
+    serves_adapters = True  # LoRA refits: adapter versions side by side (`refit.reference.lora`)
     digest_kinds = frozenset({"xxh3", "wsum"})
     probes = True
 
@@ -230,8 +234,8 @@ class ReferenceEngine(EngineDriver):
         _WATCHDOG.at(end, expire)
         return out
 
-    def probe(self, target_version: int, *, timeout: float) -> dict[str, Any]:
-        return self.client.call("probe", target_version, timeout=timeout)
+    def probe(self, target_version: int, adapter: str | None = None, *, timeout: float) -> dict[str, Any]:
+        return self.client.call("probe", target_version, adapter, timeout=timeout)
 
     def resume_memory(self, tags: Sequence[str], *, timeout: float) -> dict[str, Any]:
         return self.client.call("resume_memory", list(tags), timeout=timeout)
@@ -251,8 +255,15 @@ class ReferenceEngine(EngineDriver):
     def begin(self, plan: Sequence[BucketManifest], digest: str | None = None, *, timeout: float) -> None:
         self.client.call("begin", list(plan), digest, timeout=timeout)
 
-    def stage(self, plan: Sequence[BucketManifest], digest: str | None = None, *, timeout: float) -> None:
-        self.client.call("stage", list(plan), digest, timeout=timeout)
+    def stage(
+        self,
+        plan: Sequence[BucketManifest],
+        digest: str | None = None,
+        adapter: dict[str, Any] | None = None,
+        *,
+        timeout: float,
+    ) -> None:
+        self.client.call("stage", list(plan), digest, adapter, timeout=timeout)
 
     def swap(self, *, timeout: float) -> None:
         self.client.call("swap", timeout=timeout)
@@ -291,17 +302,31 @@ class ReferenceEngine(EngineDriver):
     # ---- serving and inspection -------------------------------------------------------------
 
     def generate(
-        self, prompt: Sequence[int], max_new_tokens: int, *, timeout: float = DEFAULT_TIMEOUT
+        self,
+        prompt: Sequence[int],
+        max_new_tokens: int,
+        *,
+        adapter: str | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
     ) -> dict[str, Any]:
-        """Submit and wait for the finished request (output tokens, versions, cache stats)."""
-        return self.client.call("generate", list(prompt), max_new_tokens, timeout=timeout)
+        """Submit and wait for the finished request (output tokens, versions, cache stats).
+        `adapter`: a loaded LoRA adapter's name: the request is pinned to its live version."""
+        if adapter is None:
+            return self.client.call("generate", list(prompt), max_new_tokens, timeout=timeout)
+        return self.client.call("generate", list(prompt), max_new_tokens, adapter, timeout=timeout)
 
-    def submit(self, prompt: Sequence[int], max_new_tokens: int) -> Any:
+    def submit(self, prompt: Sequence[int], max_new_tokens: int, *, adapter: str | None = None) -> Any:
         """Start a request and return a Future of its result, without waiting."""
-        return self.client.call_async("generate", list(prompt), max_new_tokens)
+        if adapter is None:
+            return self.client.call_async("generate", list(prompt), max_new_tokens)
+        return self.client.call_async("generate", list(prompt), max_new_tokens, adapter)
 
-    def score(self, tokens: Sequence[int], *, timeout: float = DEFAULT_TIMEOUT) -> torch.Tensor:
-        return self.client.call("score", list(tokens), timeout=timeout)
+    def score(
+        self, tokens: Sequence[int], *, adapter: str | None = None, timeout: float = DEFAULT_TIMEOUT
+    ) -> torch.Tensor:
+        if adapter is None:
+            return self.client.call("score", list(tokens), timeout=timeout)
+        return self.client.call("score", list(tokens), adapter, timeout=timeout)
 
     def state_dict(self, *, timeout: float = DEFAULT_TIMEOUT) -> dict[str, torch.Tensor]:
         return self.client.call("state_dict", timeout=timeout)

@@ -16,7 +16,9 @@ loads and finalizes again.
                   before its commit point publishes nothing; published versions strictly
                   increase; an engine whose weights changed or were lost is continued only after
                   it published; in an atomic run, only after its staged copy was swapped in, after
-                  its finalize. (Audit: no version label while the weights are not finalized.)
+                  its finalize (a LoRA refit's publish is its switch: the staged adapter version goes
+                  live, no swap; `refit.invariants.adapters` checks the versions engine-side).
+                  (Audit: no version label while the weights are not finalized.)
   finalize_once   per engine and attempt: one finalize iff its begin (or stage) succeeded (at most one when
                   the engine died or hung), after its last load, and no load after it.
                   (Audit: one finalize per update session.)
@@ -119,6 +121,11 @@ def _begins(events: Iterable[Event], engine: str, attempt: int | None = None) ->
 def _atomic(events: Sequence[Event]) -> bool:
     """The run stages its updates into copies that only a swap serves (`RefitContext.atomic`)."""
     return _start(events).get("atomic") is True
+
+
+def _adapter(events: Sequence[Event]) -> bool:
+    """A LoRA refit: staged into a new adapter version, which its publish makes live (no swap)."""
+    return isinstance(_start(events).get("adapter"), dict)
 
 
 def _attempts(events: Sequence[Event], engine: str) -> list[int]:
@@ -299,7 +306,7 @@ def check_version(events: Sequence[Event]) -> list[Violation]:
         before = [e for e in events if e["seq"] < p["seq"]]
         for problem in commit_gate(before, [p["engine"]], n):
             out.append(_v("version", f"published before its refit was complete: {problem}", p, events))
-        if _atomic(events) and p.get("outcome") == "ok":
+        if _atomic(events) and not _adapter(events) and p.get("outcome") == "ok":
             a = p.get("attempt", 0)
             fins = _ok(_calls(before, "finalize", engine=p["engine"], attempt=a))
             swaps = [

@@ -218,6 +218,7 @@ class RefitContext:
         self.check_max_staleness()
         self.check_kv()
         self.check_atomic()
+        self.check_adapter()
         if isinstance(self.version, bool) or not isinstance(self.version, int) or self.version < 0:
             raise ConfigError(f"version must be an integer >= 0, got {self.version!r}")
         from refit.verify import DIGEST_POINTS, VERIFY_MODES
@@ -257,6 +258,44 @@ class RefitContext:
             raise ConfigError(
                 "atomic=True writes the new weights into a second copy while generation goes on, and these engines "
                 f"cannot: {reasons}; use atomic=False (pause_mode 'retract' holds requests and continues them)"
+            )
+
+    @property
+    def adapter(self) -> dict[str, Any] | None:
+        """A LoRA refit's adapter ({"name", "r", "lora_alpha", "target_modules", "use_rslora",
+        "dtype"}) when the source moves one (`LoraSource`), else None."""
+        found = getattr(self.source, "adapter", None)
+        return dict(found) if isinstance(found, dict) else None
+
+    @property
+    def staged(self) -> bool:
+        """The run writes what it moves where nothing serves it until its switch: an atomic run's
+        copy of the weights, or a LoRA refit's new adapter version."""
+        return self.atomic or self.adapter is not None
+
+    @property
+    def max_live(self) -> int | None:
+        """A LoRA refit: how many versions of the adapter an engine serves at once (max_staleness + 1)."""
+        return None if self.max_staleness is None else self.max_staleness + 1
+
+    def check_adapter(self) -> None:
+        """A LoRA refit against the mode, the verify mode and the engines (all may change between runs)."""
+        if self.adapter is None:
+            return
+        if self.mode == "colocated":
+            raise ConfigError(
+                "a LoRA refit loads the new adapter version beside the ones requests use while generation goes on; "
+                "a colocated refit gives the engines' memory to the trainer: use mode='disaggregated'"
+            )
+        if self.verify in ("probe", "both"):
+            raise ConfigError(
+                f"verify={self.verify!r}: a LoRA refit verifies by digest ('digest') or not at all ('off')"
+            )
+        unable = [e.name for e in self.engines if not getattr(e, "serves_adapters", False)]
+        if unable:
+            raise ConfigError(
+                f"a LoRA refit needs engines that load adapters at runtime (EngineDriver.serves_adapters); "
+                f"{', '.join(unable)} cannot"
             )
 
     def check_max_staleness(self) -> None:
@@ -374,6 +413,7 @@ class RefitContext:
             "mode": self.mode,
             "pause_mode": self.pause_mode,
             "atomic": self.atomic,
+            "adapter": self.adapter,
             "bucket_bytes": self.bucket_bytes,
             "deadline_s": self.deadline_s,
             "cleanup_grace_s": self.cleanup_grace_s,

@@ -104,8 +104,9 @@ class Engine:
 class Ledger:
     """Per engine and per run: no I/O. `version` is the version the run refits to."""
 
-    def __init__(self, version: int, engines: Sequence[Engine]) -> None:
+    def __init__(self, version: int, engines: Sequence[Engine], *, adapter: bool = False) -> None:
         self.version = version
+        self.adapter = adapter  # a LoRA refit: a publish makes the staged adapter version live (`activate`)
         self.engines = list(engines)
         self.plan: list[BucketManifest] = []
         self.ahead: list[str] = []  # engines found at or past the target version
@@ -183,7 +184,7 @@ class Ledger:
         elif call == "verify":
             return self._verified(e, step, value)
         elif call == "publish":
-            e.position.fire(EV.PUBLISH)
+            e.position.fire(EV.ACTIVATE if self.adapter and e.state in UNPAUSED_STAGED else EV.PUBLISH)
             e.weights.fire(WE.LABEL)
         elif call == "continue_generation":
             if e.must_not_serve:  # a driver bug the table would not see: never report it as clean
@@ -341,6 +342,8 @@ class Ledger:
         if not e.reachable or e.state in (E.SERVING, E.QUARANTINED, E.STALE):
             return []
         kv_steps = [Step("resume_memory", kv, (["kv_cache"],))] if colocated else []
+        if e.state in UNPAUSED_STAGED and e.weights.state != W.KEPT:  # a LoRA refit's publish failed: which
+            return [Step("quarantine", quarantine, (reason,))]  # adapter version it serves is unknown
         if e.state in UNPAUSED_STAGED or e.state == E.PAUSED_STAGED:  # atomic: its copy will not be served
             paused = e.state == E.PAUSED_STAGED
             if paused and e.must_not_serve:

@@ -111,7 +111,9 @@ class _Run(Recording):
         caps = [(bool(getattr(d, "begin_moves_weights", False)), bool(getattr(d, "holds_requests", False)))
                 for d in ctx.engines]  # fmt: skip
         self.ledger = Ledger(
-            self.version, [Engine(i, d.name, d.tp_size, d.name, None, *caps[i]) for i, d in enumerate(ctx.engines)]
+            self.version,
+            [Engine(i, d.name, d.tp_size, d.name, None, *caps[i]) for i, d in enumerate(ctx.engines)],
+            adapter=ctx.adapter is not None,
         )
         self.engines = self.ledger.engines
         self.trainer = FactMachine("trainer")
@@ -145,7 +147,7 @@ class _Run(Recording):
     def execute(self) -> None:
         ctx = self.ctx
         self.prepare()
-        if ctx.atomic:
+        if ctx.staged:
             self.execute_atomic()
             return
         state = "OFFLOADING" if ctx.colocated else "CONNECTING"
@@ -189,10 +191,10 @@ class _Run(Recording):
         self.enter(T.CONNECT)
         members = self.engines
         self.topology = self.session.topology
-        self.wave({e: [Step("probe", "CONNECTING", (self.version,))] for e in members})
+        self.wave({e: [self.probe_step("CONNECTING")] for e in members})
         self.check_probes()
         self.require_engines("after the probe")
-        problems = self.ledger.staging_problems()
+        problems = [] if self.ctx.adapter is not None else self.ledger.staging_problems()
         if problems:
             raise RefitError(
                 "atomic refit refused before connect, nothing moved: " + "; ".join(problems)
@@ -226,7 +228,7 @@ class _Run(Recording):
             if self.session.connection.state == Connection.BROKEN or self.group_differs(retry):
                 self.enter(T.RECONNECT)
                 self.connect(retry, "RECONNECTING")
-            if ctx.atomic:
+            if ctx.staged:
                 self.enter(T.RESTAGE)
                 again = {e: [*([Step("discard", "STAGING")] if e.state == E.STRANDED else []), self.begin_step(e)]
                          for e in retry if e.active}  # fmt: skip
@@ -242,8 +244,17 @@ class _Run(Recording):
         """INVALIDATING's `begin(plan)`; with the digest kind as well where the engine hashes what
         it writes (`written_digests`) and the run verifies at the write (`digest_point`)."""
         kind = self.written_kind[e.index]
+        adapter = self.ctx.adapter
+        if adapter is not None:  # a LoRA refit: into a new version of the adapter (`EngineDriver.stage`)
+            spec = {**adapter, "version": self.version, "max_live": self.ctx.max_live}
+            return Step("stage", "STAGING", (self.plan, kind, spec))
         call, state = ("stage", "STAGING") if self.ctx.atomic else ("begin", "INVALIDATING")
         return Step(call, state, (self.plan,) if kind is None else (self.plan, kind))
+
+    def probe_step(self, state: str) -> Step:
+        """The probe: the target version, and in a LoRA refit the adapter whose version it reads."""
+        adapter = self.ctx.adapter
+        return Step("probe", state, (self.version,) if adapter is None else (self.version, adapter["name"]))
 
     def group_differs(self, engines: list[Engine]) -> bool:
         """A collective group is all-or-nothing per bucket: an attempt streams through it only when
@@ -623,7 +634,7 @@ class _Run(Recording):
             raise self.ledger.first_error or DriverCallError(
                 "no engine completed the update", state=str(self.machine.state)
             )
-        self.enter(T.SWAP if ctx.atomic else T.PUBLISH)
+        self.enter(T.SWAP if ctx.atomic and ctx.adapter is None else T.PUBLISH)
         for e in ready:
             problems = invariants.commit_gate(
                 self.events, [e.name], len(self.plan), attempt=e.attempt, verified=self.verifying
@@ -633,8 +644,9 @@ class _Run(Recording):
         kv = [Step("resume_memory", "RESTORING", (["kv_cache"],))] if ctx.colocated else []
         # atomic: generation stops only for this wave; the cache is flushed while paused, before the swap
         swap = [Step("pause", "SWAPPING", (ctx.pause_mode,)), Step("flush", "SWAPPING"), Step("swap", "SWAPPING")]
+        # a LoRA refit: its publish is the switch (new requests get the version; nothing pauses)
         publish = [
-            *(swap if ctx.atomic else []), Step("publish", "CONTINUING", (self.version,)),
+            *(swap if ctx.atomic and ctx.adapter is None else []), Step("publish", "CONTINUING", (self.version,)),
             Step("continue_generation", "CONTINUING"), *kv,
         ]  # fmt: skip
         plan: dict[Engine, list[Step]] = {}
@@ -705,7 +717,7 @@ class _Run(Recording):
         self._settle_wave({e: self.owed(e, cont, quarantine, kv=cont) for e in self.engines if e not in later}, cleanup)
         if later:
             self._settle_wave({e: self.owed(e, cont, quarantine, kv=cont) for e in later}, True)
-        if self.ctx.atomic:
+        if self.ctx.staged:
             self.hold_hung(quarantine)
 
     def hold_hung(self, state: str) -> None:
@@ -844,7 +856,7 @@ def _lead(ctx: RefitContext) -> RefitResult:
     r.emit(
         "run", "start", previous_version=r.previous_version, owner=r.owner, engines=[e.name for e in r.engines],
         incarnations=[e.incarnation for e in r.engines], engine_tp=[e.tp for e in r.engines], mode=ctx.mode,
-        max_staleness=ctx.max_staleness, kv=ctx.kv, atomic=ctx.atomic or None,
+        max_staleness=ctx.max_staleness, kv=ctx.kv, atomic=ctx.staged or None, adapter=ctx.adapter,
         pause_mode=ctx.pause_mode, bucket_bytes=ctx.bucket_bytes, deadline_s=ctx.deadline_s,
         cleanup_grace_s=ctx.cleanup_grace_s, retries=ctx.retries, call_timeout_s=ctx.call_timeout_s, verify=ctx.verify,
         digest=r.digest_kind, digest_point=ctx.digest_point, layout_heads=True, colocated_ride=ctx.colocated_ride,

@@ -268,6 +268,7 @@ class _Session:
     written: Any = None  # `refit.wsum.Written`: the served tensors hashed as they are written (begin's digest)
     deferred: list[tuple[str, torch.Tensor]] = field(default_factory=list)  # late_copy: views copied at finalize
     staged: bool = False  # into a second copy of the weights while the first is served (`swap` serves it)
+    adapter: str | None = None  # a LoRA refit: into a staged version of this adapter (publish serves it)
 
 
 @dataclass
@@ -371,6 +372,7 @@ class EngineCore:
         self.cache = PrefixCache()
         # LoRA adapters, several versions live; each version keeps its own prefix cache
         self.lora = lora.AdapterTable(config, self.device, self.record, lambda: self.tokens_sampled)
+        self._adapter_ready: str | None = None  # a LoRA refit's adapter, finalized whole: publish serves it
         self.max_running = max_running
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -531,7 +533,13 @@ class EngineCore:
         if self.weights_released:
             raise EngineError("weights_released", "weight memory is released; resume it first")
 
-    def begin(self, plan: Sequence[BucketManifest] | None, digest: str | None = None, staged: bool = False) -> None:
+    def begin(
+        self,
+        plan: Sequence[BucketManifest] | None,
+        digest: str | None = None,
+        staged: bool = False,
+        adapter: dict[str, Any] | None = None,
+    ) -> None:
         """Open a weight-update session for `plan`, validated whole against the model first. With
         `plan=None` (an engine API whose session names no plan, as SGLang's begin_weight_update),
         each bucket is validated on arrival and finalize cannot check completeness. `digest="wsum"`
@@ -539,12 +547,17 @@ class EngineCore:
         fused into the copy, so `verify` reads back only what was not written whole. `staged`
         (atomic refits): the session writes a second copy of the weights, made now from the served
         one, while generation goes on serving the first; finalize and verify act on the copy, `swap`
-        serves it, `discard` drops it (`staging_bytes` of memory while it lives)."""
+        serves it, `discard` drops it (`staging_bytes` of memory while it lives). `adapter` (a LoRA
+        refit: {"name", "version", the spec's fields, "dtype", "max_live"}): the session writes a new
+        version of that adapter instead (`_begin_adapter`)."""
         if self.session is not None:
             raise EngineError("session_open", "a weight-update session is already open; finalize it first")
         if self._live is not None:
             raise EngineError("staged", "a staged copy of the weights is held; swap or discard it first")
         self._require_weights()
+        if adapter is not None:
+            self._begin_adapter(plan, adapter)
+            return
         if staged and plan is None:
             raise EngineError("bad_request", "a staged session needs its plan (what it writes is checked whole first)")
         self.load_host_s = dict.fromkeys(LOAD_HOST_PARTS, 0.0)
@@ -615,14 +628,74 @@ class EngineCore:
             shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
             raise EngineError("bad_manifest", shown)
 
-    def stage(self, plan: Sequence[BucketManifest], digest: str | None = None) -> None:
-        """`begin(plan, digest, staged=True)`: the atomic refit's session into a second copy."""
-        self.begin(plan, digest, staged=True)
+    def _begin_adapter(self, plan: Sequence[BucketManifest] | None, adapter: dict[str, Any]) -> None:
+        """A LoRA refit's session: stage the version (`stage_adapter`), then check the plan against
+        its spec whole (every tensor of the spec once, its shape and dtype, nothing else) before any
+        byte; refused plans discard the staged version. Loads fill it; finalize checks it complete;
+        verify hashes it; publish makes it live; discard drops it. The served weights never change."""
+        if plan is None:
+            raise EngineError("bad_request", "a LoRA refit's session needs its plan")
+        try:
+            name, version = str(adapter["name"]), int(adapter["version"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise EngineError("bad_request", f"adapter {adapter!r}: needs a name and a version") from exc
+        self.stage_adapter(name, version, adapter, adapter.get("dtype"), max_live=adapter.get("max_live"))
+        staged = self.lora.staged(name)
+        assert staged is not None
+        problems, seen = [], set()
+        for manifest in plan:
+            for entry in manifest.entries:
+                meta, want = entry.meta, staged.shapes.get(entry.meta.name)
+                if want is None:
+                    problems.append(f"{meta.name!r} is not a tensor of adapter {name!r} (r={staged.spec.r}, "
+                                    f"targets {list(staged.spec.targets)})")  # fmt: skip
+                elif meta.name in seen:
+                    problems.append(f"duplicate tensor {meta.name!r}")
+                elif tuple(meta.shape) != want or meta.dtype != dtype_name(staged.dtype):
+                    problems.append(f"{meta.name}: {meta.dtype}{list(meta.shape)} != adapter "
+                                    f"{dtype_name(staged.dtype)}{list(want)}")  # fmt: skip
+                seen.add(meta.name)
+        missing = [n for n in staged.shapes if n not in seen]
+        if missing:
+            problems.append(f"{len(missing)} tensors of the adapter missing from the plan, first {missing[0]!r}")
+        if problems:
+            self.lora.discard(name, reason="its plan was refused")
+            shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+            raise EngineError("bad_manifest", shown)
+        self.load_host_s = dict.fromkeys(LOAD_HOST_PARTS, 0.0)
+        self.session = _Session(plan={m.index: m for m in plan}, staged=True, adapter=name)
+        self._adapter_ready = None
+        self.sessions += 1
+        self.ready_to_publish = False
 
-    def probe(self, target_version: int) -> dict[str, Any]:
+    def stage(
+        self, plan: Sequence[BucketManifest], digest: str | None = None, adapter: dict[str, Any] | None = None
+    ) -> None:
+        """`begin(plan, digest, staged=True)`: the atomic refit's session into a second copy (or,
+        with `adapter`, a LoRA refit's into a new version of that adapter)."""
+        self.begin(plan, digest, staged=True, adapter=adapter)
+
+    def probe(self, target_version: int, adapter: str | None = None) -> dict[str, Any]:
         """The engine's own account before a refit: its version, whether it serves, and any update
         session a crashed run left open (voided here: its weights are then unnamed until a refit
-        completes). Refuses, changing nothing, when it already holds `target_version` or newer."""
+        completes). Refuses, changing nothing, when it already holds `target_version` or newer.
+        `adapter` (a LoRA refit): the version is that adapter's live one (0: none is loaded), and a
+        staged version a crashed run left is discarded."""
+        if adapter is not None:
+            live = self.lora.live(adapter)
+            held = 0 if live is None else live.version
+            if held >= target_version:
+                raise EngineError(
+                    "version_ahead", f"adapter {adapter!r} is at version {held}, the refit targets {target_version}",
+                    {"version": held},
+                )  # fmt: skip
+            closed = self.session is not None
+            if closed:
+                self.session = None
+                self.ready_to_publish = False
+            dropped = self.discard()["discarded"]
+            return {"version": held, "serving": self.quarantined is None, "closed_session": closed,
+                    "discarded_staged": dropped}  # fmt: skip
         if self.version >= target_version:
             raise EngineError(
                 "version_ahead",
@@ -694,7 +767,15 @@ class EngineCore:
 
     def discard(self) -> dict[str, bool]:
         """Drop the staged copy and its session (a failed atomic refit): generation never stopped
-        serving the old weights, which stay served, clean and named as before."""
+        serving the old weights, which stay served, clean and named as before. A LoRA refit's staged
+        adapter version likewise (the live versions serve on)."""
+        adapters = [n for n in list(self.lora.versions) if self.lora.discard(n, reason="discarded")]
+        if adapters:
+            if self.session is not None and self.session.adapter is not None:
+                self.session = None
+            self._adapter_ready = None
+            self.ready_to_publish = False
+            return {"discarded": True}
         if self._live is None:
             return {"discarded": False}
         self.params, self.head_serving = self._live
@@ -789,6 +870,12 @@ class EngineCore:
         stable_views`): its checked copies are kept and rerun for that very list. `cast`: see
         `check_load`."""
         self.check_load(manifest, cast=cast)
+        session = self.session
+        assert session is not None
+        if session.adapter is not None:  # a LoRA refit: into the staged adapter version (checked there first)
+            self.lora.load(session.adapter, tensors)
+            session.loaded.add(manifest.index)
+            return
         program = self._programs.get(manifest.index)
         if (
             program is not None and program.manifest is manifest and expected is None and self.mangle is None
@@ -931,7 +1018,7 @@ class EngineCore:
         whose place is its whole, contiguous block of a parameter, of the entry's shape and dtype.
         Call after `check_load`. When any is offered the weights are marked dirty first (they are
         written outside `load`: a failed read leaves them no version's)."""
-        if not names or self.comm.size != 1 or self.weights_released or self.session is None:
+        if not names or self.comm.size != 1 or self.weights_released or self.session is None or self.session.adapter:
             return {}
         wanted = set(names)
         out = {}
@@ -1103,6 +1190,15 @@ class EngineCore:
         if session is None:
             raise EngineError("no_session", "finalize without an open weight-update session")
         self.session = None
+        if session.adapter is not None:  # a LoRA refit: the staged version checked whole (STAGED)
+            missing = sorted(set(session.plan or ()) - session.loaded)
+            if missing:
+                self.lora.discard(session.adapter, reason="finalized incomplete")
+                raise EngineError("incomplete", f"finalize after {len(session.loaded)} buckets; missing {missing}")
+            self.lora.complete(session.adapter)
+            self._adapter_ready = session.adapter
+            self.ready_to_publish = True
+            return {"post_processed": True, "adapter": session.adapter}
         if not session.loaded:
             return {"post_processed": False}
         missing = sorted(set(session.plan) - session.loaded) if session.plan is not None else []
@@ -1152,6 +1248,14 @@ class EngineCore:
             raise EngineError("session_open", "publish while a weight-update session is open")
         if not self.ready_to_publish:
             raise EngineError("not_ready", "publish without a complete, finalized update: the weights match no version")
+        if self._adapter_ready is not None:  # a LoRA refit: its version goes live (the base weights' label stays)
+            staged = self.lora.staged(self._adapter_ready)
+            if staged is None or staged.version != version:
+                raise EngineError("version", f"publish {version}: the staged adapter version is not that version")
+            self.lora.publish(self._adapter_ready)
+            self._adapter_ready = None
+            self.ready_to_publish = False
+            return
         if version <= self.version:
             raise EngineError("version", f"version {version} is not newer than the engine's {self.version}")
         self.version = version
@@ -1613,6 +1717,13 @@ class EngineCore:
         self._require_weights()
         t0 = time.perf_counter()
         out: dict[str, Any] = {"kind": kind}
+        if self._adapter_ready is not None:  # a LoRA refit: the staged version's tensors, as it will serve them
+            if probe is not None:
+                raise EngineError("unsupported", "the logprob probe of a staged adapter version is not served")
+            if kind is not None:
+                out["digests"], out["read_back"] = self._adapter_digests(kind, self._adapter_ready)
+            out["seconds"] = round(time.perf_counter() - t0, 6)
+            return out
         if kind is not None:
             out["digests"], out["read_back"] = self._digests(kind)
         if probe is not None:
@@ -1627,6 +1738,17 @@ class EngineCore:
             out["logprobs"] = answers
         out["seconds"] = round(time.perf_counter() - t0, 6)
         return out
+
+    def _adapter_digests(self, kind: str, name: str) -> tuple[dict[str, str], int]:
+        from refit.verify import Digests
+
+        staged = self.lora.staged(name)
+        assert staged is not None
+        batch = Digests(kind)
+        for tname in staged.shapes:
+            layer, proj, which = lora.parse_name(tname)
+            batch.add(tname, staged.weights[(layer, proj)][0 if which == "A" else 1])
+        return batch.results(), len(staged.shapes)
 
     def _digests(self, kind: str) -> tuple[dict[str, str], int]:
         """Each served tensor's digest, and how many were read back from memory (the rest were

@@ -389,8 +389,8 @@ class EngineServer:
             raise EngineError("bad_request", f"fault kind {kind!r} cannot act on this engine: {why}")
         self.armed[(call, bucket)] = (kind, float(seconds))
 
-    def _probe(self, target_version: int) -> dict[str, Any]:
-        return {**self.core.probe(target_version), "pid": os.getpid()}
+    def _probe(self, target_version: int, adapter: str | None = None) -> dict[str, Any]:
+        return {**self.core.probe(target_version, adapter), "pid": os.getpid()}
 
     def _ping(self) -> dict[str, Any]:
         return {"pid": os.getpid(), "name": self.name}

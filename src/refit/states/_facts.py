@@ -222,6 +222,7 @@ RANKS_TRANSITIONS: tuple[tuple[RanksEvent, tuple[Ranks, ...], Ranks], ...] = (
     (RanksEvent.STALL, (Ranks.ANSWERING, Ranks.STUCK), Ranks.STUCK),
 )
 
+
 class Adapter(StrEnum):
     STAGING = "STAGING"
     STAGED = "STAGED"

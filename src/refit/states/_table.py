@@ -33,6 +33,9 @@ not take the version others published and would serve one more than k versions b
 (STAGING, STAGED, STAGE_VERIFIED) while it keeps serving, pauses only with its copy ready
 (PAUSED_STAGED), and its weights change only at `swap` (SWAPPED); a copy that will not be served
 (STRANDED, or any staged position the run leaves) is discarded, back to where the engine was.
+A LoRA refit (`RefitContext` over a `LoraSource`) stages like an atomic run, into a new version of
+the adapter instead of a copy of the weights; its publish is its switch (`activate`: new requests
+get that version, those pinned to older ones keep theirs), so it never pauses, flushes or swaps.
 Facts that are not positions (whether its weights changed or were lost, why it left the attempt)
 are kept beside it; outcomes are derived from both.
 """
@@ -167,6 +170,7 @@ class EngineEvent(StrEnum):
     STAGE = "stage"  # a staged session opened (atomic runs)
     SWAP = "swap"  # the staged copy is served
     DISCARD = "discard"  # the staged copy is dropped: the served weights are as they were
+    ACTIVATE = "activate"  # a LoRA refit's publish: its staged adapter version goes live (nothing paused)
 
 
 E, EV = EngineState, EngineEvent
@@ -191,6 +195,9 @@ ENGINE_TRANSITIONS: tuple[tuple[EngineEvent, tuple[EngineState, ...], EngineStat
     (EV.DISCARD, (E.STAGING, E.STAGED, E.STAGE_VERIFIED, E.STRANDED), E.JOINED),  # never paused: as it was
     (EV.DISCARD, (E.PAUSED_STAGED,), E.PAUSED),
     (EV.PUBLISH, (E.FINALIZED, E.VERIFIED, E.SWAPPED), E.PUBLISHED),
+    # a LoRA refit: the staged version is a new adapter beside the ones requests use, so its publish
+    # is its switch: new requests get it, requests pinned to older versions keep theirs
+    (EV.ACTIVATE, (E.STAGED, E.STAGE_VERIFIED), E.PUBLISHED),
     (EV.CONTINUE, (E.PAUSED, E.PUBLISHED), E.SERVING),
     (EV.QUARANTINE, (E.JOINED, E.PAUSED, E.OPEN, E.FINALIZED, E.VERIFIED, E.PUBLISHED, *STAGED_STATES), E.QUARANTINED),
     (EV.HOLD, (E.JOINED, E.PAUSED), E.STALE),
