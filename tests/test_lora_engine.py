@@ -170,7 +170,7 @@ def test_a_request_keeps_its_version_while_a_newer_one_loads_and_publishes() -> 
     assert unload["seq"] > a["token_seqs"][-1]  # freed after its last token, not before
 
 
-def test_at_most_max_live_versions_serve_and_a_busy_oldest_refuses_the_next() -> None:
+def test_at_most_max_live_versions_serve_and_a_publish_waits_for_the_oldest_to_drain() -> None:
     model = hf_model("llama", torch.float32, seed=4)
     core = _engine(model, max_running=4)
     pm = _peft(model, seed=1)
@@ -178,21 +178,51 @@ def test_at_most_max_live_versions_serve_and_a_busy_oldest_refuses_the_next() ->
     _load(core, "p", 1, pm, max_live=2)
     pinned = core.submit([1, 2, 3], 40, adapter="p")
     core.step()
-    for version in (2,):
-        core.stage_adapter("p", version, spec)
-        core.load_adapter("p", weights)
-        core.publish_adapter("p")
+    _load(core, "p", 2, pm)  # 2 live: version 1 (retired, 1 request) and version 2
     assert sorted(core.info()["adapters"]["p"]) == ["1", "2"]
-    with pytest.raises(EngineError, match=r"2 versions live \(max 2\).*version 1, still has 1 requests") as info:
-        core.stage_adapter("p", 3, spec)
-    assert info.value.kind == "busy"
+    core.stage_adapter("p", 3, spec)  # staging is not serving: allowed beside them
+    core.load_adapter("p", weights)
+    core.lora.complete("p")
+    assert core.lora.drain("p") == {"ready": False, "pinned": 1, "going": [1]}
+    with pytest.raises(EngineError, match=r"more than 2 versions live; version 1 still has 1 requests") as info:
+        core.lora.publish("p")
+    assert info.value.kind == "busy" and info.value.no_effect
+    late = core.submit([4, 5], 4, adapter="p")  # the live version (2) is not going: new requests are admitted
     while core.has_work():
         core.step()
     assert core.result(pinned)["adapter_version"] == 1 and core.result(pinned)["finish_reason"] == "length"
-    core.stage_adapter("p", 3, spec)  # the oldest drained (freed at its last token): room now
+    assert core.result(late)["adapter_version"] == 2
+    assert core.lora.drain("p")["ready"]  # the oldest drained (freed at its last token)
+    core.lora.publish("p")
+    assert sorted(core.info()["adapters"]["p"]) == ["3"]  # version 2, retired with no request, freed at once
+
+
+def test_with_one_live_version_new_requests_wait_unpinned_until_the_publish() -> None:
+    """max_live 1 (max_staleness 0): the version to go is the live one, so while it drains new
+    requests naming the adapter wait (never pinned to it), then run under the new version."""
+    model = hf_model("llama", torch.float32, seed=8)
+    core = _engine(model, max_running=4)
+    pm = _peft(model, seed=1)
+    spec, weights = pm.peft_config["default"], _adapter(pm)
+    _load(core, "p", 1, pm, max_live=1)
+    old = core.submit([1, 2, 3], 10, adapter="p")
+    core.step()
+    core.stage_adapter("p", 2, spec)
     core.load_adapter("p", weights)
-    core.publish_adapter("p")
-    assert sorted(core.info()["adapters"]["p"]) == ["3"]
+    core.lora.complete("p")
+    assert core.lora.drain("p")["ready"] is False
+    new = core.submit([1, 2, 3], 4, adapter="p")
+    base = core.submit([1, 2, 3], 4)  # the base model and other adapters are not held
+    while core.has_work():
+        core.step()
+    assert core.result(old)["finish_reason"] == "length" and core.result(base)["finish_reason"] == "length"
+    assert core.result(new)["finish_reason"] is None and not core.has_work()  # waiting, unpinned
+    assert core.lora.drain("p") == {"ready": True, "pinned": 0, "going": [1]}
+    core.lora.publish("p")
+    while core.has_work():
+        core.step()
+    assert core.result(new)["adapter_version"] == 2 and core.result(new)["finish_reason"] == "length"
+    assert list(core.info()["adapters"]["p"]) == ["2"]
 
 
 def test_the_prefix_cache_is_kept_per_adapter_version() -> None:

@@ -464,7 +464,8 @@ class EngineDriver(ABC):
                              `publish(version)` makes it the version new requests naming the
                              adapter get (requests pinned to older ones keep theirs; an older
                              one is unloaded once none uses it); nothing pauses, flushes or
-                             swaps. `probe(version, adapter)` reports the adapter's live version.
+                             swaps. `probe(version, adapter)` reports the adapter's live version;
+                             DRAINING `drain()`: whether it may go live within max_staleness + 1.
       abort before pausing   `release_memory(["weights"])` (colocated): give back what OFFLOADING
                              took, so the engine is as it was before the run.
       disconnect             `detach()`.
@@ -570,6 +571,14 @@ class EngineDriver(ABC):
         from refit.errors import EngineError
 
         raise EngineError("unsupported", f"{type(self).__name__} has no staged sessions")
+
+    def drain(self, *, timeout: float) -> dict[str, Any]:
+        """LoRA refits (`serves_adapters`), DRAINING: {"ready": whether the finalized adapter
+        version may go live within max_staleness + 1 now, "pinned": requests still on the versions
+        it would push out}. Generation goes on; asked again until ready."""
+        from refit.errors import EngineError
+
+        raise EngineError("unsupported", f"{type(self).__name__} serves no adapters")
 
     def swap(self, *, timeout: float) -> None:
         """Atomic runs: serve the finalized staged copy (paused and flushed)."""

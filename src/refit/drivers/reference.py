@@ -268,6 +268,9 @@ class ReferenceEngine(EngineDriver):
     def swap(self, *, timeout: float) -> None:
         self.client.call("swap", timeout=timeout)
 
+    def drain(self, *, timeout: float) -> dict[str, Any]:
+        return self.client.call("drain", timeout=timeout)
+
     def discard(self, *, timeout: float) -> None:
         self.client.call("discard", timeout=timeout)
 

@@ -51,6 +51,7 @@ FAULT_CALLS: dict[str, frozenset[str]] = {
     "POST_PROCESSING": frozenset({"finalize"}),
     "VERIFYING": frozenset({"verify", "digests"}),
     "RECONNECTING": frozenset({"attach", "detach", "connect", "join", "disconnect"}),
+    "DRAINING": frozenset({"drain"}),  # LoRA refits
     "SWAPPING": frozenset({"pause", "flush", "swap"}),  # atomic runs
     "CONTINUING": frozenset(
         {"publish", "continue_generation", "quarantine", "release_memory", "detach", "disconnect", "discard"}

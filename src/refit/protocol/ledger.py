@@ -342,8 +342,6 @@ class Ledger:
         if not e.reachable or e.state in (E.SERVING, E.QUARANTINED, E.STALE):
             return []
         kv_steps = [Step("resume_memory", kv, (["kv_cache"],))] if colocated else []
-        if e.state in UNPAUSED_STAGED and e.weights.state != W.KEPT:  # a LoRA refit's publish failed: which
-            return [Step("quarantine", quarantine, (reason,))]  # adapter version it serves is unknown
         if e.state in UNPAUSED_STAGED or e.state == E.PAUSED_STAGED:  # atomic: its copy will not be served
             paused = e.state == E.PAUSED_STAGED
             if paused and e.must_not_serve:

@@ -37,6 +37,7 @@ An engine that will not swap has its copy discarded and goes on as it was.
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from collections import deque
 from collections.abc import Sequence
@@ -630,6 +631,9 @@ class _Run(Recording):
         poisoned ones are quarantined; one wave, with the trainer's restore alongside."""
         ctx = self.ctx
         ready = self.ledger.ready(verify=self.verifying)
+        if ready and ctx.adapter is not None and ctx.max_live is not None:
+            self.drain(ready)
+            ready = [e for e in ready if e.active]
         if not ready:
             raise self.ledger.first_error or DriverCallError(
                 "no engine completed the update", state=str(self.machine.state)
@@ -680,6 +684,37 @@ class _Run(Recording):
             ]
             if lacking:
                 self.wave({e: [Step("resume_memory", state, (["kv_cache"],))] for e in lacking})
+
+    def drain(self, engines: list[Engine]) -> None:
+        """DRAINING (a LoRA refit under a version policy): each engine says whether its staged
+        version may go live within max_staleness + 1 versions (`drain`: the versions it pushes out
+        have no request left; while the live one is among them, its new requests wait). Engines not
+        ready are asked again after a pause (2 ms, doubling to 50 ms) while generation goes on,
+        until every one is or the run's time is spent: one still not ready then leaves the attempt
+        (its staged version is discarded, the versions it has serve on)."""
+        self.enter(T.DRAIN)
+        waiting, pause = list(engines), 0.002
+        while waiting:
+            w = self.waves.start({e: [Step("drain", "DRAINING")] for e in waiting})
+            results = self.waves.wait(w)
+            still = []
+            for e in waiting:
+                for step, res in results.get(e, ()):
+                    self.apply(e, step, res, w.batch)
+                    if res.ok and e.active and not (isinstance(res.value, dict) and res.value.get("ready") is True):
+                        still.append((e, step, res.value))
+            if still and self.deadline.remaining() <= pause + 0.05:
+                for e, step, value in still:
+                    pinned = value.get("pinned") if isinstance(value, dict) else None
+                    self.drop(e, step, NoTimeLeft(
+                        f"engine {e.name}: the versions its publish would push past max_staleness + 1 still had "
+                        f"{pinned} requests when the run's time ran out"
+                    ))  # fmt: skip
+                return
+            waiting = [e for e, _, _ in still]
+            if waiting:
+                time.sleep(pause)
+                pause = min(2 * pause, 0.05)
 
     def owed(self, e: Engine, cont: str, quarantine: str, *, kv: str) -> list[Step]:
         reason = f"refit to version {self.version} (run {self.run_id}) did not complete on this engine"

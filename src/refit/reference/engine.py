@@ -198,7 +198,8 @@ class Request:
     stale_kv_tokens: int = 0
     cached_tokens: int = 0
     num_retractions: int = 0
-    adapter: Any = None  # the LoRA adapter version it is pinned to (`lora.AdapterVersion`), or None
+    adapter_name: str | None = None  # the LoRA adapter it asked for (None: the base model)
+    adapter: Any = None  # the version it was pinned to when admitted (`lora.AdapterVersion`)
     seqs: list[int] = field(default_factory=list)  # the engine's token counter at each of its tokens
 
     def to_dict(self) -> dict[str, Any]:
@@ -213,7 +214,7 @@ class Request:
             "stale_kv_tokens": self.stale_kv_tokens,
             "cached_tokens": self.cached_tokens,
             "num_retractions": self.num_retractions,
-            "adapter": None if self.adapter is None else self.adapter.name,
+            "adapter": self.adapter_name,
             "adapter_version": None if self.adapter is None else self.adapter.version,
             "token_seqs": self.seqs,
         }
@@ -1308,6 +1309,13 @@ class EngineCore:
         v = self.lora.publish(name)
         return {"adapter": name, "version": v.version, "live": [x.version for x in self.lora.servable(name)]}
 
+    def drain(self) -> dict[str, Any]:
+        """A LoRA refit, finalized: whether its version may be published within `max_live` now
+        (`AdapterTable.drain`); generation goes on either way."""
+        if self._adapter_ready is None:
+            raise EngineError("not_ready", "drain without a finalized LoRA refit")
+        return self.lora.drain(self._adapter_ready)
+
     def discard_adapter(self, name: str, reason: str = "discarded") -> dict[str, bool]:
         return {"discarded": self.lora.discard(name, reason=reason)}
 
@@ -1442,8 +1450,9 @@ class EngineCore:
     # ---- requests ---------------------------------------------------------------------------
 
     def submit(self, prompt: Sequence[int], max_new_tokens: int, adapter: str | None = None) -> int:
-        """Queue a request; `adapter`: the name of a loaded LoRA adapter, whose live version the
-        request is pinned to until its last token (EngineError if no version of it is live)."""
+        """Queue a request; `adapter`: the name of a loaded LoRA adapter (EngineError if no version
+        of it is live): the request is pinned to its live version when admitted, until its last
+        token (while a publish waits for the version it pushes out to drain, it waits unpinned)."""
         if self.quarantined:
             raise EngineError("quarantined", f"engine is quarantined ({self.quarantined})")
         c = self.config
@@ -1451,8 +1460,9 @@ class EngineCore:
             raise EngineError("bad_request", f"prompt must be non-empty token ids in [0, {c.vocab_size})")
         if max_new_tokens < 1 or len(prompt) + max_new_tokens > c.max_seq_len:
             raise EngineError("bad_request", f"prompt + max_new_tokens exceeds max_seq_len {c.max_seq_len}")
-        pinned = None if adapter is None else self.lora.pin(adapter)
-        req = Request(next(self._rids), list(prompt), max_new_tokens, adapter=pinned)
+        if adapter is not None and self.lora.live(adapter) is None:
+            raise EngineError("bad_request", f"adapter {adapter!r} is not loaded (loaded: {self.lora.names()})")
+        req = Request(next(self._rids), list(prompt), max_new_tokens, adapter_name=adapter)
         self.requests[req.rid] = req
         self.waiting.append(req)
         return req.rid
@@ -1462,15 +1472,36 @@ class EngineCore:
             not self.paused
             and not self.weights_released
             and not self.kv_released
-            and bool(self.running or self.waiting)
+            and bool(self.running or any(self._admissible(r) for r in self.waiting))
         )
+
+    def _admissible(self, req: Request) -> bool:
+        """Not waiting for a publish: no adapter, pinned already (retracted), or its adapter admits."""
+        return req.adapter_name is None or req.adapter is not None or self.lora.admits(req.adapter_name)
+
+    def _admit(self) -> None:
+        """Waiting requests into the running set, in order, up to `max_running`; a request naming an
+        adapter is pinned to its live version now (one whose adapter is held waits, unpinned; one
+        whose adapter was unloaded meanwhile ends, "adapter_unloaded")."""
+        held: deque[Request] = deque()
+        while self.waiting and len(self.running) < self.max_running:
+            req = self.waiting.popleft()
+            if not self._admissible(req):
+                held.append(req)
+                continue
+            if req.adapter_name is not None and req.adapter is None:
+                if self.lora.live(req.adapter_name) is None:
+                    self._finish(req, "adapter_unloaded")
+                    continue
+                req.adapter = self.lora.pin(req.adapter_name)
+            self.running.append(req)
+        self.waiting.extendleft(reversed(held))
 
     def step(self) -> None:
         """Admit waiting requests, then advance every running request by one token."""
         if not self.has_work():
             return
-        while self.waiting and len(self.running) < self.max_running:
-            self.running.append(self.waiting.popleft())
+        self._admit()
         if not self.batch_decode:
             for req in list(self.running):
                 self._advance(req)

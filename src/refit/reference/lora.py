@@ -188,8 +188,10 @@ class AdapterVersion:
 class AdapterTable:
     """The adapters an engine holds, per name: at most one STAGING/STAGED version (the refit in
     progress), one LIVE, and RETIRED ones until the requests pinned to them finish. `max_live`
-    bounds LIVE + RETIRED per name (`max_staleness + 1`): a version that would exceed it is not
-    staged while the oldest retired one still has requests (the caller's error names them)."""
+    bounds LIVE + RETIRED per name (`max_staleness + 1`): a staged version is published only once
+    the versions it would push past the bound have no request left (`drain`); while the one to go
+    is the LIVE one (max_live 1), new requests naming the adapter wait unpinned (`held`), so it
+    drains, and are admitted under the new version once it is published."""
 
     def __init__(
         self, config: ModelConfig, device: torch.device, record: Callable[..., None], clock: Callable[[], int]
@@ -200,6 +202,7 @@ class AdapterTable:
         self._clock = clock  # the engine's tokens sampled so far: when each move happened, in tokens
         self.versions: dict[str, dict[int, AdapterVersion]] = {}
         self.max_live: int | None = None
+        self.held: set[str] = set()  # adapters whose new requests wait unpinned until a publish (`drain`)
         self.loads = 0  # adapter versions published so far
         self.unloads = 0
 
@@ -226,9 +229,8 @@ class AdapterTable:
 
     def stage(self, name: str, version: int, spec: LoraSpec, dtype: torch.dtype) -> AdapterVersion:
         """Open STAGING for `name` at `version` (a staged version of `name` not yet published is
-        discarded first). Refused (EngineError) for a version not newer than the live one, and
-        where the live + retired versions already fill `max_live` and the oldest of them still has
-        requests pinned to it."""
+        discarded first). Refused (EngineError) for a version not newer than the live one.
+        Generation goes on: a staged version is not servable (`drain` bounds those at publish)."""
         if not name or not isinstance(name, str):
             raise EngineError("bad_request", f"adapter name {name!r}: a non-empty string")
         self.collect()
@@ -240,15 +242,6 @@ class AdapterTable:
             raise EngineError(
                 "bad_request", f"adapter {name!r} version {version}: not newer than the live version {live.version}"
             )
-        servable = self.servable(name)
-        if self.max_live is not None and len(servable) >= self.max_live:
-            oldest = min(servable, key=lambda v: v.version)
-            if oldest.pinned:
-                raise EngineError(
-                    "busy",
-                    f"adapter {name!r}: {len(servable)} versions live (max {self.max_live}) and the oldest, "
-                    f"version {oldest.version}, still has {oldest.pinned} requests pinned to it",
-                )
         v = AdapterVersion(name, version, spec, spec.shapes(self.config), dtype)
         self.versions.setdefault(name, {})[version] = v
         self._record("adapter", True, adapter=name, adapter_version=version, event="stage", state=str(v.state),
@@ -294,12 +287,45 @@ class AdapterTable:
         self._move(v, AdapterEvent.COMPLETE, nbytes=v.nbytes)
         return v
 
-    def publish(self, name: str) -> AdapterVersion:
-        """STAGED -> LIVE; the live one before it is RETIRED (unloaded at once if nothing is
-        pinned to it, and any retired one past `max_live` likewise)."""
+    def going(self, name: str) -> list[AdapterVersion]:
+        """The servable versions of `name` that publishing its staged one pushes past `max_live`
+        (oldest first): each must have no request left before that publish."""
+        servable = sorted(self.servable(name), key=lambda v: v.version)
+        if self.max_live is None:
+            return []
+        return servable[: max(0, len(servable) + 1 - self.max_live)]
+
+    def drain(self, name: str) -> dict[str, Any]:
+        """Whether the staged version of `name` may be published within `max_live` now: {"ready",
+        "pinned": the requests still on the versions it pushes out}. Not ready while the LIVE
+        version is among them: new requests naming `name` wait unpinned until the publish."""
         v = self.staged(name)
         if v is None or v.state != Adapter.STAGED:
             raise EngineError("not_ready", f"adapter {name!r}: no staged version was completed")
+        going = self.going(name)
+        pinned = sum(g.pinned for g in going)
+        if pinned and any(g.state == Adapter.LIVE for g in going):
+            self.held.add(name)
+        return {"ready": pinned == 0, "pinned": pinned, "going": [g.version for g in going]}
+
+    def admits(self, name: str) -> bool:
+        return name not in self.held
+
+    def publish(self, name: str) -> AdapterVersion:
+        """STAGED -> LIVE; the live one before it is RETIRED, and retired ones with no request left
+        are unloaded. Refused (changing nothing) while that would leave more than `max_live`
+        servable (`drain` says when it may)."""
+        v = self.staged(name)
+        if v is None or v.state != Adapter.STAGED:
+            raise EngineError("not_ready", f"adapter {name!r}: no staged version was completed")
+        busy = [g for g in self.going(name) if g.pinned]
+        if busy:
+            raise EngineError(
+                "busy",
+                f"adapter {name!r} version {v.version}: publishing it would leave more than {self.max_live} versions "
+                f"live; version {busy[0].version} still has {busy[0].pinned} requests",
+            )
+        self.held.discard(name)
         before = self.live(name)
         if before is not None:
             self._move(before, AdapterEvent.SUPERSEDE)
@@ -313,6 +339,7 @@ class AdapterTable:
         if v is None:
             return False
         v.weights.clear()
+        self.held.discard(name)
         self._move(v, AdapterEvent.DISCARD, reason=reason)
         del self.versions[name][v.version]
         if not self.versions[name]:

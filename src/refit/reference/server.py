@@ -79,13 +79,14 @@ AUDITED = frozenset(
     {
         "probe", "pause", "flush", "begin", "load", "finalize", "publish", "label_version", "continue_generation",
         "quarantine", "resume_memory", "release_memory", "abort_requests", "verify", "stage", "swap", "discard",
+        "drain",
     }
 )  # fmt: skip
 HEAD_ONLY = frozenset({"info", "audit", "ping", "arm_fault", "result"})  # no model state: not forwarded
 PROTOCOL_CALLS = frozenset(
     {
         "probe", "resume_memory", "release_memory", "attach", "detach", "pause", "flush", "begin", "load",
-        "finalize", "publish", "continue_generation", "quarantine", "verify", "stage", "swap", "discard",
+        "finalize", "publish", "continue_generation", "quarantine", "verify", "stage", "swap", "discard", "drain",
     }
 )  # fmt: skip
 
@@ -258,7 +259,7 @@ class EngineServer:
             "info", "submit", "result", "score", "state_dict", "digests", "pause", "continue_generation", "flush",
             "begin", "load", "finalize", "publish", "label_version", "quarantine", "release_memory",
             "resume_memory", "attach", "detach", "ping", "audit", "arm_fault", "probe", "steps", "abort_requests",
-            "verify", "served_state_dict", "rank_shards", "stage", "swap", "discard",
+            "verify", "served_state_dict", "rank_shards", "stage", "swap", "discard", "drain",
         }
     )  # fmt: skip
 

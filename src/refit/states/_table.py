@@ -36,6 +36,8 @@ not take the version others published and would serve one more than k versions b
 A LoRA refit (`RefitContext` over a `LoraSource`) stages like an atomic run, into a new version of
 the adapter instead of a copy of the weights; its publish is its switch (`activate`: new requests
 get that version, those pinned to older ones keep theirs), so it never pauses, flushes or swaps.
+Under a version policy it first waits in DRAINING (`drain`) until the versions its publish pushes
+past max_staleness + 1 have no request left; generation goes on meanwhile.
 Facts that are not positions (whether its weights changed or were lost, why it left the attempt)
 are kept beside it; outcomes are derived from both.
 """
@@ -54,6 +56,7 @@ class RefitState(StrEnum):
     POST_PROCESSING = "POST_PROCESSING"
     VERIFYING = "VERIFYING"
     RECONNECTING = "RECONNECTING"
+    DRAINING = "DRAINING"
     SWAPPING = "SWAPPING"
     CONTINUING = "CONTINUING"
     RESTORING = "RESTORING"
@@ -76,6 +79,7 @@ class Trigger(StrEnum):
     RECONNECT = "reconnect"
     RETRY = "retry"
     RESTAGE = "restage"
+    DRAIN = "drain"
     SWAP = "swap"
     PUBLISH = "publish"
     RESTORE = "restore"
@@ -98,6 +102,7 @@ ACTIVE_STATES: tuple[RefitState, ...] = (
     S.POST_PROCESSING,
     S.VERIFYING,
     S.RECONNECTING,
+    S.DRAINING,
     S.SWAPPING,
     S.CONTINUING,
     S.RESTORING,
@@ -120,10 +125,12 @@ TRANSITIONS: tuple[tuple[Trigger, tuple[RefitState, ...], RefitState], ...] = (
     (T.TRANSFER, (S.INVALIDATING, S.RECONNECTING, S.STAGING), S.TRANSFERRING),
     (T.NEXT_BUCKET, (S.TRANSFERRING,), S.TRANSFERRING),
     (T.POST_PROCESS, (S.TRANSFERRING,), S.POST_PROCESSING),
-    # POST_PROCESSING: verify="off"; SWAPPING: an atomic run's publish rides the swap wave
-    (T.PUBLISH, (S.POST_PROCESSING, S.VERIFYING, S.SWAPPING), S.CONTINUING),
+    # POST_PROCESSING: verify="off"; SWAPPING: an atomic run's publish rides the swap wave;
+    # DRAINING: a LoRA refit's, once the versions it pushes out have no request left
+    (T.PUBLISH, (S.POST_PROCESSING, S.VERIFYING, S.SWAPPING, S.DRAINING), S.CONTINUING),
     (T.VERIFY, (S.POST_PROCESSING,), S.VERIFYING),
     (T.SWAP, (S.POST_PROCESSING, S.VERIFYING), S.SWAPPING),  # atomic: pause, flush, swap, then publish
+    (T.DRAIN, (S.POST_PROCESSING, S.VERIFYING), S.DRAINING),  # LoRA: wait for room within max_staleness + 1
     (T.RESTORE, (S.CONTINUING,), S.RESTORING),
     (T.FINISH, (S.CONTINUING, S.RESTORING), S.DONE),
     (T.RECONNECT, (S.INVALIDATING, S.STAGING, S.POST_PROCESSING, S.VERIFYING), S.RECONNECTING),

@@ -1,0 +1,224 @@
+"""LoRA refits through `protocol.run`: a PEFT-wrapped trainer model (`LoraSource`) into reference
+engines in their own processes, over shared memory, with requests in flight the whole time.
+
+What is asserted: each refit moves the adapter's bytes and nothing else; requests are never
+aborted and each keeps the version it was admitted with (its tokens equal a fresh engine serving
+only that version); at most max_staleness + 1 versions of the adapter are live; engine memory stays
+flat over 200 refits; the trace passes `refit check` and the engines' own records pass the adapter
+invariants; a failed step leaves the old version serving, discards the staged one, and the next
+refit brings the engine up; what cannot be a LoRA refit is refused before anything starts."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import peft
+import pytest
+import torch
+
+from refit import protocol
+from refit.drivers.lora_source import LoraSource
+from refit.drivers.reference import ReferenceEngine
+from refit.drivers.shm import SharedMemoryTransport
+from refit.errors import ConfigError
+from refit.invariants import check_engine_audit
+from refit.invariants.adapters import adapter_records, check_adapter_moves, check_adapter_served
+from refit.protocol.faults import FaultPlan
+from refit.reference.engine import EngineCore
+from refit.reference.lora import LORA_TARGETS
+from refit.reference.model import ModelConfig, TinyLlama
+from refit.trace import load_trace
+
+CFG = ModelConfig()
+PROMPTS = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7], [2, 7, 1, 8]]
+
+pytestmark = pytest.mark.e2e
+
+
+def _peft_model(seed: int = 0) -> Any:
+    torch.manual_seed(seed)
+    config = peft.LoraConfig(r=8, lora_alpha=16, target_modules=list(LORA_TARGETS), init_lora_weights=False)
+    return peft.get_peft_model(TinyLlama(CFG, seed=0), config).eval()
+
+
+def _train_step(pm: Any, seed: int) -> None:
+    """A LoRA 'training step': only the adapter moves (the base model is frozen under PEFT)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in pm.named_parameters():
+            if "lora_" in name:
+                p.add_(0.05 * torch.randn(p.shape, generator=gen))
+
+
+def _adapter_bytes(pm: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in peft.get_peft_model_state_dict(pm).values())
+
+
+def _rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) << 10
+    raise AssertionError(f"no VmRSS for {pid}")
+
+
+def _fresh_tokens(snapshot: dict[str, torch.Tensor], spec: Any, prompt: list[int], n: int) -> list[int]:
+    """What an engine serving only this adapter version gives (the same engine code, in-process)."""
+    core = EngineCore(CFG, seed=0)
+    core.stage_adapter("policy", 1, spec)
+    core.load_adapter("policy", list(snapshot.items()))
+    core.publish_adapter("policy")
+    rid = core.submit(prompt, n, adapter="policy")
+    while core.has_work():
+        core.step()
+    return core.result(rid)["output"]
+
+
+@pytest.fixture
+def engines() -> Iterator[list[ReferenceEngine]]:
+    spawned = ReferenceEngine.spawn_many(["e0", "e1"], CFG, seed=0, max_running=8)
+    try:
+        yield spawned
+    finally:
+        for e in spawned:
+            e.close()
+
+
+def test_200_lora_refits_with_live_requests(engines: list[ReferenceEngine], tmp_path: Path) -> None:
+    pm = _peft_model()
+    spec = pm.peft_config["default"]
+    source = LoraSource(pm, name="policy")
+    trace = tmp_path / "lora.jsonl"
+    ctx = protocol.RefitContext(source, SharedMemoryTransport(), engines, max_staleness=1, deadline_s=60, trace=trace)
+    snapshots: dict[int, dict[str, torch.Tensor]] = {}
+    futures: list[tuple[int, Any]] = []
+    stop = threading.Event()
+    admitted = threading.Event()
+
+    def client() -> None:  # keeps requests in flight on both engines, naming the adapter
+        i = 0
+        while not stop.is_set():
+            for e in engines:
+                futures.append((i, e.submit(PROMPTS[i % len(PROMPTS)], 12, adapter="policy")))
+                i += 1
+            admitted.set()
+            futures[-1][1].result(timeout=60)
+
+    nbytes = _adapter_bytes(pm)
+    live_counts: list[int] = []
+    rss: dict[str, list[int]] = {e.name: [] for e in engines}
+    thread = None
+    try:
+        for step in range(1, 201):
+            _train_step(pm, step)
+            snapshots[step] = {n: t.detach().clone() for n, t in peft.get_peft_model_state_dict(pm).items()}
+            result = protocol.run(ctx)
+            result.raise_for_error()
+            assert result.version == step and result.violations == []
+            assert result.bytes_moved == nbytes  # the adapter's bytes, exactly: nothing of the base model
+            assert {o.status for o in result.engines.values()} == {"updated"}
+            if thread is None:  # requests start once a version is live (before it, the adapter is unknown)
+                thread = threading.Thread(target=client, daemon=True)
+                thread.start()
+                assert admitted.wait(30)
+            if step % 20 == 0:
+                for e in engines:
+                    info = e.info()
+                    versions = info["adapters"]["policy"]
+                    live_counts.append(len(versions))
+                    rss[e.name].append(_rss(e.client.pid))
+    finally:
+        stop.set()
+        if thread is not None:
+            thread.join(60)
+        records = {e.name: e.audit() for e in engines}
+        ctx.close()
+    results = [(i, f.result(timeout=60)) for i, f in futures]
+    assert len(results) > 100
+    assert all(r["finish_reason"] == "length" for _, r in results)  # none aborted
+    assert all(isinstance(r["adapter_version"], int) and 1 <= r["adapter_version"] <= 200 for _, r in results)
+    assert len({r["adapter_version"] for _, r in results}) > 20  # requests really crossed many refits
+    assert max(live_counts) <= 2  # max_staleness + 1
+    for name, samples in rss.items():  # flat: no growth with the number of refits past the first 40
+        assert samples[-1] - samples[1] < 24 << 20, (name, samples)
+    for i, r in results[:: max(1, len(results) // 12)]:  # a sample: each request served by its own version
+        want = _fresh_tokens(snapshots[r["adapter_version"]], spec, PROMPTS[i % len(PROMPTS)], 12)
+        assert r["output"] == want, (i, r["adapter_version"])
+    for name, audit in records.items():
+        assert audit is not None
+        adapters = adapter_records(audit)
+        assert check_adapter_moves(adapters, engine=name) == []
+        served = [r for i, r in results if engines[i % 2].name == name]
+        assert check_adapter_served(adapters, served, engine=name) == []
+        assert check_engine_audit(audit, engine=name) == []
+    header, events, torn = load_trace(trace)
+    starts = [e for e in events if e.get("kind") == "run" and e.get("event") == "start"]
+    assert len(starts) == 200 and all(s["adapter"]["name"] == "policy" for s in starts)
+    assert not [e for e in events if e.get("event") in ("pause", "flush", "swap")]  # generation never stopped
+    from refit.invariants import check_trace
+
+    assert check_trace(events, torn=torn, header=header, whole=True) == []
+
+
+@pytest.mark.parametrize(
+    ("state", "call", "kind"),
+    [("STAGING", "stage", "raise"), ("TRANSFERRING", "load", "raise"), ("TRANSFERRING", "load", "corrupt"),
+     ("POST_PROCESSING", "finalize", "raise"), ("VERIFYING", "verify", "raise"), ("CONTINUING", "publish", "raise")],
+)  # fmt: skip
+def test_a_failed_step_leaves_the_old_version_serving(
+    engines: list[ReferenceEngine], state: str, call: str, kind: str
+) -> None:
+    pm = _peft_model()
+    source = LoraSource(pm, name="policy")
+    ctx = protocol.RefitContext(source, SharedMemoryTransport(), engines, max_staleness=1, deadline_s=30, retries=0)
+    try:
+        protocol.run(ctx).raise_for_error()  # version 1 on both
+        before = engines[1].generate(PROMPTS[0], 8, adapter="policy")
+        _train_step(pm, 2)
+        ctx.faults = FaultPlan().fail_at(state.lower(), engine=1, call=call, kind=kind)
+        result = protocol.run(ctx)
+        assert result.violations == []
+        assert result.engines["e0"].status == "updated"
+        failed = result.engines["e1"]
+        after = engines[1].generate(PROMPTS[0], 8, adapter="policy")  # it serves on, never paused
+        info = engines[1].info()
+        if call == "publish":  # which whole version went live is unknown to the run: "failed", not "unchanged"
+            assert failed.status == "failed" and after["adapter_version"] in (1, 2)
+            assert [v["state"] for v in info["adapters"]["policy"].values()] == ["LIVE"]
+        else:  # the staged version was discarded; version 1 serves on, exactly as before
+            assert failed.status == "unchanged" and failed.version == 1
+            assert after["adapter_version"] == 1 and after["output"] == before["output"]
+            assert list(info["adapters"]["policy"]) == ["1"]
+        ctx.faults = None
+        _train_step(pm, 3)
+        result = protocol.run(ctx)  # the next refit brings it up
+        result.raise_for_error()
+        assert {o.status for o in result.engines.values()} == {"updated"}
+        assert engines[1].generate(PROMPTS[0], 8, adapter="policy")["adapter_version"] == 3
+    finally:
+        ctx.close()
+
+
+def test_what_cannot_be_a_lora_refit_is_refused_before_anything_starts(engines: list[ReferenceEngine]) -> None:
+    source = LoraSource(_peft_model(), name="policy")
+    transport = SharedMemoryTransport()
+    with pytest.raises(ConfigError, match="use mode='disaggregated'"):
+        protocol.RefitContext(source, transport, engines, mode="colocated")
+    with pytest.raises(ConfigError, match="verify='probe': a LoRA refit verifies by digest"):
+        protocol.RefitContext(source, transport, engines, verify="probe")
+
+    class NoAdapters(ReferenceEngine):
+        serves_adapters = False
+
+    plain = NoAdapters(engines[0].client)
+    with pytest.raises(ConfigError, match=r"serves_adapters.*e0 cannot"):
+        protocol.RefitContext(source, transport, [plain])
+    dora = peft.get_peft_model(
+        TinyLlama(CFG, seed=0), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], use_dora=True)
+    )
+    with pytest.raises(ValueError, match="use_dora=True"):
+        LoraSource(dora, name="policy")
+    with pytest.raises(ValueError, match="no PEFT adapter 'default'"):
+        LoraSource(TinyLlama(CFG, seed=0), name="policy")
