@@ -41,11 +41,12 @@ def kinds(transport: str) -> tuple[str, ...]:
 
 ATOMIC_ONLY = ("STAGING", "SWAPPING")  # states only atomic runs pass
 ATOMIC_SKIPS = ("OFFLOADING", "RESTORING", "PAUSING", "INVALIDATING")  # (atomic runs are disaggregated)
+LORA_ONLY = ("DRAINING",)  # LoRA refits only (tests/test_lora_refit.py injects there)
 
 
 def states(atomic: bool) -> list[str]:
     """The states a run of the matrix passes (RECONNECTING: only where a group is rebuilt)."""
-    skipped = ATOMIC_SKIPS if atomic else ATOMIC_ONLY
+    skipped = (*(ATOMIC_SKIPS if atomic else ATOMIC_ONLY), *LORA_ONLY)
     return [str(s) for s in ACTIVE_STATES if s != "RECONNECTING" and s not in skipped]
 
 

@@ -37,9 +37,9 @@ class _Counting(EngineCore):
         super().__init__(*args, **kwargs)
         self.batches: list[list[int]] = []
 
-    def _forward_slots(self, tokens: list[int], slots: list[int], positions: list[int]) -> torch.Tensor:
+    def _forward_slots(self, tokens: list[int], slots: list[int], positions: list[int], ad: Any = None) -> torch.Tensor:
         self.batches.append(list(slots))
-        return super()._forward_slots(tokens, slots, positions)
+        return super()._forward_slots(tokens, slots, positions, ad)
 
 
 def _prompts(n: int) -> list[list[int]]:

@@ -414,6 +414,18 @@ def _demo_problem(args: argparse.Namespace) -> str | None:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    mode_given = args.mode is not None
+    args.mode = args.mode or ("disaggregated" if args.lora else "colocated")
+    if args.lora:
+        from refit.demo_lora import lora_problem, run_lora_demo
+
+        args.mode_given = mode_given
+        problem = lora_problem(args)
+        if problem is not None:
+            print(f"refit demo: {problem}", file=sys.stderr)
+            return 2
+        with _runner_quiet():
+            return run_lora_demo(args)
     problem = _demo_problem(args)  # refused now, not after the engines started and the trainer trained
     if problem is not None:
         print(f"refit demo: {problem}", file=sys.stderr)
@@ -451,7 +463,15 @@ def _demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engines", type=_count(1), default=2, help="reference engines to refit (default 2)")
     p.add_argument("--refits", type=_count(1), default=3, help="refits to run (default 3)")
     p.add_argument("--steps", type=_count(1), default=20, help="optimizer steps between refits (default 20)")
-    p.add_argument("--mode", choices=("colocated", "disaggregated"), default="colocated")
+    p.add_argument(
+        "--mode", choices=("colocated", "disaggregated"), default=None,
+        help="default colocated (with --lora: disaggregated, the only mode it runs in)",
+    )  # fmt: skip
+    p.add_argument(
+        "--lora", action="store_true",
+        help="LoRA refits: the trainer is the tiny model with PEFT adapters; only the adapter moves, into engines "
+        "that keep generating, each request pinned to its adapter version (needs peft: the lora extra)",
+    )  # fmt: skip
     p.add_argument(
         "--pause-mode", choices=("abort", "retract", "in_place"), default="retract",
         help="what happens to requests in flight: abort them, or hold them and continue after the update, "

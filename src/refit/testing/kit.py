@@ -216,9 +216,12 @@ class DriverStateMachine(RuleBasedStateMachine):
     def fault_states(self) -> list[str]:
         """States a fault can fire in: offload/restore exist only in colocated runs, RECONNECTING
         only with a collective transport, VERIFYING only when the run verifies, STAGING and
-        SWAPPING only in atomic runs (which never pass PAUSING or INVALIDATING)."""
+        SWAPPING only in atomic runs (which never pass PAUSING or INVALIDATING), DRAINING only in
+        LoRA refits under a version policy."""
         assert self.ctx is not None
         skipped = ("PAUSING", "INVALIDATING") if self.ctx.atomic else ("STAGING", "SWAPPING")
+        if self.ctx.adapter is None or self.ctx.max_live is None:
+            skipped = (*skipped, "DRAINING")
         return [
             str(s) for s in ACTIVE_STATES
             if (self.ctx.colocated or s not in ("OFFLOADING", "RESTORING"))
