@@ -10,6 +10,8 @@ refit brings the engine up; what cannot be a LoRA refit is refused before anythi
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -222,3 +224,36 @@ def test_what_cannot_be_a_lora_refit_is_refused_before_anything_starts(engines: 
         LoraSource(dora, name="policy")
     with pytest.raises(ValueError, match="no PEFT adapter 'default'"):
         LoraSource(TinyLlama(CFG, seed=0), name="policy")
+
+
+def test_refit_demo_lora_through_the_real_command(tmp_path: Path) -> None:
+    """The console script: LoRA refits with requests in flight, tokens equal to PEFT's, the
+    adapter's bytes only; its trace passes `refit check` (invariants and replayed decisions) and
+    `refit replay` reproduces it."""
+    refit = Path(sys.executable).parent / "refit"
+    trace = tmp_path / "lora.jsonl"
+    run = [str(refit), "demo", "--lora", "--refits", "3", "--steps", "2", "--trace", str(trace)]
+    proc = subprocess.run(run, capture_output=True, text=True, timeout=240, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [line.split() for line in proc.stdout.splitlines() if line.strip()[:1].isdigit()]
+    assert [r[1] for r in rows] == ["1", "2", "3"] and all("equal" in r for r in rows)
+    assert all(r[3] == "65536" for r in rows)  # the adapter's bytes (rank 8 on 7 projections x 2 layers, fp32)
+    assert "aborted 0" in proc.stdout and "Traceback" not in proc.stderr
+    check = subprocess.run([str(refit), "check", str(trace)], capture_output=True, text=True, timeout=60, check=False)
+    assert check.returncode == 0 and "its decisions replay" in check.stdout, check.stdout + check.stderr
+    replay = subprocess.run([str(refit), "replay", str(trace)], capture_output=True, text=True, timeout=60, check=False)
+    assert replay.returncode == 0 and "reproduced" in replay.stdout, replay.stdout
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [(["--mode", "colocated"], "--mode colocated"), (["--atomic"], "--atomic"), (["--engine", "sglang"], "--engine")],
+)
+def test_refit_demo_lora_refuses_what_it_does_not_take(
+    flags: list[str], named: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from refit.cli import main
+
+    assert main(["demo", "--lora", *flags]) == 2
+    err = capsys.readouterr().err
+    assert f"it does not take {named}" in err and "Traceback" not in err

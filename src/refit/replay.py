@@ -317,6 +317,7 @@ def _legacy_heads(metas: list[TensorMeta], start: dict[str, Any]) -> list[Tensor
 
 class ReplaySource(Source):
     kind = "replay"
+    adapter: dict[str, Any] | None = None  # a LoRA refit's adapter, as its run's start recorded it
 
     def metas(self) -> list[TensorMeta]:
         return []
@@ -394,6 +395,7 @@ class ReplayEngine(EngineDriver):
     pause_modes = frozenset({"abort", "retract", "in_place"})
     supports_in_place_pause = True
     stages = True
+    serves_adapters = True
 
     def __init__(self, name: str, script: _Script) -> None:
         self.name = name
@@ -538,6 +540,8 @@ def replay(path: str | Path, loaded: tuple[dict[str, Any], list[dict[str, Any]],
             raise NotATrace(f"run {start.get('run')}: max_staleness {ctx.max_staleness} is not a count")
         ctx.kv = start.get("kv", "recompute")  # none recorded: a run before the policy was explicit
         ctx.atomic = start.get("atomic") is True  # none recorded: a run that paused for the transfer
+        adapter = start.get("adapter")
+        ctx.source.adapter = adapter if isinstance(adapter, dict) else None  # type: ignore[union-attr]
         ctx.colocated_ride = start.get("colocated_ride") is True  # none: recorded before colocated runs rode
         ctx.verify = start.get("verify", "off")
         transport.digest_kind = start.get("digest") or "xxh3"
