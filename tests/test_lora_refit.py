@@ -27,7 +27,12 @@ from refit.drivers.reference import ReferenceEngine
 from refit.drivers.shm import SharedMemoryTransport
 from refit.errors import ConfigError
 from refit.invariants import check_engine_audit
-from refit.invariants.adapters import adapter_records, check_adapter_moves, check_adapter_served
+from refit.invariants.adapters import (
+    adapter_records,
+    check_adapter_moves,
+    check_adapter_served,
+    trace_adapter_moves,
+)
 from refit.protocol.faults import FaultPlan
 from refit.reference.engine import EngineCore
 from refit.reference.lora import LORA_TARGETS
@@ -161,7 +166,12 @@ def test_200_lora_refits_with_live_requests(engines: list[ReferenceEngine], tmp_
     assert not [e for e in events if e.get("event") in ("pause", "flush", "swap")]  # generation never stopped
     from refit.invariants import check_trace
 
-    assert check_trace(events, torn=torn, header=header, whole=True) == []
+    assert check_trace(events, torn=torn, header=header, whole=True) == []  # the adapter moves the engines reported too
+    moves = trace_adapter_moves(events)
+    for name in ("e0", "e1"):
+        published = [m["adapter_version"] for m in moves[name] if m["event"] == "publish"]
+        assert published == list(range(1, 201))  # every version's load, in the trace
+        assert len([m for m in moves[name] if m["event"] == "unload"]) >= 190  # and (nearly) every unload
 
 
 @pytest.mark.parametrize(
@@ -243,6 +253,19 @@ def test_refit_demo_lora_through_the_real_command(tmp_path: Path) -> None:
     assert check.returncode == 0 and "its decisions replay" in check.stdout, check.stdout + check.stderr
     replay = subprocess.run([str(refit), "replay", str(trace)], capture_output=True, text=True, timeout=60, check=False)
     assert replay.returncode == 0 and "reproduced" in replay.stdout, replay.stdout
+    # the versions' loads and unloads are in the trace (the engines' answers carry them), and checked there
+    text = trace.read_text()
+    for event in ("stage", "complete", "publish", "supersede", "unload"):
+        assert f'"event": "{event}", "src": ' in text, event
+    tampered = tmp_path / "tampered.jsonl"
+    tampered.write_text(text.replace('"event": "publish", "src": "STAGED"', '"event": "publish", "src": "STAGING"', 1))
+    check = subprocess.run(
+        [str(refit), "check", str(tampered)], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert (
+        check.returncode == 1
+        and "adapter_moves: engine engine-0: policy v1: publish before its load was complete" in (check.stdout)
+    ), check.stdout
 
 
 @pytest.mark.parametrize(

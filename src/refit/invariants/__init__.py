@@ -521,6 +521,9 @@ def check_trace(
     for run_events in by_run.values():
         out.extend(check_run(run_events))
     out.extend(check_versions_across_runs(header if whole else None, list(by_run.values())))
+    from refit.invariants.adapters import check_trace_adapters
+
+    out.extend(check_trace_adapters(events))  # LoRA refits: the adapter versions' moves the engines reported
 
     last: int | None = None
     for run_events in by_run.values():

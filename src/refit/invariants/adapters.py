@@ -10,6 +10,10 @@ state, seq = the engine's token counter at the move) and over the requests it se
                    once, where its stage record names a bound; one LIVE version at a time.
   adapter_served   every token a request got under an adapter version was sampled while that
                    version was servable: after its publish, before its unload.
+
+In a refit trace the engines' answers to probe, drain and publish carry their adapter moves since
+the last answer (`adapter_moves`), so the trace records every version's loads and unloads and
+`refit check` runs adapter_moves and adapter_live on them (`check_trace_adapters`).
 """
 
 from __future__ import annotations
@@ -102,4 +106,53 @@ def check_adapter_served(
         if key in closed and seqs[-1] >= closed[key]:
             out.append(Violation("adapter_served", f"engine {engine}: request {rid}: token at {seqs[-1]} under "
                                  f"{key[0]} v{key[1]}, unloaded at {closed[key]}"))  # fmt: skip
+    return out
+
+
+def check_adapter_records(records: Iterable[Mapping[str, Any]], *, engine: str = "engine") -> list[Violation]:
+    """adapter_moves and adapter_live over self-contained move records (each names where its version
+    came from, `src`, and how many serve after it, `servable`), as the engines' answers carry them
+    into the refit trace (`adapter_moves`): each move is one the adapter table allows from where
+    it came, and no move leaves more than `max_live` versions of its adapter servable. A window of
+    records is judged alone: no history before it is needed."""
+    out: list[Violation] = []
+    for r in records:
+        name, version, event = r.get("adapter"), r.get("adapter_version"), str(r.get("event"))
+        src, dest = r.get("src"), r.get("state")
+        if event == "stage":
+            if src is not None or dest != Adapter.STAGING:
+                out.append(Violation("adapter_moves", f"engine {engine}: {name} v{version}: staged into {dest}"))
+        else:
+            legal = None if src is None else _MOVES.get((src, event))
+            if legal is None or legal != dest:
+                what = "before its load was complete" if (event, src) == ("publish", "STAGING") else f"from {src}"
+                out.append(Violation("adapter_moves", f"engine {engine}: {name} v{version}: {event} {what} to {dest}"))
+        bound, servable = r.get("max_live"), r.get("servable")
+        if isinstance(bound, int) and isinstance(servable, int) and servable > bound:
+            out.append(
+                Violation(
+                    "adapter_live",
+                    f"engine {engine}: {name}: {servable} versions servable after {event} of v{version}, max {bound}",
+                )
+            )
+    return out
+
+
+def trace_adapter_moves(events: Iterable[Mapping[str, Any]]) -> dict[str, list[Mapping[str, Any]]]:
+    """Per engine, the adapter moves its answers carried in a refit trace (`result.adapter_moves`
+    of its probe, drain and publish calls), in trace order."""
+    out: dict[str, list[Mapping[str, Any]]] = {}
+    for e in events:
+        result = e.get("result")
+        moves = result.get("adapter_moves") if isinstance(result, Mapping) else None
+        if e.get("kind") == "call" and isinstance(moves, list):
+            out.setdefault(str(e.get("engine")), []).extend(m for m in moves if isinstance(m, Mapping))
+    return out
+
+
+def check_trace_adapters(events: Sequence[Mapping[str, Any]]) -> list[Violation]:
+    """The adapter checks over a refit trace: every engine's reported moves (`check_adapter_records`)."""
+    out: list[Violation] = []
+    for engine, moves in trace_adapter_moves(events).items():
+        out.extend(check_adapter_records(moves, engine=engine))
     return out

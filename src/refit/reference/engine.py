@@ -696,7 +696,7 @@ class EngineCore:
                 self.ready_to_publish = False
             dropped = self.discard()["discarded"]
             return {"version": held, "serving": self.quarantined is None, "closed_session": closed,
-                    "discarded_staged": dropped}  # fmt: skip
+                    "discarded_staged": dropped, "adapter_moves": self.lora.report()}  # fmt: skip
         if self.version >= target_version:
             raise EngineError(
                 "version_ahead",
@@ -1244,7 +1244,7 @@ class EngineCore:
         self.ready_to_publish = True
         return {"post_processed": True, "copies_landed_s": round(landed, 6)}
 
-    def publish(self, version: int) -> None:
+    def publish(self, version: int) -> dict[str, Any] | None:
         if self.session is not None:
             raise EngineError("session_open", "publish while a weight-update session is open")
         if not self.ready_to_publish:
@@ -1256,7 +1256,7 @@ class EngineCore:
             self.lora.publish(self._adapter_ready)
             self._adapter_ready = None
             self.ready_to_publish = False
-            return
+            return {"adapter_moves": self.lora.report()}
         if version <= self.version:
             raise EngineError("version", f"version {version} is not newer than the engine's {self.version}")
         self.version = version
@@ -1264,6 +1264,7 @@ class EngineCore:
         self.ready_to_publish = False
         self.quarantined = None
         self.commits.append((version, self.weights_epoch))
+        return None
 
     def label_version(self, version: int) -> None:
         """Set the version label and nothing else (like SGLang's /update_weight_version): no check
@@ -1314,7 +1315,7 @@ class EngineCore:
         (`AdapterTable.drain`); generation goes on either way."""
         if self._adapter_ready is None:
             raise EngineError("not_ready", "drain without a finalized LoRA refit")
-        return self.lora.drain(self._adapter_ready)
+        return {**self.lora.drain(self._adapter_ready), "adapter_moves": self.lora.report()}
 
     def discard_adapter(self, name: str, reason: str = "discarded") -> dict[str, bool]:
         return {"discarded": self.lora.discard(name, reason=reason)}

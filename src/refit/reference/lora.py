@@ -23,6 +23,7 @@ adapter is never read under another). It records each move as an engine audit re
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,6 +46,7 @@ LORA_TARGETS: dict[str, str] = {
     "down_proj": "mlp",
 }
 PEFT_PREFIX = "base_model.model."  # what PEFT's saved state dict puts before the model's own names
+MOVES_KEPT = 4096  # adapter moves kept for `AdapterTable.report` between two reports
 # PEFT LoraConfig fields whose non-default values change the math this engine computes: refused by name
 _REFUSED: dict[str, Any] = {
     "use_dora": False,
@@ -205,13 +207,33 @@ class AdapterTable:
         self.held: set[str] = set()  # adapters whose new requests wait unpinned until a publish (`drain`)
         self.loads = 0  # adapter versions published so far
         self.unloads = 0
+        self.moves: deque[dict[str, Any]] = deque(maxlen=MOVES_KEPT)  # not yet reported (`report`)
 
     # ---- the versions -------------------------------------------------------------------------
 
+    def _log(self, v: AdapterVersion, event: str, src: str | None, **fields: Any) -> None:
+        """One move, as an engine audit record and for `report`: self-contained (where it came
+        from, where it went, how many versions of its adapter serve after it, the bound), so a
+        window of them can be checked without the history before it."""
+        move = {
+            "adapter": v.name, "adapter_version": v.version, "event": event, "src": src, "state": str(v.state),
+            "servable": len(self.servable(v.name)), "max_live": self.max_live, "seq": self._clock(), **fields,
+        }  # fmt: skip
+        self._record("adapter", True, **move)
+        self.moves.append(move)
+
     def _move(self, v: AdapterVersion, event: AdapterEvent, **fields: Any) -> None:
+        src = str(v.state)
         v.machine.fire(event)
-        self._record("adapter", True, adapter=v.name, adapter_version=v.version, event=str(event),
-                     state=str(v.state), seq=self._clock(), **fields)  # fmt: skip
+        self._log(v, str(event), src, **fields)
+
+    def report(self) -> list[dict[str, Any]]:
+        """The moves since the last report (oldest first; at most `MOVES_KEPT`): what the engine's
+        answers to probe, drain and publish carry, so the refit trace records every version's
+        loads and unloads."""
+        out = list(self.moves)
+        self.moves.clear()
+        return out
 
     def live(self, name: str) -> AdapterVersion | None:
         return next((v for v in self.versions.get(name, {}).values() if v.state == Adapter.LIVE), None)
@@ -244,8 +266,7 @@ class AdapterTable:
             )
         v = AdapterVersion(name, version, spec, spec.shapes(self.config), dtype)
         self.versions.setdefault(name, {})[version] = v
-        self._record("adapter", True, adapter=name, adapter_version=version, event="stage", state=str(v.state),
-                     seq=self._clock(), r=spec.r, targets=list(spec.targets), max_live=self.max_live)  # fmt: skip
+        self._log(v, "stage", None, r=spec.r, targets=list(spec.targets))
         return v
 
     def load(self, name: str, tensors: Sequence[tuple[str, torch.Tensor]]) -> int:
@@ -329,9 +350,9 @@ class AdapterTable:
         before = self.live(name)
         if before is not None:
             self._move(before, AdapterEvent.SUPERSEDE)
+        self.collect()  # what has no request left goes before the new version serves (never past max_live)
         self._move(v, AdapterEvent.PUBLISH)
         self.loads += 1
-        self.collect()
         return v
 
     def discard(self, name: str, *, reason: str) -> bool:
