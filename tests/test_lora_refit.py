@@ -280,3 +280,13 @@ def test_refit_demo_lora_refuses_what_it_does_not_take(
     assert main(["demo", "--lora", *flags]) == 2
     err = capsys.readouterr().err
     assert f"it does not take {named}" in err and "Traceback" not in err
+
+
+def test_the_docs_lora_example_runs_as_written(capsys: pytest.CaptureFixture[str]) -> None:
+    import re
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "lora.md").read_text()
+    (block,) = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    exec(compile(block, "docs/lora.md", "exec"), {})  # the doc's own example
+    lines = [line.split(" ", 1) for line in capsys.readouterr().out.splitlines()]
+    assert [v for v, _ in lines] == ["1", "2", "3"]  # each request pinned to the version just published
