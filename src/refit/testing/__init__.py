@@ -14,10 +14,14 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["Coverage", "DriverStateMachine", "check_engine_driver", "sweep"]
+__all__ = ["Coverage", "DriverStateMachine", "check_engine_driver", "check_lora_driver", "sweep"]
 
 
 def __getattr__(name: str) -> Any:
+    if name == "check_lora_driver":  # LoRA-capable drivers (`serves_adapters`): refit.testing.lora_kit
+        from refit.testing import lora_kit
+
+        return lora_kit.check_lora_driver
     if name in __all__:
         from refit.testing import kit
 
