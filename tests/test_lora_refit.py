@@ -290,3 +290,15 @@ def test_the_docs_lora_example_runs_as_written(capsys: pytest.CaptureFixture[str
     exec(compile(block, "docs/lora.md", "exec"), {})  # the doc's own example
     lines = [line.split(" ", 1) for line in capsys.readouterr().out.splitlines()]
     assert [v for v, _ in lines] == ["1", "2", "3"]  # each request pinned to the version just published
+
+
+def test_the_lora_bench_path_runs_on_the_cpu() -> None:
+    """`refit bench gpu --paths lora`'s harness (`run_lora`), at the tiny shape over shared memory:
+    what it measures is there and consistent (the GPU figure itself is measured on the GPU)."""
+    from refit.bench_gpu import run_lora
+
+    row = run_lora(CFG, refits=3, bucket_mb=1, r=4, requests=4, tokens=200, device="cpu")
+    assert row["bytes"] == row["adapter_bytes"] > 0 and row["adapter_tensors"] == 2 * 2 * 7
+    assert 0 < row["ms_blocked_longest_call"] <= row["ms_blocked"] < row["ms_refit"]
+    assert row["requests_done_not_by_length"] == 0 and 1 <= row["versions_live_after"] <= 2
+    assert set(row["runner_phase_ms"]) >= {"STAGING", "TRANSFERRING", "DRAINING", "CONTINUING"}
