@@ -302,3 +302,20 @@ def test_the_lora_bench_path_runs_on_the_cpu() -> None:
     assert 0 < row["ms_blocked_longest_call"] <= row["ms_blocked"] < row["ms_refit"]
     assert row["requests_done_not_by_length"] == 0 and 1 <= row["versions_live_after"] <= 2
     assert set(row["runner_phase_ms"]) >= {"STAGING", "TRANSFERRING", "DRAINING", "CONTINUING"}
+
+
+def test_fsdp2_sharded_adapters_refit_from_two_ranks() -> None:
+    """Two gloo trainer ranks, the PEFT model sharded by FSDP2 (adapters too): each LoRA refit
+    gathers the DTensor adapters on the way into the buffers and moves the adapter's bytes only;
+    the engines' tokens under it equal the PEFT model's with the gathered adapter (which changes
+    them from the base model's)."""
+    from refit.spmd import launch
+
+    reports = launch(2, {"lora": True, "refits": 2, "steps": 2, "bucket_bytes": 16 << 10}, timeout=240)
+    assert all("refits" in r for r in reports), reports
+    lead = reports[0]["refits"]
+    assert [e["version"] for e in lead] == [1, 2] and all(e["ok"] for e in lead), lead
+    for e in lead:
+        assert e["sharded"] and e["tokens_equal"] and e["adapter_changes_tokens"], e
+        assert e["bytes_moved"] == e["adapter_bytes"] and set(e["statuses"].values()) == {"updated"}, e
+    assert [e["ok"] for e in reports[1]["refits"]] == [True, True]

@@ -43,6 +43,7 @@ DEFAULT_SPEC: dict[str, Any] = {
     "trace": None,  # rank 0 writes the JSONL trace here
     "echo": False,  # rank 0 prints the demo's table as it goes
     "stop_on_failure": False,
+    "lora": False,  # LoRA refits: PEFT adapters on the sharded model; only they move (`lora_worker`)
 }
 
 
@@ -159,6 +160,83 @@ def worker(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     return report
 
 
+def lora_worker(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
+    """One rank of a LoRA job: the tiny model wrapped by PEFT (rank 8 on every projection), then
+    sharded by FSDP2 (its adapters too: the source hands DTensors to the transport, which gathers
+    them); each refit moves the adapter into disaggregated engines (max_staleness 1). After each,
+    every rank gathers the adapter (a collective) and rank 0 checks each engine's greedy tokens
+    under it against the PEFT model with those tensors, and the bytes moved against the adapter's."""
+    import peft
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from refit import protocol
+    from refit.drivers.lora_source import LoraSource
+    from refit.loop import PROMPTS, make_transport, train
+    from refit.reference.lora import LORA_TARGETS
+    from refit.reference.model import ModelConfig, TinyLlama
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    config = ModelConfig()
+    lora = peft.LoraConfig(  # random B as well as A: the adapter changes the tokens from the first refit
+        r=8, lora_alpha=16, target_modules=list(LORA_TARGETS), lora_dropout=0.0, init_lora_weights=False
+    )
+    torch.manual_seed(spec["seed"])  # every rank draws the same adapter
+    model = peft.get_peft_model(TinyLlama(config, seed=spec["seed"]), lora)
+    for layer in model.base_model.model.model.layers:
+        fully_shard(layer)
+    fully_shard(model.base_model.model)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
+    gen = torch.Generator().manual_seed(spec["seed"] + 1 + rank)
+    engines: list[Any] = []
+    report: dict[str, Any] = {"rank": rank, "world": world, "refits": []}
+    if rank == 0:
+        from refit.drivers.reference import ReferenceEngine
+
+        engines = ReferenceEngine.spawn_many([f"engine-{i}" for i in range(spec["engines"])], config, seed=spec["seed"])
+    try:
+        source = LoraSource(model, name="policy")
+        ctx = protocol.RefitContext(
+            source=source, transport=make_transport(spec["transport"]), engines=engines, mode="disaggregated",
+            max_staleness=1, bucket_bytes=spec["bucket_bytes"], deadline_s=spec["deadline"],
+            call_timeout_s=spec["call_timeout"], retries=spec["retries"], verify=spec.get("verify", "digest"),
+        )  # fmt: skip
+        for _ in range(spec["refits"]):
+            train(model, opt, gen, spec["steps"], config.vocab_size)
+            result = protocol.run(ctx)
+            full = {k: v.full_tensor() for k, v in peft.get_peft_model_state_dict(model).items()}  # a collective
+            entry: dict[str, Any] = {"ok": result.ok, "version": result.version}
+            if rank == 0:
+                oracle = peft.get_peft_model(TinyLlama(config, seed=spec["seed"]), lora).eval()
+                peft.set_peft_model_state_dict(oracle, full)
+                want = []
+                with torch.no_grad():
+                    for prompt in PROMPTS:
+                        ids = list(prompt)
+                        for _ in range(8):
+                            ids.append(int(oracle(torch.tensor([ids]))[0, -1].argmax()))
+                        want.append(ids[len(prompt) :])
+                got = [[e.generate(p, 8, adapter="policy")["output"] for p in PROMPTS] for e in engines]
+                base = [e.generate(p, 8)["output"] for p in PROMPTS for e in engines[:1]]
+                entry.update(
+                    error=None if result.ok else str(result.error),
+                    statuses={k: o.status for k, o in result.engines.items()},
+                    bytes_moved=result.bytes_moved,
+                    adapter_bytes=sum(t.numel() * t.element_size() for t in full.values()),
+                    sharded=any(hasattr(t, "placements") for t in peft.get_peft_model_state_dict(model).values()),
+                    tokens_equal=all(g == want for g in got),
+                    adapter_changes_tokens=base != want,
+                )
+            report["refits"].append(entry)
+        ctx.close()
+    finally:
+        for e in engines:
+            e.close()
+    return report
+
+
 def _leader_only(ctx: Any, rank: int, spec: dict[str, Any]) -> list[dict[str, Any]]:
     from refit import protocol
     from refit.loop import summary
@@ -173,7 +251,7 @@ def _leader_only(ctx: Any, rank: int, spec: dict[str, Any]) -> list[dict[str, An
 
 def main(argv: list[str]) -> int:
     rank, world, _port, spec, out = int(argv[0]), int(argv[1]), int(argv[2]), json.loads(argv[3]), Path(argv[4])
-    report = worker(rank, world, spec)
+    report = (lora_worker if spec.get("lora") else worker)(rank, world, spec)
     out.write_text(json.dumps(report))
     return 0
 
