@@ -5,6 +5,7 @@ the client sees, and that the fork server reaps."""
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import subprocess
@@ -56,13 +57,14 @@ def test_the_fork_server_outlives_the_thread_that_started_it_and_a_failed_launch
     assert [e.client.process.returncode for e in engines] == [0, 0, 0]
     (server,) = forkserver.server_pids()
     os.kill(server, signal.SIGSTOP)  # it takes no launch; then it dies with the launch pending
+    gc.collect()  # what earlier tests in this worker left for the collector closes now, not in the count
     fds = len(os.listdir("/proc/self/fd"))
     killer = threading.Timer(1.0, os.kill, (server, signal.SIGKILL))
     killer.start()
     with pytest.raises(RuntimeError, match="fork server is gone"):
         ReferenceEngine.spawn("never")
     killer.join()
-    assert len(os.listdir("/proc/self/fd")) == fds
+    assert len(os.listdir("/proc/self/fd")) <= fds  # nothing left behind (the dead server's own may go too)
     assert not _alive(server)
     later = ReferenceEngine.spawn("after")  # a new fork server
     try:

@@ -178,9 +178,9 @@ def test_at_most_max_live_versions_serve_and_a_publish_waits_for_the_oldest_to_d
     _load(core, "p", 1, pm, max_live=2)
     pinned = core.submit([1, 2, 3], 40, adapter="p")
     core.step()
-    _load(core, "p", 2, pm)  # 2 live: version 1 (retired, 1 request) and version 2
+    _load(core, "p", 2, pm, max_live=2)  # 2 live: version 1 (retired, 1 request) and version 2
     assert sorted(core.info()["adapters"]["p"]) == ["1", "2"]
-    core.stage_adapter("p", 3, spec)  # staging is not serving: allowed beside them
+    core.stage_adapter("p", 3, spec, max_live=2)  # staging is not serving: allowed beside them
     core.load_adapter("p", weights)
     core.lora.complete("p")
     assert core.lora.drain("p") == {"ready": False, "pinned": 1, "going": [1]}
@@ -207,7 +207,7 @@ def test_with_one_live_version_new_requests_wait_unpinned_until_the_publish() ->
     _load(core, "p", 1, pm, max_live=1)
     old = core.submit([1, 2, 3], 10, adapter="p")
     core.step()
-    core.stage_adapter("p", 2, spec)
+    core.stage_adapter("p", 2, spec, max_live=1)
     core.load_adapter("p", weights)
     core.lora.complete("p")
     assert core.lora.drain("p")["ready"] is False
@@ -305,3 +305,106 @@ def test_the_adapter_invariants_pass_a_real_history_and_name_each_tampering() ->
     assert any("under p v1, unloaded at" in m for m in names(check_adapter_served(records, late)))
     early = [{**requests[2], "token_seqs": [0, *requests[2]["token_seqs"][1:]]}]
     assert any("token at 0 under p v3, published at" in m for m in names(check_adapter_served(records, early)))
+
+
+def test_a_request_arriving_between_drain_and_publish_waits_for_the_new_version() -> None:
+    """max_live 1, the live version idle: drain answers ready and from then on holds new requests
+    for the adapter, so one arriving before the publish is not pinned to the going version (which
+    would make the publish refuse "busy" on a healthy engine)."""
+    model = hf_model("llama", torch.float32, seed=9)
+    core = _engine(model, max_running=4)
+    pm = _peft(model, seed=1)
+    spec, weights = pm.peft_config["default"], _adapter(pm)
+    _load(core, "p", 1, pm, max_live=1)
+    core.stage_adapter("p", 2, spec, max_live=1)
+    core.load_adapter("p", weights)
+    core.lora.complete("p")
+    assert core.lora.drain("p")["ready"] is True
+    late = core.submit([1, 2, 3], 4, adapter="p")
+    core.step()
+    assert core.result(late)["output"] == [] and core.info()["adapters"]["p"]["1"]["pinned"] == 0
+    core.lora.publish("p")  # not busy
+    while core.has_work():
+        core.step()
+    assert core.result(late)["adapter_version"] == 2
+
+
+def test_each_adapter_has_its_own_bound_and_each_stage_sets_it() -> None:
+    model = hf_model("llama", torch.float32, seed=10)
+    core = _engine(model, max_running=4)
+    pm = _peft(model, seed=1)
+    _load(core, "a", 1, pm, max_live=1)
+    _load(core, "b", 1, pm, max_live=3)
+    assert core.lora.max_live == {"a": 1, "b": 3}
+    pinned = core.submit([1, 2, 3], 30, adapter="a")
+    core.step()
+    _load(core, "a", 2, pm)  # no bound now (max_staleness None): publishing beside a pinned version is fine
+    assert core.lora.max_live["a"] is None and sorted(core.info()["adapters"]["a"]) == ["1", "2"]
+    while core.has_work():
+        core.step()
+    assert core.result(pinned)["adapter_version"] == 1 and list(core.info()["adapters"]["a"]) == ["2"]
+
+
+def test_a_lora_refit_refuses_an_engine_whose_base_weights_are_no_versions() -> None:
+    """A full refit cut off mid-bucket leaves the base weights mixed (dirty), or a quarantine: an
+    adapter cannot bring such an engine into service, so its LoRA session is refused, changing nothing."""
+    model = hf_model("llama", torch.float32, seed=11)
+    core = _engine(model)
+    pm = _peft(model)
+    spec = {**pm.peft_config["default"].to_dict(), "name": "p", "version": 1}
+    plan = plan_buckets([TensorMeta.of(n, t) for n, t in _adapter(pm)], 1 << 20)
+    core.dirty = True
+    with pytest.raises(EngineError, match="base weights match no version; a full refit first") as info:
+        core.begin(plan, None, True, spec)
+    assert info.value.kind == "not_serving" and info.value.no_effect and core.session is None
+    assert core.probe(1, "p")["serving"] is False
+    core.dirty = False
+    core.quarantine("a failed full refit")
+    with pytest.raises(EngineError, match=r"are quarantined \(a failed full refit\)"):
+        core.begin(plan, None, True, spec)
+
+
+def test_a_draining_hold_nothing_follows_up_lapses_by_itself() -> None:
+    """max_staleness 0: the run drains (new requests for the adapter held), runs out of time, and
+    its cleanup's discard never reaches the engine: the held requests wait only for the hold the
+    drain asked for (the run's time left and its grace), then run on the live version; the engine's
+    loop wakes for it unasked."""
+    import time
+
+    from refit import protocol
+    from refit.drivers.lora_source import LoraSource
+    from refit.drivers.reference import ReferenceEngine
+    from refit.drivers.shm import SharedMemoryTransport
+    from refit.protocol.faults import FaultPlan
+    from refit.reference.client import start_thread
+    from refit.reference.model import TinyLlama
+
+    class Slow(EngineCore):  # 10 ms a decode step: the long requests outlast the run's deadline
+        def step(self) -> None:
+            time.sleep(0.01)
+            super().step()
+
+    engine = ReferenceEngine(start_thread("e0", ModelConfig(), 0, core=Slow, max_running=2))
+    pm = _peft(TinyLlama(ModelConfig(), seed=0))
+    ctx = protocol.RefitContext(
+        LoraSource(pm, name="p"), SharedMemoryTransport(), [engine], max_staleness=0, deadline_s=1.0,
+        cleanup_grace_s=4.0,
+    )  # fmt: skip
+    try:
+        protocol.run(ctx).raise_for_error()
+        longs = [engine.submit([1, 2, 3], 150, adapter="p") for _ in range(2)]  # pinned to v1 past the deadline
+        with torch.no_grad():
+            for n, p in pm.named_parameters():
+                if "lora_" in n:
+                    p.add_(0.1)
+        ctx.faults = FaultPlan().fail_at("aborting", engine=0, call="discard", kind="raise")
+        result = protocol.run(ctx)
+        assert not result.ok and result.engines["e0"].status == "failed"
+        assert "p" in engine.info()["adapters_held"]  # held for the drain, and nothing lifted it
+        waiting = engine.submit([4, 5, 6], 3, adapter="p")
+        assert all(f.result(timeout=30)["finish_reason"] == "length" for f in longs)  # then the engine is idle
+        assert "p" in engine.info()["adapters_held"]
+        assert waiting.result(timeout=15)["adapter_version"] == 1  # the hold lapsed, and the idle engine woke for it
+    finally:
+        ctx.close()
+        engine.close()

@@ -319,3 +319,30 @@ def test_fsdp2_sharded_adapters_refit_from_two_ranks() -> None:
         assert e["sharded"] and e["tokens_equal"] and e["adapter_changes_tokens"], e
         assert e["bytes_moved"] == e["adapter_bytes"] and set(e["statuses"].values()) == {"updated"}, e
     assert [e["ok"] for e in reports[1]["refits"]] == [True, True]
+
+
+def test_a_lora_context_after_a_full_context_attached_the_engines_recovers(engines: list[ReferenceEngine]) -> None:
+    """Two contexts over the same engines (a LoRA one and a full-weights one): each attaches its
+    own buffers, so the LoRA context's connection no longer matches the engines' end. Its next run
+    fails naming that (the engine cannot read the buffer), and the run after builds the
+    connection again instead of failing the same way forever."""
+    from refit.drivers.torch_source import TorchSource
+
+    pm = _peft_model()
+    lora = protocol.RefitContext(LoraSource(pm, name="policy"), SharedMemoryTransport(), engines, max_staleness=1)
+    full = protocol.RefitContext(
+        TorchSource(TinyLlama(CFG, seed=3)), SharedMemoryTransport(), engines, bucket_bytes=1 << 20
+    )
+    try:
+        protocol.run(lora).raise_for_error()
+        protocol.run(full).raise_for_error()  # attaches the engines to its own buffers
+        _train_step(pm, 2)
+        failed = protocol.run(lora)
+        assert not failed.ok and "bad_payload" in str(failed.error), failed.error
+        again = protocol.run(lora)
+        again.raise_for_error()
+        assert {o.status for o in again.engines.values()} == {"updated"}
+        assert engines[0].generate(PROMPTS[0], 4, adapter="policy")["adapter_version"] == again.version
+    finally:
+        lora.close()
+        full.close()

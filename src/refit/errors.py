@@ -108,7 +108,7 @@ NO_EFFECT_KINDS = frozenset(
     {
         "bad_manifest", "bad_payload", "bad_request", "not_attached", "no_session", "session_open", "session_broken",
         "version_ahead", "unauthorized", "unsupported", "not_probed", "restarted", "misconfigured",
-        "memory_unknown", "staged", "no_staged", "not_paused", "busy",
+        "memory_unknown", "staged", "no_staged", "not_paused", "busy", "not_serving",
     }
 )  # fmt: skip
 

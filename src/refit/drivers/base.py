@@ -572,10 +572,12 @@ class EngineDriver(ABC):
 
         raise EngineError("unsupported", f"{type(self).__name__} has no staged sessions")
 
-    def drain(self, *, timeout: float) -> dict[str, Any]:
+    def drain(self, hold_s: float, *, timeout: float) -> dict[str, Any]:
         """LoRA refits (`serves_adapters`), DRAINING: {"ready": whether the finalized adapter
         version may go live within max_staleness + 1 now, "pinned": requests still on the versions
-        it would push out}. Generation goes on; asked again until ready."""
+        it would push out}. Generation goes on; asked again until ready. Where the version to go
+        is the live one, new requests naming the adapter wait until the publish, the discard, or
+        `hold_s` seconds (the run's time left and its cleanup grace), whichever comes first."""
         from refit.errors import EngineError
 
         raise EngineError("unsupported", f"{type(self).__name__} serves no adapters")

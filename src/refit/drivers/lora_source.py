@@ -66,6 +66,15 @@ class LoraSource(TorchSource):
             raise ValueError(f"lora source: the adapter's tensors have several dtypes {sorted(dtypes)}")
         self.adapter = {"name": name, **self.spec.to_dict(), "dtype": dtypes.pop()}
 
+    def metas(self) -> list[Any]:
+        """As `TorchSource.metas`; the adapter's dtype is read again (the trainer may have cast it)."""
+        metas = super().metas()
+        dtypes = {m.dtype for m in metas}
+        if len(dtypes) != 1:
+            raise ValueError(f"lora source: the adapter's tensors have several dtypes {sorted(dtypes)}")
+        self.adapter["dtype"] = dtypes.pop()
+        return metas
+
     @property
     def resident(self) -> bool:
         return not any(hasattr(t, "placements") for _, t in self._named())

@@ -268,8 +268,8 @@ class ReferenceEngine(EngineDriver):
     def swap(self, *, timeout: float) -> None:
         self.client.call("swap", timeout=timeout)
 
-    def drain(self, *, timeout: float) -> dict[str, Any]:
-        return self.client.call("drain", timeout=timeout)
+    def drain(self, hold_s: float, *, timeout: float) -> dict[str, Any]:
+        return self.client.call("drain", hold_s, timeout=timeout)
 
     def discard(self, *, timeout: float) -> None:
         self.client.call("discard", timeout=timeout)
@@ -286,8 +286,14 @@ class ReferenceEngine(EngineDriver):
     def continue_generation(self, *, timeout: float) -> None:
         self.client.call("continue_generation", timeout=timeout)
 
-    def quarantine(self, reason: str, keep_requests: bool = False, *, timeout: float) -> None:
-        self.client.call("quarantine", reason, keep_requests, timeout=timeout)
+    def quarantine(
+        self, reason: str, keep_requests: bool = False, adapter: str | None = None, *, timeout: float
+    ) -> None:
+        """Out of service until a refit completes; `adapter` (a LoRA refit's hold): that adapter only."""
+        if adapter is None:
+            self.client.call("quarantine", reason, keep_requests, timeout=timeout)
+        else:
+            self.client.call("quarantine", reason, keep_requests, adapter, timeout=timeout)
 
     def verify(self, kind: str | None, probe: Sequence[Any] | None = None, *, timeout: float) -> dict[str, Any]:
         return self.client.call("verify", kind, probe, timeout=timeout)

@@ -110,31 +110,43 @@ def check_adapter_served(
 
 
 def check_adapter_records(records: Iterable[Mapping[str, Any]], *, engine: str = "engine") -> list[Violation]:
-    """adapter_moves and adapter_live over self-contained move records (each names where its version
-    came from, `src`, and how many serve after it, `servable`), as the engines' answers carry them
-    into the refit trace (`adapter_moves`): each move is one the adapter table allows from where
-    it came, and no move leaves more than `max_live` versions of its adapter servable. A window of
-    records is judged alone: no history before it is needed."""
+    """adapter_moves and adapter_live over move records as the engines' answers carry them into the
+    refit trace (`adapter_moves`), in order. Each record names where its version came from (`src`)
+    and how many of its adapter serve after it (`servable`, with the bound `max_live`), so a window
+    can be judged without the history before it: a version first seen mid-way is taken to be where
+    its first record says it came from; from then on each move must start where the last one left
+    it (a move lost, repeated or invented breaks the chain), be one the adapter table allows, and
+    leave at most one LIVE version of its adapter and no more servable than the bound."""
     out: list[Violation] = []
+    state: dict[tuple[Any, Any], Any] = {}
     for r in records:
         name, version, event = r.get("adapter"), r.get("adapter_version"), str(r.get("event"))
-        src, dest = r.get("src"), r.get("state")
+        src, dest, key = r.get("src"), r.get("state"), (r.get("adapter"), r.get("adapter_version"))
+        known = state.get(key)
+        where = f"engine {engine}: {name} v{version}: {event}"
         if event == "stage":
             if src is not None or dest != Adapter.STAGING:
-                out.append(Violation("adapter_moves", f"engine {engine}: {name} v{version}: staged into {dest}"))
+                out.append(Violation("adapter_moves", f"{where} into {dest}"))
+            elif known is not None and known not in (Adapter.UNLOADED, Adapter.DISCARDED):
+                out.append(Violation("adapter_moves", f"{where} again while {known}"))
         else:
             legal = None if src is None else _MOVES.get((src, event))
             if legal is None or legal != dest:
                 what = "before its load was complete" if (event, src) == ("publish", "STAGING") else f"from {src}"
-                out.append(Violation("adapter_moves", f"engine {engine}: {name} v{version}: {event} {what} to {dest}"))
-        bound, servable = r.get("max_live"), r.get("servable")
-        if isinstance(bound, int) and isinstance(servable, int) and servable > bound:
-            out.append(
-                Violation(
-                    "adapter_live",
-                    f"engine {engine}: {name}: {servable} versions servable after {event} of v{version}, max {bound}",
-                )
-            )
+                out.append(Violation("adapter_moves", f"{where} {what} to {dest}"))
+            elif known is not None and known != src:
+                out.append(Violation("adapter_moves", f"{where} from {src}, but its last move left it {known}"))
+        state[key] = dest
+        live = sorted(v for (n, v), s in state.items() if n == name and s == Adapter.LIVE)
+        if len(live) > 1:
+            out.append(Violation("adapter_live", f"engine {engine}: {name}: versions {live} all LIVE after {event}"))
+        servable = sum(1 for (n, _), s in state.items() if n == name and s in SERVABLE_ADAPTER)
+        bound, reported = r.get("max_live"), r.get("servable")
+        for count, whose in ((reported, "it reports"), (servable, "its moves leave")):
+            if isinstance(bound, int) and isinstance(count, int) and count > bound:
+                out.append(Violation("adapter_live", f"engine {engine}: {name}: {count} versions servable ({whose}) "
+                                     f"after {event} of v{version}, max {bound}"))  # fmt: skip
+                break
     return out
 
 

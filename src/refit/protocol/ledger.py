@@ -104,9 +104,11 @@ class Engine:
 class Ledger:
     """Per engine and per run: no I/O. `version` is the version the run refits to."""
 
-    def __init__(self, version: int, engines: Sequence[Engine], *, adapter: bool = False) -> None:
+    def __init__(self, version: int, engines: Sequence[Engine], *, adapter: str | None = None) -> None:
         self.version = version
-        self.adapter = adapter  # a LoRA refit: a publish makes the staged adapter version live (`activate`)
+        # a LoRA refit's adapter: a publish makes its staged version live (`activate`), and the version
+        # policy holds that adapter on an engine, not the whole engine (`hold_step`)
+        self.adapter = adapter
         self.engines = list(engines)
         self.plan: list[BucketManifest] = []
         self.ahead: list[str] = []  # engines found at or past the target version
@@ -184,7 +186,7 @@ class Ledger:
         elif call == "verify":
             return self._verified(e, step, value)
         elif call == "publish":
-            e.position.fire(EV.ACTIVATE if self.adapter and e.state in UNPAUSED_STAGED else EV.PUBLISH)
+            e.position.fire(EV.ACTIVATE if self.adapter is not None and e.state in UNPAUSED_STAGED else EV.PUBLISH)
             e.weights.fire(WE.LABEL)
         elif call == "continue_generation":
             if e.must_not_serve:  # a driver bug the table would not see: never report it as clean
@@ -349,7 +351,7 @@ class Ledger:
             steps = [Step("discard", cont)]  # then as it was: serving (never paused), or paused
             if hold is not None:
                 e.held = hold
-                return [*steps, hold_step(e, quarantine, hold)]
+                return [*steps, hold_step(e, quarantine, hold, self.adapter)]
             return [*steps, Step("continue_generation", cont), *kv_steps] if paused else steps
         if e.state in STAGED_STATES:  # SWAPPED: it serves the copy, unpublished
             return [Step("quarantine", quarantine, (reason,))]
@@ -362,7 +364,7 @@ class Ledger:
             return [*steps, Step("quarantine", quarantine, (reason,))]
         if hold is not None and e.position.can(EV.HOLD):  # clean, but held out of service
             e.held = hold
-            return [*steps, hold_step(e, quarantine, hold)]
+            return [*steps, hold_step(e, quarantine, hold, self.adapter)]
         if e.state == E.PAUSED:
             return [Step("continue_generation", cont), *kv_steps]
         return steps
@@ -405,7 +407,10 @@ def _gib(n: int) -> str:
     return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
 
 
-def hold_step(e: Engine, state: str, reason: str) -> Step:
+def hold_step(e: Engine, state: str, reason: str, adapter: str | None = None) -> Step:
     """The version policy's hold of `e`: a quarantine that keeps its requests where its driver can
-    (`holds_requests`)."""
+    (`holds_requests`). In a LoRA refit (`adapter`), of that adapter only: new requests naming it
+    wait until a refit reaches the engine; the engine serves everything else as before."""
+    if adapter is not None:
+        return Step("quarantine", state, (reason, True, adapter))
     return Step("quarantine", state, (reason, True) if e.holds_requests else (reason,))

@@ -114,7 +114,7 @@ class _Run(Recording):
         self.ledger = Ledger(
             self.version,
             [Engine(i, d.name, d.tp_size, d.name, None, *caps[i]) for i, d in enumerate(ctx.engines)],
-            adapter=ctx.adapter is not None,
+            adapter=None if ctx.adapter is None else ctx.adapter["name"],
         )
         self.engines = self.ledger.engines
         self.trainer = FactMachine("trainer")
@@ -479,6 +479,10 @@ class _Run(Recording):
         connection is not reused."""
         if timed_out:
             self.session.connection.fire(CE.ABANDON)
+        elif load_error is not None and _kind(load_error) in ("bad_payload", "not_attached"):
+            # the engine could not read what this connection sent (its end was attached elsewhere since,
+            # by another context over the same engines, say): the next run builds the connection again
+            self.session.connection.fire(CE.ABANDON)
         call = "abandon" if timed_out else "release"
         rc = self.waves.rank_start(RankStep(call, "TRANSFERRING", (k,), k), cleanup=cleanup)
         _, exc = self.rank_wait(rc, state=str(self.machine.state) if cleanup else None)
@@ -695,7 +699,8 @@ class _Run(Recording):
         self.enter(T.DRAIN)
         waiting, pause = list(engines), 0.002
         while waiting:
-            w = self.waves.start({e: [Step("drain", "DRAINING")] for e in waiting})
+            hold = self.deadline.remaining() + self.ctx.cleanup_grace_s  # new requests held this long at most
+            w = self.waves.start({e: [Step("drain", "DRAINING", (round(max(hold, 0.0), 3),))] for e in waiting})
             results = self.waves.wait(w)
             still = []
             for e in waiting:
@@ -762,7 +767,7 @@ class _Run(Recording):
         when it answers); the run waits only the cleanup floor, and its outcome stays "failed"."""
         why = {e: self.hold_reason(e) for e in self.ledger.hung_generating()}
         plan = {
-            e: [Step("discard", state), hold_step(e, state, r)]
+            e: [Step("discard", state), hold_step(e, state, r, self.ledger.adapter)]
             for e, r in why.items() if r is not None
         }  # fmt: skip
         if not plan:
@@ -826,6 +831,15 @@ def _first_load_error(results: dict[Engine, list[tuple[Step, StepResult]]]) -> R
         if first is not None and first[0].call == "load" and first[1].error is not None:
             step, res = first
             return wrap_error(res.error, step.call, step.state, e.name, step.bucket)
+    return None
+
+
+def _kind(err: BaseException) -> str | None:
+    """The engine's kind of error behind `err` (an EngineError, or the cause a RefitError wraps)."""
+    for e in (err, getattr(err, "cause", None), err.__cause__):
+        kind = getattr(e, "kind", None)
+        if isinstance(kind, str):
+            return kind
     return None
 
 

@@ -557,6 +557,13 @@ class EngineCore:
             raise EngineError("staged", "a staged copy of the weights is held; swap or discard it first")
         self._require_weights()
         if adapter is not None:
+            if self.quarantined or self.dirty:  # its base weights are no version's: an adapter cannot fix that
+                raise EngineError(
+                    "not_serving",
+                    f"a LoRA refit cannot bring this engine into service: its base weights "
+                    f"{'are quarantined (' + self.quarantined + ')' if self.quarantined else 'match no version'}; "
+                    "a full refit first",
+                )
             self._begin_adapter(plan, adapter)
             return
         if staged and plan is None:
@@ -695,7 +702,8 @@ class EngineCore:
                 self.session = None
                 self.ready_to_publish = False
             dropped = self.discard()["discarded"]
-            return {"version": held, "serving": self.quarantined is None, "closed_session": closed,
+            serving = self.quarantined is None and not self.dirty and adapter not in self.lora.stale
+            return {"version": held, "serving": serving, "closed_session": closed,
                     "discarded_staged": dropped, "adapter_moves": self.lora.report()}  # fmt: skip
         if self.version >= target_version:
             raise EngineError(
@@ -1287,14 +1295,12 @@ class EngineCore:
             parsed = spec if isinstance(spec, lora.LoraSpec) else lora.LoraSpec.from_dict(spec)
         except (ValueError, KeyError, TypeError) as exc:
             raise EngineError("bad_request", f"adapter {name!r}: {exc}") from exc
-        if max_live is not None:
-            if max_live < 1:
-                raise EngineError("bad_request", f"max_live={max_live}: at least 1")
-            self.lora.max_live = max_live
+        if max_live is not None and (not isinstance(max_live, int) or max_live < 1):
+            raise EngineError("bad_request", f"max_live={max_live!r}: an integer, at least 1 (None: no bound)")
         want = dtype or self.config.dtype
         if want not in ("float32", "bfloat16", "float16"):
             raise EngineError("bad_request", f"adapter {name!r}: dtype {want!r}")
-        v = self.lora.stage(name, version, parsed, getattr(torch, want))
+        v = self.lora.stage(name, version, parsed, getattr(torch, want), max_live)
         return {"adapter": name, "version": version, "tensors": len(v.shapes)}
 
     def load_adapter(self, name: str, tensors: Sequence[tuple[str, torch.Tensor]]) -> dict[str, int]:
@@ -1310,12 +1316,13 @@ class EngineCore:
         v = self.lora.publish(name)
         return {"adapter": name, "version": v.version, "live": [x.version for x in self.lora.servable(name)]}
 
-    def drain(self) -> dict[str, Any]:
+    def drain(self, hold_s: float = 60.0) -> dict[str, Any]:
         """A LoRA refit, finalized: whether its version may be published within `max_live` now
-        (`AdapterTable.drain`); generation goes on either way."""
+        (`AdapterTable.drain`; `hold_s`: how long new requests may be held for it at most);
+        generation goes on either way."""
         if self._adapter_ready is None:
             raise EngineError("not_ready", "drain without a finalized LoRA refit")
-        return {**self.lora.drain(self._adapter_ready), "adapter_moves": self.lora.report()}
+        return {**self.lora.drain(self._adapter_ready, hold_s), "adapter_moves": self.lora.report()}
 
     def discard_adapter(self, name: str, reason: str = "discarded") -> dict[str, bool]:
         return {"discarded": self.lora.discard(name, reason=reason)}
@@ -1333,12 +1340,19 @@ class EngineCore:
         self.waiting.clear()
         return len(reqs)
 
-    def quarantine(self, reason: str, keep_requests: bool = False) -> None:
+    def quarantine(self, reason: str, keep_requests: bool = False, adapter: str | None = None) -> None:
         """Out of service until a refit completes: new requests are refused. An open update
         session is voided (not finalized): a later refit begins a fresh one instead of finding it
         "already open". Its requests end ("quarantined"), unless `keep_requests` (a hold: the
         version policy's STALE, clean weights merely behind): then they wait, their KV dropped, and
-        go on under the version the refit that reaches it publishes."""
+        go on under the version the refit that reaches it publishes. `adapter` (a LoRA refit's
+        version policy): that adapter alone is held, its staged version dropped: new requests naming
+        it wait until a refit publishes one, requests already pinned finish under their versions,
+        and the engine serves everything else as before."""
+        if adapter is not None:
+            self.lora.discard(adapter, reason="held")
+            self.lora.hold(adapter, reason)
+            return
         self.quarantined = reason
         self.discard()
         self.session = None
@@ -1475,6 +1489,13 @@ class EngineCore:
             and not self.kv_released
             and bool(self.running or any(self._admissible(r) for r in self.waiting))
         )
+
+    def wake_in(self) -> float | None:
+        """When an idle engine must look again without being asked (seconds; None: only when asked):
+        while a request waits for a draining hold that will lapse (`AdapterTable.drain`)."""
+        if self.has_work() or not self.waiting:
+            return None
+        return self.lora.next_lapse()
 
     def _admissible(self, req: Request) -> bool:
         """Not waiting for a publish: no adapter, pinned already (retracted), or its adapter admits."""
@@ -1663,16 +1684,7 @@ class EngineCore:
                 v = torch.cat([past[i][1], v], dim=2)
             new_kv.append((k, v))
             out = attention(q, k, v, start).transpose(1, 2).reshape(1, t, qd)
-            o = self._row_parallel(out, p[pre + "self_attn.o_proj.weight"], p.get(pre + "self_attn.o_proj.bias"))
-            x = x + lora.apply(o, out, i, (("o_proj", o.shape[-1]),), ad)
-            n = rms_norm(x, p[pre + "post_attention_layernorm.weight"], c.rms_norm_eps)
-            gate_up = F.linear(n, p[pre + "mlp.gate_up_proj.weight"])
-            half = gate_up.shape[-1] // 2
-            gate, up = lora.apply(gate_up, n, i, (("gate_proj", half), ("up_proj", half)), ad).chunk(2, dim=-1)
-            h = F.silu(gate) * up
-            x = x + lora.apply(
-                self._row_parallel(h, p[pre + "mlp.down_proj.weight"], None), h, i, (("down_proj", c.hidden_size),), ad
-            )
+            x = self._rest_of_layer(x, out, p, i, ad)
         logits = F.linear(rms_norm(x, p["model.norm.weight"], c.rms_norm_eps), head)
         return comm.all_gather_cat(logits[0], dim=-1), new_kv
 
@@ -1714,18 +1726,30 @@ class EngineCore:
             else:
                 keys, values = keys[rows, :, :t], values[rows, :, :t]
             out = grouped_attention(q, keys, values, masked).transpose(1, 2).reshape(b, 1, qd)
-            o = self._row_parallel(out, p[pre + "self_attn.o_proj.weight"], p.get(pre + "self_attn.o_proj.bias"))
-            x = x + lora.apply(o, out, i, (("o_proj", o.shape[-1]),), ad)
-            n = rms_norm(x, p[pre + "post_attention_layernorm.weight"], c.rms_norm_eps)
-            gate_up = F.linear(n, p[pre + "mlp.gate_up_proj.weight"])
-            half = gate_up.shape[-1] // 2
-            gate, up = lora.apply(gate_up, n, i, (("gate_proj", half), ("up_proj", half)), ad).chunk(2, dim=-1)
-            h = F.silu(gate) * up
-            x = x + lora.apply(
-                self._row_parallel(h, p[pre + "mlp.down_proj.weight"], None), h, i, (("down_proj", c.hidden_size),), ad
-            )
+            x = self._rest_of_layer(x, out, p, i, ad)
         logits = F.linear(rms_norm(x, p["model.norm.weight"], c.rms_norm_eps), head)
         return comm.all_gather_cat(logits[:, 0], dim=-1)
+
+    def _rest_of_layer(
+        self,
+        x: torch.Tensor,
+        out: torch.Tensor,
+        p: dict[str, torch.Tensor],
+        i: int,
+        ad: Sequence[lora.AdapterVersion | None],
+    ) -> torch.Tensor:
+        """Layer `i` after attention (`out`): o_proj and the residual, then the MLP and its residual,
+        each projection with its row's LoRA update (`ad`) where one is given."""
+        c, pre = self.config, f"model.layers.{i}."
+        o = self._row_parallel(out, p[pre + "self_attn.o_proj.weight"], p.get(pre + "self_attn.o_proj.bias"))
+        x = x + lora.apply(o, out, i, (("o_proj", o.shape[-1]),), ad)
+        n = rms_norm(x, p[pre + "post_attention_layernorm.weight"], c.rms_norm_eps)
+        gate_up = F.linear(n, p[pre + "mlp.gate_up_proj.weight"])
+        half = gate_up.shape[-1] // 2
+        gate, up = lora.apply(gate_up, n, i, (("gate_proj", half), ("up_proj", half)), ad).chunk(2, dim=-1)
+        h = F.silu(gate) * up
+        down = self._row_parallel(h, p[pre + "mlp.down_proj.weight"], None)
+        return x + lora.apply(down, h, i, (("down_proj", c.hidden_size),), ad)
 
     def _row_parallel(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """`x @ weight.T + bias` for a row-parallel projection (o_proj, down_proj). One rank: one
@@ -1858,6 +1882,7 @@ class EngineCore:
             "skipped_tensors": self.skipped_tensors,
             "skipped_recent": list(self.skipped_recent),
             "adapters": self.lora.info(),
+            "adapters_held": self.lora.holds(),
             "gpu_allocated_bytes": torch.cuda.memory_allocated(self.device) if cuda else None,
             "gpu_peak_bytes": torch.cuda.max_memory_allocated(self.device) if cuda else None,
         }

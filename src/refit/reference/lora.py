@@ -23,6 +23,7 @@ adapter is never read under another). It records each move as an engine audit re
 from __future__ import annotations
 
 import math
+import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -62,6 +63,8 @@ _REFUSED: dict[str, Any] = {
     "target_parameters": None,
     "use_qalora": False,
     "alora_invocation_tokens": None,
+    "use_bdlora": False,
+    "exclude_modules": None,
 }
 
 
@@ -192,8 +195,9 @@ class AdapterTable:
     progress), one LIVE, and RETIRED ones until the requests pinned to them finish. `max_live`
     bounds LIVE + RETIRED per name (`max_staleness + 1`): a staged version is published only once
     the versions it would push past the bound have no request left (`drain`); while the one to go
-    is the LIVE one (max_live 1), new requests naming the adapter wait unpinned (`held`), so it
-    drains, and are admitted under the new version once it is published."""
+    is the LIVE one (max_live 1), new requests naming the adapter wait unpinned (`draining`), so it
+    drains, and are admitted under the new version once it is published. An adapter the version
+    policy holds on this engine (`stale`) admits no new request until a version is published here."""
 
     def __init__(
         self, config: ModelConfig, device: torch.device, record: Callable[..., None], clock: Callable[[], int]
@@ -203,8 +207,11 @@ class AdapterTable:
         self._record = record
         self._clock = clock  # the engine's tokens sampled so far: when each move happened, in tokens
         self.versions: dict[str, dict[int, AdapterVersion]] = {}
-        self.max_live: int | None = None
-        self.held: set[str] = set()  # adapters whose new requests wait unpinned until a publish (`drain`)
+        self.max_live: dict[str, int | None] = {}  # per adapter, as its last stage set it (None: no bound)
+        # adapters whose new requests wait unpinned until a publish or a discard (`drain`), and until
+        # when at most: a hold its run never follows up (it died, or its cleanup did not come) lapses
+        self.draining: dict[str, float] = {}
+        self.stale: dict[str, str] = {}  # adapters the version policy holds here until a publish, and why (`hold`)
         self.loads = 0  # adapter versions published so far
         self.unloads = 0
         self.moves: deque[dict[str, Any]] = deque(maxlen=MOVES_KEPT)  # not yet reported (`report`)
@@ -217,7 +224,8 @@ class AdapterTable:
         window of them can be checked without the history before it."""
         move = {
             "adapter": v.name, "adapter_version": v.version, "event": event, "src": src, "state": str(v.state),
-            "servable": len(self.servable(v.name)), "max_live": self.max_live, "seq": self._clock(), **fields,
+            "servable": len(self.servable(v.name)), "max_live": self.max_live.get(v.name), "seq": self._clock(),
+            **fields,
         }  # fmt: skip
         self._record("adapter", True, **move)
         self.moves.append(move)
@@ -249,10 +257,13 @@ class AdapterTable:
     def names(self) -> list[str]:
         return sorted(n for n in self.versions if self.live(n) is not None)
 
-    def stage(self, name: str, version: int, spec: LoraSpec, dtype: torch.dtype) -> AdapterVersion:
+    def stage(
+        self, name: str, version: int, spec: LoraSpec, dtype: torch.dtype, max_live: int | None = None
+    ) -> AdapterVersion:
         """Open STAGING for `name` at `version` (a staged version of `name` not yet published is
-        discarded first). Refused (EngineError) for a version not newer than the live one.
-        Generation goes on: a staged version is not servable (`drain` bounds those at publish)."""
+        discarded first), bounding `name` to `max_live` servable versions from now on (None: no
+        bound; each adapter its own). Refused (EngineError) for a version not newer than the live
+        one. Generation goes on: a staged version is not servable (`drain` bounds those at publish)."""
         if not name or not isinstance(name, str):
             raise EngineError("bad_request", f"adapter name {name!r}: a non-empty string")
         self.collect()
@@ -265,6 +276,7 @@ class AdapterTable:
                 "bad_request", f"adapter {name!r} version {version}: not newer than the live version {live.version}"
             )
         v = AdapterVersion(name, version, spec, spec.shapes(self.config), dtype)
+        self.max_live[name] = max_live
         self.versions.setdefault(name, {})[version] = v
         self._log(v, "stage", None, r=spec.r, targets=list(spec.targets))
         return v
@@ -312,25 +324,43 @@ class AdapterTable:
         """The servable versions of `name` that publishing its staged one pushes past `max_live`
         (oldest first): each must have no request left before that publish."""
         servable = sorted(self.servable(name), key=lambda v: v.version)
-        if self.max_live is None:
+        bound = self.max_live.get(name)
+        if bound is None:
             return []
-        return servable[: max(0, len(servable) + 1 - self.max_live)]
+        return servable[: max(0, len(servable) + 1 - bound)]
 
-    def drain(self, name: str) -> dict[str, Any]:
-        """Whether the staged version of `name` may be published within `max_live` now: {"ready",
-        "pinned": the requests still on the versions it pushes out}. Not ready while the LIVE
-        version is among them: new requests naming `name` wait unpinned until the publish."""
+    def drain(self, name: str, hold_s: float = 60.0) -> dict[str, Any]:
+        """Whether the staged version of `name` may be published within its `max_live` now:
+        {"ready", "pinned": the requests still on the versions it pushes out}. While the LIVE
+        version is among them, new requests naming `name` wait unpinned from now until the publish
+        (ready or not: one admitted between this answer and the publish would pin the going
+        version), or the discard, or `hold_s` seconds at most (a hold nothing follows up lapses)."""
         v = self.staged(name)
         if v is None or v.state != Adapter.STAGED:
             raise EngineError("not_ready", f"adapter {name!r}: no staged version was completed")
         going = self.going(name)
         pinned = sum(g.pinned for g in going)
-        if pinned and any(g.state == Adapter.LIVE for g in going):
-            self.held.add(name)
+        if any(g.state == Adapter.LIVE for g in going):
+            self.draining[name] = time.monotonic() + max(0.0, hold_s)
         return {"ready": pinned == 0, "pinned": pinned, "going": [g.version for g in going]}
 
+    def hold(self, name: str, reason: str) -> None:
+        """The version policy's hold of `name` on this engine: new requests naming it wait, with no
+        lapse, until a version of it is published here (a discard does not lift it)."""
+        self.stale[name] = reason
+
     def admits(self, name: str) -> bool:
-        return name not in self.held
+        """Whether a new request naming `name` may be pinned now: not held by the version policy,
+        and not draining (or that hold lapsed)."""
+        if name in self.stale:
+            return False
+        until = self.draining.get(name)
+        if until is None:
+            return True
+        if time.monotonic() < until:
+            return False
+        del self.draining[name]
+        return True
 
     def publish(self, name: str) -> AdapterVersion:
         """STAGED -> LIVE; the live one before it is RETIRED, and retired ones with no request left
@@ -343,10 +373,12 @@ class AdapterTable:
         if busy:
             raise EngineError(
                 "busy",
-                f"adapter {name!r} version {v.version}: publishing it would leave more than {self.max_live} versions "
+                f"adapter {name!r} version {v.version}: publishing it would leave more than {self.max_live.get(name)} "
+                "versions "
                 f"live; version {busy[0].version} still has {busy[0].pinned} requests",
             )
-        self.held.discard(name)
+        self.draining.pop(name, None)
+        self.stale.pop(name, None)
         before = self.live(name)
         if before is not None:
             self._move(before, AdapterEvent.SUPERSEDE)
@@ -360,7 +392,7 @@ class AdapterTable:
         if v is None:
             return False
         v.weights.clear()
-        self.held.discard(name)
+        self.draining.pop(name, None)
         self._move(v, AdapterEvent.DISCARD, reason=reason)
         del self.versions[name][v.version]
         if not self.versions[name]:
@@ -422,6 +454,19 @@ class AdapterTable:
                    for v in versions.values()}
             for name, versions in self.versions.items()
         }  # fmt: skip
+
+    def next_lapse(self) -> float | None:
+        """Seconds until the earliest draining hold lapses (None: none is held)."""
+        now = time.monotonic()
+        ends = [u - now for u in self.draining.values()]
+        return max(0.0, min(ends)) if ends else None
+
+    def holds(self) -> dict[str, str]:
+        """Adapters whose new requests wait, and why."""
+        now = time.monotonic()
+        out = {n: f"version policy: {r}" for n, r in self.stale.items()}
+        out.update({n: "draining for a publish" for n, u in self.draining.items() if u > now and n not in out})
+        return out
 
 
 def apply(

@@ -551,7 +551,7 @@ def serve(channel: Channel, server: EngineServer) -> None:
     waiters: dict[int, list[int]] = {}
     try:
         while True:
-            if channel.poll(0 if core.has_work() else None):
+            if channel.poll(0 if core.has_work() else core.wake_in()):
                 msg = channel.recv()
                 if msg == SHUTDOWN:
                     break
@@ -638,7 +638,7 @@ class HostedEngine:
         while True:
             with self._cond:
                 while self._dead is None and (self._callers or not self.core.has_work()):
-                    self._cond.wait()
+                    self._cond.wait(None if self._callers else self.core.wake_in())  # a hold lapsing wakes it
                 if self._dead is not None:
                     return
                 self.core.step()

@@ -16,8 +16,9 @@ After every refit:
   * served    an engine the run reports `updated` serves the new version: a request naming the
               adapter is tagged with it and its tokens are the ones the PEFT model gives with that
               version's adapter (teacher forcing: near-ties cannot flake); a quarantined one refuses;
-              any other that answers serves a version it was published (the tag) with that
-              version's tokens;
+              one held stale by the version policy is not asked (requests naming the adapter wait
+              there until a refit reaches it: the last step is a refit with no fault); any other
+              that answers serves a version it was published (the tag) with that version's tokens;
   * pinned    every request in flight across the refit finished (none aborted) and each token is
               what the version it is tagged with gives: a driver that moves a request to another
               version mid-way (an in-place reload) fails here;
@@ -180,6 +181,8 @@ class LoraDriverMachine(RuleBasedStateMachine):
             raise AssertionError(f"progress: a LoRA refit with no fault did not update every engine: {result}")
         for e in self.engines:
             outcome = result.engines[e.name]
+            if outcome.status == "stale":  # the version policy holds the adapter there: its requests wait
+                continue
             try:
                 out = e.generate(PROMPTS[0], NEW_TOKENS, adapter=ADAPTER, timeout=30)
             except Exception as exc:  # refused, or not answering: only where the run said it would not serve
@@ -278,6 +281,8 @@ def check_lora_driver(
 
     def teardown(self: LoraDriverMachine) -> None:
         try:
+            if self.ctx is not None:
+                self._refit(None)  # a refit with no fault reaches every engine: held requests go on
             self._settle_inflight()
             self.check_audits()
         finally:
