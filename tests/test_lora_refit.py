@@ -270,7 +270,7 @@ def test_refit_demo_lora_through_the_real_command(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("flags", "named"),
-    [(["--mode", "colocated"], "--mode colocated"), (["--atomic"], "--atomic"), (["--engine", "sglang"], "--engine")],
+    [(["--atomic"], "--atomic"), (["--engine", "sglang"], "--engine"), (["--ranks", "2"], "--ranks")],
 )
 def test_refit_demo_lora_refuses_what_it_does_not_take(
     flags: list[str], named: str, capsys: pytest.CaptureFixture[str]
@@ -282,6 +282,14 @@ def test_refit_demo_lora_refuses_what_it_does_not_take(
     assert f"it does not take {named}" in err and "Traceback" not in err
 
 
+def test_refit_demo_lora_says_why_it_is_never_colocated(capsys: pytest.CaptureFixture[str]) -> None:
+    from refit.cli import main
+
+    assert main(["demo", "--lora", "--mode", "colocated"]) == 2
+    err = capsys.readouterr().err
+    assert "a colocated refit gives the engines' memory to the trainer" in err and " yet" not in err
+
+
 def test_the_docs_lora_example_runs_as_written(capsys: pytest.CaptureFixture[str]) -> None:
     import re
 
@@ -290,6 +298,7 @@ def test_the_docs_lora_example_runs_as_written(capsys: pytest.CaptureFixture[str
     exec(compile(block, "docs/lora.md", "exec"), {})  # the doc's own example
     lines = [line.split(" ", 1) for line in capsys.readouterr().out.splitlines()]
     assert [v for v, _ in lines] == ["1", "2", "3"]  # each request pinned to the version just published
+    assert len({tokens for _, tokens in lines}) > 1  # and the adapter moved between them
 
 
 def test_the_lora_bench_path_runs_on_the_cpu() -> None:

@@ -31,8 +31,12 @@ def lora_problem(args: argparse.Namespace) -> str | None:
 
     if importlib.util.find_spec("peft") is None:
         return "--lora needs PEFT: pip install 'refit-engine[lora]' (scripts/setup installs it)"
+    if args.mode == "colocated" and args.mode_given:
+        return (
+            "--lora --mode colocated: a LoRA refit loads each adapter version beside the ones requests use while "
+            "the engines keep generating; a colocated refit gives the engines' memory to the trainer (docs/lora.md)"
+        )
     clashes = [
-        ("--mode colocated", args.mode == "colocated" and args.mode_given),
         ("--atomic", args.atomic), ("--ranks", args.ranks > 1), ("--ray", args.ray),
         ("--engine-tp", args.engine_tp > 1), ("--engine", args.engine != "reference"),
         ("--fail-at", bool(args.fail_at)), ("--verify probe/both", args.verify in ("probe", "both")),
@@ -88,7 +92,8 @@ def run_lora_demo(args: argparse.Namespace) -> int:
     print(
         f"trainer: the tiny model with rank-8 LoRA adapters on {len(TARGETS)} projections per layer (PEFT), the base "
         f"frozen | adapter {adapter_bytes / 1024:.0f} KiB of a {full_bytes / 2**20:.2f} MiB model | disaggregated, "
-        f"max_staleness 1 (at most 2 adapter versions live) | verify {ctx.verify}",
+        f"max_staleness 1 (at most 2 adapter versions live; a retired one is freed when its last request ends) | "
+        f"verify {ctx.verify}",
         flush=True,
     )
     stop, futures = threading.Event(), []
