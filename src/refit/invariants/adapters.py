@@ -36,46 +36,9 @@ def _key(r: Mapping[str, Any]) -> tuple[Any, Any]:
 
 
 def check_adapter_moves(records: Sequence[Mapping[str, Any]], *, engine: str = "engine") -> list[Violation]:
-    """adapter_moves and adapter_live over one engine's adapter records, in order."""
-    out: list[Violation] = []
-    state: dict[tuple[Any, Any], Adapter] = {}
-    bound: dict[Any, int] = {}
-    for r in records:
-        key, event = _key(r), str(r.get("event"))
-        name, version = key
-        if event == "stage":
-            if key in state and state[key] not in (Adapter.UNLOADED, Adapter.DISCARDED):
-                out.append(
-                    Violation("adapter_moves", f"engine {engine}: {name} v{version} staged again while {state[key]}")
-                )
-            state[key] = Adapter.STAGING
-            if isinstance(r.get("max_live"), int):
-                bound[name] = r["max_live"]
-            continue
-        src = state.get(key)
-        dest = None if src is None else _MOVES.get((src, event))
-        if dest is None:
-            what = "never staged" if src is None else f"from {src}"
-            if event == "publish" and src == Adapter.STAGING:
-                what = "before its load was complete"
-            out.append(Violation("adapter_moves", f"engine {engine}: {name} v{version}: {event} {what}"))
-            continue
-        state[key] = dest
-        live = [k for k, s in state.items() if k[0] == name and s == Adapter.LIVE]
-        servable = [k for k, s in state.items() if k[0] == name and s in SERVABLE_ADAPTER]
-        if len(live) > 1:
-            out.append(
-                Violation("adapter_live", f"engine {engine}: {name}: versions {sorted(v for _, v in live)} all LIVE")
-            )
-        if name in bound and len(servable) > bound[name]:
-            out.append(
-                Violation(
-                    "adapter_live",
-                    f"engine {engine}: {name}: {len(servable)} versions servable "
-                    f"({sorted(v for _, v in servable)}), max {bound[name]}",
-                )
-            )
-    return out
+    """adapter_moves and adapter_live over one engine's adapter records (its audit), in order: the
+    same check as over a trace's reported moves (`check_adapter_records`)."""
+    return check_adapter_records(records, engine=engine)
 
 
 def check_adapter_served(
@@ -135,7 +98,8 @@ def check_adapter_records(records: Iterable[Mapping[str, Any]], *, engine: str =
                 what = "before its load was complete" if (event, src) == ("publish", "STAGING") else f"from {src}"
                 out.append(Violation("adapter_moves", f"{where} {what} to {dest}"))
             elif known is not None and known != src:
-                out.append(Violation("adapter_moves", f"{where} from {src}, but its last move left it {known}"))
+                what = "before its load was complete" if (event, known) == ("publish", "STAGING") else f"from {src}"
+                out.append(Violation("adapter_moves", f"{where} {what}, but its last move left it {known}"))
         state[key] = dest
         live = sorted(v for (n, v), s in state.items() if n == name and s == Adapter.LIVE)
         if len(live) > 1:

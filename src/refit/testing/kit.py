@@ -889,19 +889,16 @@ def check_engine_driver(
         finally:
             machine.teardown()
     phases = [Phase.explicit, Phase.reuse, Phase.generate] + ([Phase.shrink] if shrink else [])
-    run_state_machine_as_test(
-        Machine,
-        settings=settings(
-            max_examples=max_examples,
-            stateful_step_count=steps,
-            deadline=None,
-            derandomize=True,
-            database=None,
-            phases=phases,
-            suppress_health_check=list(HealthCheck),
-        ),
-    )
+    run_state_machine_as_test(Machine, settings=kit_settings(max_examples, steps, phases))
     return Machine.coverage
+
+
+def kit_settings(max_examples: int, steps: int, phases: Sequence[Phase]) -> settings:
+    """The kits' Hypothesis settings: derandomized, no database, no deadline, no health checks."""
+    return settings(
+        max_examples=max_examples, stateful_step_count=steps, deadline=None, derandomize=True, database=None,
+        phases=tuple(phases), suppress_health_check=list(HealthCheck),
+    )  # fmt: skip
 
 
 __all__ = ["Coverage", "DriverStateMachine", "check_engine_driver", "sweep"]

@@ -40,11 +40,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import hypothesis.strategies as st
-from hypothesis import HealthCheck, Phase, settings
+from hypothesis import Phase
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 
 from refit import invariants, protocol
 from refit.drivers.base import EngineDriver
+from refit.testing.kit import kit_settings
 
 ADAPTER = "policy"
 PROMPTS = ([3, 1, 4, 1, 5], [9, 2, 6], [2, 7, 1, 8, 2, 8])
@@ -289,18 +290,7 @@ def check_lora_driver(
             LoraDriverMachine.teardown(self)
 
     Machine.teardown = teardown  # type: ignore[method-assign]
-    run_state_machine_as_test(
-        Machine,
-        settings=settings(
-            max_examples=max_examples,
-            stateful_step_count=steps,
-            deadline=None,
-            derandomize=True,
-            database=None,
-            phases=(Phase.explicit, Phase.generate),
-            suppress_health_check=list(HealthCheck),
-        ),
-    )
+    run_state_machine_as_test(Machine, settings=kit_settings(max_examples, steps, (Phase.explicit, Phase.generate)))
 
 
 __all__: Sequence[str] = ("LoraDriverMachine", "check_lora_driver")
