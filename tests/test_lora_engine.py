@@ -392,7 +392,7 @@ def test_a_draining_hold_nothing_follows_up_lapses_by_itself() -> None:
     )  # fmt: skip
     try:
         protocol.run(ctx).raise_for_error()
-        longs = [engine.submit([1, 2, 3], 150, adapter="p") for _ in range(2)]  # pinned to v1 past the deadline
+        longs = [engine.submit([1, 2, 3], 100, adapter="p") for _ in range(2)]  # pinned to v1 past the deadline
         with torch.no_grad():
             for n, p in pm.named_parameters():
                 if "lora_" in n:
@@ -403,7 +403,6 @@ def test_a_draining_hold_nothing_follows_up_lapses_by_itself() -> None:
         assert "p" in engine.info()["adapters_held"]  # held for the drain, and nothing lifted it
         waiting = engine.submit([4, 5, 6], 3, adapter="p")
         assert all(f.result(timeout=30)["finish_reason"] == "length" for f in longs)  # then the engine is idle
-        assert "p" in engine.info()["adapters_held"]
         assert waiting.result(timeout=15)["adapter_version"] == 1  # the hold lapsed, and the idle engine woke for it
     finally:
         ctx.close()
