@@ -56,7 +56,12 @@ def sglang_http() -> types.SimpleNamespace:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             from sglang.srt.entrypoints import http_server
+            from sglang.srt.lora.lora_config import LoRAConfig
+            from sglang.srt.lora.lora_registry import LoRARegistry
+            from sglang.srt.managers import io_struct
             from sglang.srt.managers.io_struct import FlushCacheReqOutput
+            from sglang.srt.managers.tokenizer_control_mixin import TokenizerControlMixin
+            from sglang.srt.managers.tokenizer_manager import TokenizerManager
             from sglang.srt.utils import auth
             from sglang.srt.utils.common import normalize_serialized_named_tensor_payloads
 
@@ -75,6 +80,8 @@ def sglang_http() -> types.SimpleNamespace:
         _LOADED["sglang"] = types.SimpleNamespace(
             module=http_server, app=http_server.app, auth=auth, FlushCacheReqOutput=FlushCacheReqOutput,
             normalize=normalize_serialized_named_tensor_payloads, server_args=_publish_server_args(),
+            LoRARegistry=LoRARegistry, LoRAConfig=LoRAConfig, io=io_struct, TCM=TokenizerControlMixin,
+            TM=TokenizerManager,
         )  # fmt: skip
     return _LOADED["sglang"]
 
@@ -97,15 +104,27 @@ def _publish_server_args() -> Any:
         num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads, vocab_size=c.vocab_size,
         architectures=["LlamaForCausalLM"],
     ).save_pretrained(path)  # fmt: skip
-    args = ServerArgs(model_path=path, device="cpu", skip_tokenizer_init=True)
+    # LoRA on (the config bag is one per process: a server whose emulator has no LoRA answers as
+    # SGLang without --enable-lora from the shim, `TokenizerShim._lora_off`)
+    args = ServerArgs(
+        model_path=path, device="cpu", skip_tokenizer_init=True, enable_lora=True, max_lora_rank=64,
+        lora_target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    )  # fmt: skip
     runtime_context.publish(args, role="tokenizer")
     return args
+
+
+LORA_TCM = ("load_lora_adapter", "load_lora_adapter_from_tensors", "unload_lora_adapter", "_unload_lora_adapter_locked")
+LORA_TM = ("_validate_and_resolve_lora", "_resolve_lora_path")
 
 
 class TokenizerShim:
     """The TokenizerManager methods and attributes SGLang's weight-update, control, info and
     generate routes use, each onto the emulator's op of the same name (run on a thread, so the
-    event loop keeps serving, as SGLang's awaits its scheduler)."""
+    event loop keeps serving, as SGLang's awaits its scheduler). LoRA runs SGLang's own tokenizer
+    side: `TokenizerControlMixin`'s load, load-from-tensors and unload (its lock, pending unloads,
+    LRU eviction), `TokenizerManager`'s per-request resolution and its `LoRARegistry` (counters:
+    an unload waits for the requests using the adapter), over the emulated scheduler's ops."""
 
     def __init__(self, emu: SGLangAppServer) -> None:
         self.emu = emu
@@ -119,6 +138,21 @@ class TokenizerShim:
         # SGLang's /server_info reads the tokenizer manager's ServerArgs: this server's tp_size, as it was launched
         self.server_args = copy.copy(sglang_http().server_args)
         self.server_args.tp_size = emu.tp
+        lora = emu.lora or {}
+        self.enable_lora = emu.lora is not None
+        self.server_args.enable_lora = True if emu.lora is not None else None
+        for key in ("max_lora_rank", "lora_target_modules", "max_loaded_loras"):
+            setattr(self.server_args, key, lora.get(key))
+        self.model_config.context_len = 4096
+        h = sglang_http()
+        for owner, names in ((h.TCM, LORA_TCM), (h.TM, LORA_TM)):  # SGLang's own methods, on this shim
+            for name in names:
+                setattr(self, name, types.MethodType(getattr(owner, name), self))
+        # TokenizerManager.__init__'s LoRA state
+        self.lora_registry = sglang_http().LoRARegistry(None)
+        self.lora_update_lock = asyncio.Lock()
+        self.pending_lora_unloads: dict[str, str] = {}
+        self.lora_ref_cache: dict[str, Any] = {}
 
     @property
     def startup_time(self) -> dict[str, Any]:
@@ -190,7 +224,49 @@ class TokenizerShim:
         await self._op("op_resume_memory_occupation", obj)
 
     async def generate_request(self, obj: Any, request: Any = None) -> Any:
-        yield await self._op("op_generate", obj)
+        """SGLang's LoRA resolution (a ValueError: the route's 400), the emulated scheduler's
+        generation, then the registry's release (`_release_lora_once`, at the request's end)."""
+        await self._validate_and_resolve_lora(obj)
+        try:
+            out = await self._op("op_generate", obj)
+        finally:
+            if getattr(obj, "lora_id", None) is not None:
+                await self.lora_registry.release(obj.lora_id)
+        yield out
+
+    def auto_create_handle_loop(self) -> None:
+        return None
+
+    def _lora_off(self, obj: Any) -> Any:
+        """The answer of SGLang without --enable-lora, for a server whose emulator has LoRA off
+        (the process-wide config bag has it on: one per process)."""
+        if self.emu.lora is None:
+            return sglang_http().io.LoRAUpdateOutput(
+                success=False, error_message="LoRA is not enabled. Please set `--enable-lora` to enable LoRA."
+            )
+        return None
+
+    async def update_lora_adapter_communicator(self, obj: Any) -> list[Any]:
+        """The fan-out to the scheduler ranks (one here): the emulated scheduler's op for the
+        request type; a load from a path runs SGLang's own `LoRAConfig` first (a path that is no
+        directory goes to the Hugging Face Hub, unreachable here: its error is the answer)."""
+        io = sglang_http().io
+        off = self._lora_off(obj)
+        if off is not None:
+            return [off]
+        if isinstance(obj, io.LoadLoRAAdapterFromTensorsReqInput):
+            result = await self._op("op_lora_load_tensors", obj)
+        elif isinstance(obj, io.UnloadLoRAAdapterReqInput):
+            result = await self._op("op_lora_unload", obj)
+        else:
+            try:
+                await asyncio.to_thread(sglang_http().LoRAConfig, obj.lora_path)
+            except Exception as exc:  # LoRAManager.load_lora_adapter answers it
+                result = self.emu._lora_result(False, str(exc))
+            else:
+                result = await self._op("op_lora_load_path", obj)
+        fields = {k: result[k] for k in ("success", "error_message", "loaded_adapters")}
+        return [io.LoRAUpdateOutput(**fields)]
 
     def create_abort_task(self, obj: Any) -> None:
         return None

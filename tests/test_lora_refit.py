@@ -294,10 +294,14 @@ def test_the_docs_lora_example_runs_as_written(capsys: pytest.CaptureFixture[str
     import re
 
     text = (Path(__file__).resolve().parents[1] / "docs" / "lora.md").read_text()
-    (block,) = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    block, sglang = re.findall(r"```python\n(.*?)```", text, flags=re.S)
     exec(compile(block, "docs/lora.md", "exec"), {})  # the doc's own example
     lines = [line.split(" ", 1) for line in capsys.readouterr().out.splitlines()]
     assert [v for v, _ in lines] == ["1", "2", "3"]  # each request pinned to the version just published
+    exec(compile(sglang, "docs/lora.md (SGLang)", "exec"), {})  # into an emulated SGLang
+    lines = [line.split(" ", 1) for line in capsys.readouterr().out.splitlines()]
+    assert [v for v, _ in lines] == ["1", "2", "3"]
+    assert [len(eval(versions)) for _, versions in lines] == [1, 2, 2]  # v1; then v1, v2; then v2, v3
     assert len({tokens for _, tokens in lines}) > 1  # and the adapter moved between them
 
 
@@ -306,10 +310,12 @@ def test_the_lora_bench_path_runs_on_the_cpu() -> None:
     what it measures is there and consistent (the GPU figure itself is measured on the GPU)."""
     from refit.bench_gpu import run_lora
 
-    row = run_lora(CFG, refits=3, bucket_mb=1, r=4, requests=4, tokens=200, device="cpu")
+    row = run_lora(CFG, refits=3, bucket_mb=1, r=4, requests=4, tokens=40, device="cpu")
     assert row["bytes"] == row["adapter_bytes"] > 0 and row["adapter_tensors"] == 2 * 2 * 7
     assert 0 < row["ms_blocked_longest_call"] <= row["ms_blocked"] < row["ms_refit"]
     assert row["requests_done_not_by_length"] == 0 and 1 <= row["versions_live_after"] <= 2
+    # the client replaces each finished request: later ones get the later versions
+    assert row["requests_done"] > 4 and row["versions_served"] >= 2
     assert set(row["runner_phase_ms"]) >= {"STAGING", "TRANSFERRING", "DRAINING", "CONTINUING"}
 
 

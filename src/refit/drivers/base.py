@@ -582,6 +582,11 @@ class EngineDriver(ABC):
 
         raise EngineError("unsupported", f"{type(self).__name__} serves no adapters")
 
+    def no_adapter(self, adapter: dict[str, Any], *, verify: str, max_live: int | None) -> str | None:
+        """LoRA refits (`serves_adapters`): why this engine can never take this one (its adapter
+        spec, the run's verify mode, max_staleness + 1), or None; checked when a run starts."""
+        return None
+
     def swap(self, *, timeout: float) -> None:
         """Atomic runs: serve the finalized staged copy (paused and flushed)."""
         from refit.errors import EngineError

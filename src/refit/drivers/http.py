@@ -167,12 +167,12 @@ class HttpEngineDriver(EngineDriver):
         if self._quarantined is not None:
             raise EngineError("quarantined", f"engine {self.name} is quarantined ({self._quarantined}); refit it first")
 
-    def submit(self, prompt: Sequence[int], max_new_tokens: int) -> Any:
-        """Start a request on a thread; returns a Future of `generate`'s answer."""
+    def submit(self, prompt: Sequence[int], max_new_tokens: int, **kwargs: Any) -> Any:
+        """Start a request on a thread; returns a Future of `generate`'s answer (`kwargs`: its own)."""
         from concurrent.futures import ThreadPoolExecutor
 
         pool = ThreadPoolExecutor(1, thread_name_prefix=f"refit-{self.name}")
-        fut = pool.submit(self.generate, prompt, max_new_tokens)  # type: ignore[attr-defined]
+        fut = pool.submit(self.generate, prompt, max_new_tokens, **kwargs)  # type: ignore[attr-defined]
         pool.shutdown(wait=False)
         return fut
 

@@ -61,6 +61,27 @@ Lifecycle, per state (each step is one HTTP call; SGLang has no batch route):
   abort before pausing    release_memory(["weights"]) (SGLang asserts the engine is idle).
   disconnect              detach(): broadcast: POST /destroy_weights_update_group.
 
+LoRA refits (`serves_adapters`; a `LoraSource`, max_staleness >= 1, verify off, one bucket): each
+version is its own SGLang adapter name ("policy@v7", `refit.drivers.sglang_lora`); nothing pauses.
+  CONNECTING              probe(target, adapter): GET /server_info (--enable-lora, --max-lora-rank,
+                          --lora-target-modules), GET /v1/models (the versions loaded, folded into
+                          the driver's `AdapterMirror`); the live version is the adapter's.
+  STAGING                 stage(plan, kind, adapter): refuses what SGLang cannot load or serve as
+                          the trainer does (rsLoRA, a rank or module the server's pool lacks, more
+                          than one bucket, verify on); unloads a version a failed run left loaded.
+  TRANSFERRING            load(payload): POST /load_lora_adapter_from_tensors {lora_name:
+                          "policy@vN", config_dict, one flattened bucket per TP rank}: servable at
+                          once to a request naming it; refit's own requests name the live one only.
+  DRAINING                drain(hold_s): POST /unload_lora_adapter for each version the publish
+                          would push past max_staleness + 1 (SGLang unregisters the name at once and
+                          answers when its requests have finished; asked again until it has).
+  CONTINUING              publish(v): the driver's live version becomes vN (no HTTP call: SGLang
+                          has no notion of it); generate(adapter=...) sends lora_path "policy@vN".
+  failure path            discard(): POST /unload_lora_adapter of the version this run loaded (or
+                          found loaded after a load that timed out); quarantine(reason, True,
+                          adapter) holds the adapter in this driver only: SGLang cannot hold a
+                          name, so a client naming a version itself is still served.
+
 Errors name the engine, the call, the route and the HTTP status: a timeout is `TimeoutError`, a
 refused connection `EngineDied`, a connection lost before an answer `connection_lost` (unknown
 effect; `EngineDied` when the server then refuses connections: SGLang's scheduler crashed), 401/403
@@ -82,7 +103,17 @@ from typing import TYPE_CHECKING, Any
 from refit.buckets import BucketManifest
 from refit.drivers.base import ConnectInfo, PauseMode, Payload
 from refit.drivers.http import HttpEngineDriver, label_version, message_of, token_versions, version_tuple
+from refit.drivers.sglang_lora import (
+    AdapterMirror,
+    load_body,
+    parse_version_name,
+    server_lora,
+    server_problem,
+    static_problem,
+    version_name,
+)
 from refit.errors import EngineDied, EngineError
+from refit.states import Adapter
 
 if TYPE_CHECKING:
     import httpx
@@ -94,7 +125,10 @@ WEIGHTS_UPDATED_NOT_FLUSHED = "Weights were updated, but the cache was not flush
 PARTIALLY_UPDATED = "are partially updated"
 NO_SESSION_TEXTS = ("must run between begin_weight_update", "no weight-update session is open")
 # Routes SGLang guards with --api-key only (no @auth_level(ADMIN_OPTIONAL) in entrypoints/http_server.py)
-NORMAL_ROUTES = frozenset({"/generate", "/model_info", "/get_model_info", "/server_info", "/get_server_info"})
+NORMAL_ROUTES = frozenset(
+    {"/generate", "/model_info", "/get_model_info", "/server_info", "/get_server_info", "/v1/models"}
+)
+UNLOAD_POLL_S = 0.25  # DRAINING: how long one unload call waits for SGLang's answer before asking again
 
 
 SAY_WHICH = (
@@ -232,6 +266,7 @@ class SGLangEngine(HttpEngineDriver):
         "second copy to stage into and swap"
     )
     memory_tags = frozenset({"weights", "kv_cache", "cuda_graph"})
+    serves_adapters = True  # LoRA refits: a version per adapter name (see the module docstring)
 
     def __init__(
         self,
@@ -272,6 +307,10 @@ class SGLangEngine(HttpEngineDriver):
         self.checksums = checksums
         self._attached: ConnectInfo | None = None
         self._released: set[str] = set(self._server_tags(released))
+        self._lora = AdapterMirror()  # the versions of each adapter this driver loaded, as it knows them
+        self._lora_args: dict[str, Any] = {}  # the server's LoRA settings, from /server_info
+        self._adapter_run: dict[str, Any] | None = None  # the LoRA refit under way (its adapter and version)
+        self._adapter_held: dict[str, str] = {}  # adapters the version policy holds here, and why
         self._read_capabilities(5.0)
 
     def _read_capabilities(self, timeout: float) -> None:
@@ -365,8 +404,12 @@ class SGLangEngine(HttpEngineDriver):
 
     # ---- protocol calls -----------------------------------------------------------------------
 
-    def probe(self, target_version: int, *, timeout: float) -> dict[str, Any]:
-        """Reads only (see the module docstring): version, label; a changed label is a restart."""
+    def probe(self, target_version: int, adapter: str | None = None, *, timeout: float) -> dict[str, Any]:
+        """Reads only (see the module docstring): version, label; a changed label is a restart.
+        `adapter` (a LoRA refit): that adapter's live version instead (`_probe_adapter`)."""
+        self._adapter_run = None
+        if adapter is not None:
+            return self._probe_adapter(target_version, adapter, timeout)
         end = time.monotonic() + timeout
         left = lambda: end - time.monotonic()  # noqa: E731
         if self._unsure is not None:
@@ -442,6 +485,7 @@ class SGLangEngine(HttpEngineDriver):
         gb, group = info.get("cpu_offload_gb") or 0, info.get("offload_group_size") or -1
         self._server_offloads = (isinstance(gb, int | float) and gb > 0) or (isinstance(group, int) and group > 0)
         self._server_attn_dp = attention_dp(info)
+        self._lora_args = server_lora(info)
 
     def _check_tp(self) -> None:
         """One payload entry per TP rank: a driver built with fewer than the server has makes a rank
@@ -588,6 +632,9 @@ class SGLangEngine(HttpEngineDriver):
         self._ledger.begin(plan)
 
     def load(self, payload: Payload, *, timeout: float) -> None:
+        if self._adapter_run is not None:
+            self._load_adapter(payload, timeout)
+            return
         manifest = payload.manifest
         self._ledger.check_load(payload, attached=self._attached.kind if self._attached else None, tp=self._tp)
         if payload.kind == "sglang_tensor":
@@ -612,12 +659,20 @@ class SGLangEngine(HttpEngineDriver):
         )  # fmt: skip
 
     def finalize(self, *, timeout: float) -> None:
+        run = self._adapter_run
+        if run is not None:  # the load was the whole adapter, in one request
+            if self._lora.state(run["name"], run["version"]) != Adapter.STAGED:
+                raise EngineError("incomplete", f"engine {self.name}: adapter {run['name']!r} v{run['version']} "
+                                  "was not loaded")  # fmt: skip
+            return
         plan = self._ledger.close()
         if self._caps().session:
             self._call("POST", "/end_weight_update", "finalize", timeout=timeout, body={}, update=True)
         self._ledger.complete(plan)
 
-    def publish(self, version: int, *, timeout: float) -> None:
+    def publish(self, version: int, *, timeout: float) -> dict[str, Any] | None:
+        if self._adapter_run is not None:
+            return self._publish_adapter(version)
         self._ledger.require_complete("SGLang")
         end = time.monotonic() + timeout
         body = {"new_version": str(version), "abort_all_requests": False}
@@ -652,23 +707,35 @@ class SGLangEngine(HttpEngineDriver):
             )
         self._ledger.published()
         self._quarantined = None
+        return None
 
     def continue_generation(self, *, timeout: float) -> None:
         """Continue, with the KV memory back first if this driver released it: SGLang's
         continue_generation checks nothing, and its scheduler would run requests in released KV."""
         self._check_serving()
+        if self._adapter_run is not None:  # a LoRA refit paused nothing
+            return
         end = time.monotonic() + timeout
         if "kv_cache" in self._released:
             self.resume_memory(["kv_cache"], timeout=timeout)
         self._call("POST", "/continue_generation", "continue_generation", timeout=end - time.monotonic(), body={})
         self._ledger.vouch()  # the runner continues only weights a version names
 
-    def quarantine(self, reason: str, keep_requests: bool = False, *, timeout: float) -> None:
+    def quarantine(
+        self, reason: str, keep_requests: bool = False, adapter: str | None = None, *, timeout: float
+    ) -> None:
         """Stop serving (pause, aborting what runs) and close any update session this run left open
         (a later begin would fail on it); the server stays paused until a refit completes. A hold
         (`keep_requests`, the version policy's STALE) pauses with "retract" instead where the server
         has it: SGLang keeps the requests queued, their KV recomputed once generation continues
-        (managers/scheduler.py `pause_generation`); this driver refuses new ones meanwhile."""
+        (managers/scheduler.py `pause_generation`); this driver refuses new ones meanwhile.
+        `adapter` (a LoRA refit's version policy): that adapter alone, in this driver (its staged
+        version unloaded): `generate(adapter=...)` refuses until a refit publishes one here."""
+        if adapter is not None:
+            if self._adapter_run is not None and self._lora.staged(adapter) is not None:
+                self.discard(timeout=timeout)
+            self._adapter_held[adapter] = reason
+            return
         end = time.monotonic() + timeout
         self._quarantined = reason
         self._ledger.reset()
@@ -684,6 +751,166 @@ class SGLangEngine(HttpEngineDriver):
             if status < 300 and not self._confirms("/end_weight_update", data):
                 raise err
 
+    # ---- LoRA refits (see the module docstring; the pure half is refit.drivers.sglang_lora) ----------
+
+    def no_adapter(self, adapter: dict[str, Any], *, verify: str, max_live: int | None) -> str | None:
+        """What no SGLang server can do for this LoRA refit (checked when a run starts)."""
+        return static_problem(adapter, verify=verify, max_live=max_live)
+
+    def live_adapter(self, adapter: str) -> int:
+        """The version of `adapter` this driver published and serves (refused while held or none)."""
+        if adapter in self._adapter_held:
+            raise EngineError("quarantined", f"engine {self.name}: adapter {adapter!r} is held "
+                              f"({self._adapter_held[adapter]}); a refit that reaches it brings it back")  # fmt: skip
+        live = self._lora.live(adapter)
+        if live is None:
+            raise EngineError("bad_request", f"engine {self.name}: no version of adapter {adapter!r} is live here")
+        return live
+
+    def _loaded_versions(self, adapter: str, timeout: float) -> list[int]:
+        """GET /v1/models: the versions of `adapter` the server lists (its LoRA registry)."""
+        data = self._call("GET", "/v1/models", "probe", timeout=timeout)
+        cards = data.get("data") if isinstance(data, dict) else None
+        if not isinstance(cards, list):
+            raise EngineError("server_error", f"engine {self.name}: GET /v1/models answered {str(data)[:200]!r}")
+        found = [parse_version_name(str(c.get("id"))) for c in cards if isinstance(c, dict)]
+        return sorted(v for a_v in found if a_v is not None for a, v in [a_v] if a == adapter)
+
+    def _probe_adapter(self, target: int, adapter: str, timeout: float) -> dict[str, Any]:
+        """Reads only: /server_info (its LoRA settings; refused without --enable-lora) and
+        /v1/models, folded into the mirror. The version is the adapter's live one (0: none)."""
+        end = time.monotonic() + timeout
+        self._read_server_info(timeout)
+        self._check_tp()
+        if not self._lora_args.get("enable_lora"):
+            raise EngineError("unsupported", f"engine {self.name}: LoRA is not enabled on the server at {self.url}: "
+                              "launch it with --enable-lora --max-lora-rank R --lora-target-modules ...")  # fmt: skip
+        self._lora.sync(adapter, self._loaded_versions(adapter, end - time.monotonic()))
+        held = self._lora.live(adapter) or 0
+        if held >= target:
+            raise EngineError(
+                "version_ahead", f"engine {self.name}: adapter {adapter!r} is at version {held}, the refit targets "
+                f"{target}", {"version": held},
+            )  # fmt: skip
+        return {
+            "version": held, "serving": self._quarantined is None and adapter not in self._adapter_held,
+            "server_version": self._caps().version, "adapter_moves": self._lora.report(),
+        }  # fmt: skip
+
+    def stage(
+        self, plan: Sequence[BucketManifest], digest: str | None = None, adapter: dict[str, Any] | None = None,
+        *, timeout: float,
+    ) -> None:  # fmt: skip
+        """A LoRA refit's STAGING (SGLang has no staged copy of its weights: `no_stage`)."""
+        if adapter is None:
+            raise EngineError("unsupported", f"engine {self.name}: {self.no_stage}")
+        end = time.monotonic() + timeout
+        name, version, max_live = str(adapter["name"]), int(adapter["version"]), adapter.get("max_live")
+        problem = static_problem(adapter, verify="off" if digest is None else "digest", max_live=max_live)
+        problem = problem or server_problem(adapter, self._lora_args, len(plan))
+        if problem is not None:
+            raise EngineError("unsupported", f"engine {self.name}: {problem}")
+        for v in [v for v in self._lora.loaded(name) if self._lora.state(name, v) == Adapter.STAGED]:
+            self._unload(name, v, "stage", timeout=end - time.monotonic(), reason="a failed run left it loaded")
+        self._lora.stage(name, version, max_live)
+        self._adapter_run = {**adapter, "name": name, "version": version}
+
+    def _load_adapter(self, payload: Payload, timeout: float) -> None:
+        run = self._adapter_run
+        assert run is not None
+        if payload.kind != "sglang_tensor":
+            raise EngineError("bad_payload", f"engine {self.name}: SGLang loads an adapter from tensors: a LoRA refit "
+                              f"into it takes SGLangTensorTransport, not {payload.kind!r}")  # fmt: skip
+        name = version_name(run["name"], run["version"])
+        body = load_body(name, run, [_b64(p["serialized"]) for p in payload.parts])
+        self._lora_call("/load_lora_adapter_from_tensors", "load", body, timeout)
+        self._lora.complete(run["name"], run["version"])
+
+    def _lora_call(self, route: str, call: str, body: dict[str, Any], timeout: float) -> None:
+        """One LoRA route: 200 {"success": true} or 400 {"success": false, "error_message"}
+        (nothing changed: SGLang registers a name only on success, and unregisters it only when
+        its unload is under way)."""
+        status, data = self._request("POST", route, call, timeout=timeout, body=body)
+        if status < 300 and isinstance(data, dict) and data.get("success") is True:
+            return
+        text = data.get("error_message") if isinstance(data, dict) and data.get("error_message") else message_of(data)
+        where = f"engine {self.name}: POST {route} ({call}, {body.get('lora_name')!r}) -> HTTP {status}: {text}"
+        if status in (401, 403):
+            raise EngineError("unauthorized", f"{where} (the admin API key is missing or wrong)")
+        if status == 404:
+            raise EngineError("unsupported", f"{where} (this server has no such route)")
+        if status >= 500 or status < 300:
+            raise EngineError("server_error", where)
+        raise EngineError("bad_request", where)
+
+    def _unload(self, adapter: str, version: int, call: str, *, timeout: float, reason: str | None = None) -> bool:
+        """POST /unload_lora_adapter for one version: True once SGLang has unloaded it (it answers
+        when the requests using it have finished); False if that takes longer than `timeout` (it
+        goes on: the name is unregistered; asked again, SGLang waits for the same unload). Recorded
+        as an unload (or a discard, for a version never published)."""
+        name = version_name(adapter, version)
+        try:
+            self._lora_call("/unload_lora_adapter", call, {"lora_name": name}, timeout)
+        except TimeoutError:
+            return False
+        except EngineError as exc:  # "does not exist": an earlier unload of ours finished meanwhile
+            if exc.kind != "bad_request" or "does not exist" not in exc.message:
+                raise
+            if version in self._loaded_versions(adapter, max(timeout, 1.0)):
+                raise
+        if self._lora.state(adapter, version) in (Adapter.STAGING, Adapter.STAGED):
+            self._lora.discard(adapter, version, reason=reason or "discarded")
+        elif self._lora.state(adapter, version) is not None:
+            self._lora.unload(adapter, version)
+        return True
+
+    def drain(self, hold_s: float, *, timeout: float) -> dict[str, Any]:
+        """DRAINING: unload each version the publish would push past max_staleness + 1 (never the
+        live one: max_staleness >= 1). SGLang answers an unload when the version's requests have
+        finished; one still waiting after `UNLOAD_POLL_S` leaves this answer not ready (asked again)."""
+        run = self._adapter_run
+        if run is None or self._lora.state(run["name"], run["version"]) != Adapter.STAGED:
+            raise EngineError("not_ready", f"engine {self.name}: drain without a loaded LoRA refit")
+        end = time.monotonic() + timeout
+        for v in self._lora.going(run["name"]):
+            self._unload(run["name"], v, "drain", timeout=min(UNLOAD_POLL_S, end - time.monotonic()))
+        going = self._lora.going(run["name"])
+        return {"ready": not going, "pinned": None, "going": going, "adapter_moves": self._lora.report()}
+
+    def _publish_adapter(self, version: int) -> dict[str, Any]:
+        run = self._adapter_run
+        assert run is not None
+        name = run["name"]
+        if version != run["version"] or self._lora.state(name, version) != Adapter.STAGED:
+            raise EngineError("not_ready", f"engine {self.name}: adapter {name!r} v{version} is not loaded")
+        going = self._lora.going(name)
+        if going:
+            bound = self._lora.max_live.get(name)
+            raise EngineError("busy", f"engine {self.name}: publishing adapter {name!r} v{version} would leave more "
+                              f"than {bound} versions loaded: v{going[0]} is still there")  # fmt: skip
+        self._lora.publish(name, version)
+        self._adapter_held.pop(name, None)
+        return {"adapter_moves": self._lora.report()}
+
+    def discard(self, *, timeout: float) -> dict[str, Any]:
+        """A LoRA refit that will not publish: unload the version it loaded (no request of refit's
+        names it), after asking the server whether a load that did not answer went in."""
+        run = self._adapter_run
+        if run is None:
+            raise EngineError("unsupported", f"engine {self.name}: {self.no_stage}")
+        name, version = run["name"], run["version"]
+        end = time.monotonic() + timeout
+        if self._lora.state(name, version) == Adapter.STAGING:
+            if version not in self._loaded_versions(name, timeout):
+                self._lora.discard(name, version, reason="its load did not complete")
+                return {"discarded": True, "adapter_moves": self._lora.report()}
+            self._lora.complete(name, version)
+        if self._lora.state(name, version) == Adapter.STAGED:
+            if not self._unload(name, version, "discard", timeout=end - time.monotonic(), reason="its run failed"):
+                raise TimeoutError(f"engine {self.name}: unloading {version_name(name, version)} did not answer")
+            return {"discarded": True, "adapter_moves": self._lora.report()}
+        return {"discarded": False, "adapter_moves": self._lora.report()}
+
     def _caps(self) -> Capabilities:
         if self.capabilities is None:
             raise EngineError("not_probed", f"engine {self.name}: probe the server before any other call")
@@ -692,16 +919,22 @@ class SGLangEngine(HttpEngineDriver):
     # ---- serving ------------------------------------------------------------------------------
 
     def generate(
-        self, prompt: Sequence[int], max_new_tokens: int, *, timeout: float = DEFAULT_TIMEOUT
-    ) -> dict[str, Any]:
+        self, prompt: Sequence[int], max_new_tokens: int, *, adapter: str | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
+    ) -> dict[str, Any]:  # fmt: skip
         """Greedy generation through POST /generate: {"output", "weight_versions" (one per token)}.
         Refused (EngineError "quarantined") while this driver holds the engine out of service: the
-        server itself would only queue the request until a refit continues it."""
+        server itself would only queue the request until a refit continues it. `adapter`: a LoRA
+        refit's adapter: the request names its live version (`lora_path`), and the answer says
+        which ("adapter", "adapter_version")."""
         self._check_serving()
-        body = {
+        body: dict[str, Any] = {
             "input_ids": list(prompt),
             "sampling_params": {"max_new_tokens": int(max_new_tokens), "temperature": 0.0},
         }
+        live = None if adapter is None else self.live_adapter(adapter)
+        if adapter is not None:
+            body["lora_path"] = version_name(adapter, live)
         changes = self._ledger.changes
         data = self._call("POST", "/generate", "generate", timeout=timeout, body=body, serving=True)
         meta = data.get("meta_info") or {}
@@ -721,11 +954,17 @@ class SGLangEngine(HttpEngineDriver):
         versions = token_versions(meta.get("weight_versions"), meta.get("weight_version"), len(output), changed=changed)
         if versions is not None:
             out["weight_versions"] = versions
+        if adapter is not None:
+            out["adapter"], out["adapter_version"] = adapter, live
         return out
 
     def info(self, *, timeout: float = DEFAULT_TIMEOUT) -> dict[str, Any]:
+        """The weight version, the capabilities, and each adapter's versions as this driver knows them."""
         caps = self.capabilities or Capabilities.of(None)
-        return {"version": label_version(self._read_version(caps, timeout)), "capabilities": caps.as_dict()}
+        return {
+            "version": label_version(self._read_version(caps, timeout)), "capabilities": caps.as_dict(),
+            "adapters": self._lora.describe(), "adapters_held": dict(self._adapter_held),
+        }  # fmt: skip
 
 
 # ---- refit doctor (read only) ------------------------------------------------------------------

@@ -297,6 +297,11 @@ class RefitContext:
                 f"a LoRA refit needs engines that load adapters at runtime (EngineDriver.serves_adapters); "
                 f"{', '.join(unable)} cannot"
             )
+        for e in self.engines:
+            no = getattr(e, "no_adapter", None)
+            problem = no(self.adapter, verify=self.verify, max_live=self.max_live) if callable(no) else None
+            if problem:
+                raise ConfigError(f"engine {e.name}: {problem}")
 
     def check_max_staleness(self) -> None:
         """Refuse a version policy that is not None or a count (it may change between runs)."""

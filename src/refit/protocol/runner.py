@@ -134,6 +134,7 @@ class _Run(Recording):
         self.digest_kind = ctx.digest_kind if digests_of(ctx.verify) else None
         ctx.check_digest_point()  # (it may have changed since the context was made)
         ctx.check_max_staleness()
+        ctx.check_adapter()  # (the mode, verify mode, policy and engines may have changed too)
         ctx.check_kv()
         ctx.check_atomic()
         self.written_kind = [  # per engine: the digest its begin asks it to compute while writing, if any

@@ -246,11 +246,13 @@ class EmulatedServer:
                 raise self.invalid(f"{type(exc).__name__}: {exc}") from None
         self.received.append((route, body if query is None else {"query": query}))
 
-    def _generate(self, ids: Any, max_tokens: int) -> dict[str, Any]:
-        """Run a request on the engine (waits while it is paused)."""
+    def _generate(self, ids: Any, max_tokens: int, adapter: str | None = None) -> dict[str, Any]:
+        """Run a request on the engine (waits while it is paused); `adapter`: a loaded adapter's name."""
         if not isinstance(ids, list) or not ids:
             raise _Reply(400, {"error": {"message": "this emulator takes token ids only"}})
         try:
+            if adapter is not None:
+                return self._engine("generate", ids, int(max_tokens), adapter)
             return self._engine("generate", ids, int(max_tokens))
         except EngineError as exc:
             raise _Reply(400, {"error": {"message": exc.message}}) from None

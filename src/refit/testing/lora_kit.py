@@ -69,6 +69,12 @@ class LoraDriverMachine(RuleBasedStateMachine):
     factory: Callable[[str], EngineDriver]
     n_engines: int = 2
 
+    @staticmethod
+    def transport() -> Any:
+        from refit.drivers.shm import SharedMemoryTransport
+
+        return SharedMemoryTransport()
+
     def __init__(self) -> None:
         super().__init__()
         self.engines: list[Any] = []
@@ -79,13 +85,16 @@ class LoraDriverMachine(RuleBasedStateMachine):
         self.inflight: list[tuple[str, list[int], Any]] = []
         self.step = 0
 
-    @initialize(max_staleness=st.sampled_from([0, 1, 2, None]))
-    def setup(self, max_staleness: int | None) -> None:
+    staleness: Sequence[int | None] = (0, 1, 2, None)
+    verify: str = "digest"
+
+    @initialize(data=st.data())
+    def setup(self, data: Any) -> None:
+        max_staleness = data.draw(st.sampled_from(list(type(self).staleness)), label="max_staleness")
         import peft
         import torch
 
         from refit.drivers.lora_source import LoraSource
-        from refit.drivers.shm import SharedMemoryTransport
         from refit.reference.model import ModelConfig, TinyLlama
 
         torch.manual_seed(0)
@@ -99,8 +108,8 @@ class LoraDriverMachine(RuleBasedStateMachine):
         self.published = {e.name: set() for e in self.engines}
         self.max_staleness = max_staleness
         self.ctx = protocol.RefitContext(
-            LoraSource(self.model, name=ADAPTER), SharedMemoryTransport(), self.engines, max_staleness=max_staleness,
-            deadline_s=20, call_timeout_s=1.5, retries=1,
+            LoraSource(self.model, name=ADAPTER), type(self).transport(), self.engines, max_staleness=max_staleness,
+            deadline_s=20, call_timeout_s=1.5, retries=1, verify=type(self).verify,
         )  # fmt: skip
         self._refit(None)  # version 1 everywhere, so requests can name the adapter
 
@@ -209,8 +218,8 @@ class LoraDriverMachine(RuleBasedStateMachine):
         state=st.sampled_from(sorted(LORA_FAULTS)), kind=st.sampled_from(KINDS), engine=st.integers(0, 1),
     )  # fmt: skip
     def refit_with_fault(self, state: str, kind: str, engine: int) -> None:
-        if state == "DRAINING" and self.max_staleness is None:
-            state = "CONTINUING"  # (no version policy: no DRAINING)
+        if (state == "DRAINING" and self.max_staleness is None) or (state == "VERIFYING" and self.verify == "off"):
+            state = "CONTINUING"  # (no version policy: no DRAINING; verify off: no VERIFYING)
         self._refit((state, LORA_FAULTS[state][0], kind, engine % self.n_engines))
         self._settle_inflight()
 
@@ -270,15 +279,25 @@ def check_lora_driver(
     engines: int = 2,
     seed: int = 0,
     steps: int = 6,
+    staleness: Sequence[int | None] = (0, 1, 2, None),
+    transport: Callable[[], Any] | None = None,
+    verify: str = "digest",
 ) -> None:
     """Run the LoRA kit against drivers made by `factory(name)` (each call a fresh engine).
-    Raises AssertionError naming the check that failed."""
+    `staleness`: the max_staleness settings drawn (an engine may refuse some: SGLang needs >= 1);
+    `transport`: makes the refits' transport (default shared memory); `verify`: the refits' verify
+    mode (an engine that reports no adapter digests takes "off"). Raises AssertionError
+    naming the check that failed."""
 
     class Machine(LoraDriverMachine):
         pass
 
     Machine.factory = staticmethod(factory)  # type: ignore[assignment]
     Machine.n_engines = engines
+    Machine.staleness = tuple(staleness)
+    Machine.verify = verify
+    if transport is not None:
+        Machine.transport = staticmethod(transport)  # type: ignore[assignment]
 
     def teardown(self: LoraDriverMachine) -> None:
         try:

@@ -108,24 +108,47 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "/update_weight_version": {"abort_all_requests": True},
     "/release_memory_occupation": {"tags": None},
     "/resume_memory_occupation": {"tags": None},
-    "/generate": {"input_ids": None, "sampling_params": None},
+    "/generate": {"input_ids": None, "sampling_params": None, "lora_path": None},
     "/weights_checker": {"action": "checksum", "allow_quant_error": False, "skip_tensor_list": None, "selector": "all"},
+    "/load_lora_adapter_from_tensors": {"pinned": False, "added_tokens_config": None, "load_format": None,
+                                        "expected_checksums": None},
+    "/load_lora_adapter": {"pinned": False},
+    "/unload_lora_adapter": {},
 }  # fmt: skip
 REQUIRED = {
     "/update_weights_from_tensor": ("serialized_named_tensors",),
     "/update_weights_from_distributed": ("names", "dtypes", "shapes"),
     "/init_weights_update_group": ("master_address", "master_port", "rank_offset", "world_size"),
     "/update_weight_version": ("new_version",),
+    "/load_lora_adapter_from_tensors": ("lora_name", "config_dict", "serialized_named_tensors"),
+    "/load_lora_adapter": ("lora_name", "lora_path"),
+    "/unload_lora_adapter": ("lora_name",),
 }
+LORA_ROUTES = ("/load_lora_adapter", "/load_lora_adapter_from_tensors", "/unload_lora_adapter")
 PAUSE_MODES = ("abort", "retract", "in_place")
 # entrypoints/http_server.py routes under @auth_level(AuthLevel.ADMIN_OPTIONAL) that the emulator serves
 ADMIN_ROUTES = frozenset({
     "/pause_generation", "/continue_generation", "/flush_cache", "/begin_weight_update", "/end_weight_update",
     "/update_weights_from_tensor", "/update_weights_from_distributed", "/init_weights_update_group",
     "/destroy_weights_update_group", "/update_weight_version", "/release_memory_occupation",
-    "/resume_memory_occupation", "/weights_checker",
+    "/resume_memory_occupation", "/weights_checker", *LORA_ROUTES,
 })  # fmt: skip
 ABORT_POLL_S = 1.0  # TokenizerManager.pause_generation(abort): re-aborts every second until the model lock is free
+
+# LoRA (managers/tokenizer_control_mixin.py, lora/lora_registry.py, lora/lora_manager.py), verbatim
+LORA_NOT_ENABLED = "LoRA is not enabled. Please set `--enable-lora` to enable LoRA."
+LORA_INCOMPLETE_UNLOAD = "LoRA adapter '{name}' has an incomplete unload. Retry the unload before loading it again."
+LORA_ALREADY = "Failed to load LoRA adapter {name} because it is already loaded"
+LORA_DORA = "Failed to load {name} because LoRA serving currently doesn't support DoRA adapters"
+LORA_INCOMPATIBLE = (
+    "LoRA adapter {name} with rank {r} is incompatible with the current LoRA memory pool configuration. Please ensure "
+    "that the LoRA adapter's rank is within the configured `--max-lora-rank` and that the target modules are included "
+    "in `--lora-target-modules`."
+)
+LORA_MISSING = "LoRA with name {name} does not exist. Loaded LoRAs: odict_keys({names!r})"
+LORA_NEVER = "Got LoRA adapter that has never been loaded: {name}\nAll loaded adapters: dict_keys({names!r})."
+LORA_RELOAD = "Failed to implicitly load LoRA adapter {name}: {why}"
+LORA_TENSOR_PATH = "__tensor__"  # the path a tensor-loaded adapter is registered under
 
 
 class Crash(Exception):
@@ -197,6 +220,7 @@ class EmulatedSGLang(EmulatedServer):
         weights_cpu_backup: bool = False,
         device: str = "cpu",
         server_args: dict[str, Any] | None = None,
+        lora: dict[str, Any] | None = None,
     ) -> None:
         """`api_key` / `admin_api_key`: the server's --api-key / --admin-api-key. `memory_saver`:
         --enable-memory-saver (without it SGLang's release and resume free and restore nothing).
@@ -206,7 +230,8 @@ class EmulatedSGLang(EmulatedServer):
         where the reference engine holds them. On "cpu" a model SGLang would pad there (heads, KV
         heads or intermediate size not dividing by TP) is refused: the emulator does not pad.
         `server_args`: more resolved server args its /server_info reports (say {"attn_dp_size":
-        2}); they change nothing else."""
+        2}); they change nothing else. `lora`: --enable-lora with its settings ({"max_lora_rank",
+        "lora_target_modules", "max_loaded_loras"}; None: LoRA off)."""
         from refit.drivers.sglang_checksums import SGLANG_DEVICES
 
         if device not in SGLANG_DEVICES:
@@ -222,6 +247,8 @@ class EmulatedSGLang(EmulatedServer):
             )
         self.device = device
         self.server_args = dict(server_args or {})
+        self.lora = None if lora is None else {"max_lora_rank": None, "lora_target_modules": None,
+                                               "max_loaded_loras": None, **lora}  # fmt: skip
         self.memory_saver = memory_saver
         self.weights_cpu_backup = weights_cpu_backup
         self.v = version_tuple(version) or (0, 5, 23)
@@ -248,6 +275,16 @@ class EmulatedSGLang(EmulatedServer):
 
         rnd = random.Random()
         # observability/startup_time.py build_engine_startup_time: durations, no identity
+        # LoRA, the tokenizer's side (LoRARegistry, its counters, TokenizerManager's lock and caches)
+        self.lora_registry: dict[str, dict[str, Any]] = {}  # name -> {"id", "path", "pinned"}, LRU order
+        self.lora_counts: dict[str, int] = {}  # per lora id: requests using it
+        self.lora_cond = threading.Condition()
+        self.lora_update_lock = threading.Lock()
+        self.pending_lora_unloads: dict[str, str] = {}
+        self.lora_ref_cache: dict[str, dict[str, Any]] = {}
+        # the scheduler's (LoRAManager.lora_refs: id -> {"name", "path"}; the engine holds the tensors)
+        self.lora_refs: dict[str, dict[str, Any]] = {}
+        self.broken_loras: dict[str, str] = {}  # name -> why its first batch kills the scheduler
         self.startup_durations = {
             "load_weight": round(rnd.uniform(0.5, 3.0), 4), "kv_cache_allocation": round(rnd.uniform(0.1, 1.0), 4),
             "scheduler_e2e": round(rnd.uniform(2.0, 9.0), 4), "cuda_graph": {},
@@ -627,8 +664,11 @@ class EmulatedSGLang(EmulatedServer):
         ids = obj.input_ids
         with self.pause_cond:
             self.pause_cond.wait_for(lambda: not self.is_pause)
+        adapter = getattr(obj, "lora_path", None)
+        if adapter is not None and adapter in self.broken_loras:  # its first batch: mem_pool's assert, uncaught
+            raise self.crash(f"load_lora_weight_to_buffer: {self.broken_loras[adapter]}")
         with self.model_update_lock.reader():
-            out = self._generate(ids, int(params.get("max_new_tokens", 128)))
+            out = self._generate(ids, int(params.get("max_new_tokens", 128)), adapter)
         tokens, versions = out.get("output") or [], out.get("weight_versions") or []
         meta: dict[str, Any] = {
             "finish_reason": {"type": out.get("finish_reason")},
@@ -640,6 +680,183 @@ class EmulatedSGLang(EmulatedServer):
         if len(set(versions)) > 1:  # SGLang reports spans only for a request that straddled an update
             meta["weight_versions"] = self.spans(versions)
         return {"text": "", "output_ids": tokens, "meta_info": meta}
+
+    # ---- LoRA: the scheduler's side (managers/tp_worker.py, lora/lora_manager.py) --------------
+
+    def _lora_result(self, success: bool, error_message: str = "") -> dict[str, Any]:
+        """LoRAManager.create_lora_update_result: every adapter this rank holds, either way."""
+        return {
+            "success": success, "error_message": error_message, "rid": None, "http_worker_ipc": None,
+            "loaded_adapters": {ref["name"]: ref["path"] for ref in self.lora_refs.values()},
+        }  # fmt: skip
+
+    def op_lora_load_tensors(self, obj: Any) -> dict[str, Any]:
+        """TpModelWorker.load_lora_adapter_from_tensors: decode its own rank's entry (a failure
+        raises in the scheduler: the server dies), then LoRAManager._load_lora_adapter_from_tensors
+        (its failures answered): LoRAConfig (r, lora_alpha, target_modules read; use_rslora,
+        rank/alpha patterns ignored: scaling lora_alpha / r), validate_new_adapter (DoRA, a name
+        already loaded, the pool's rank and modules), then the weights. Shapes and names are not
+        checked at load (SGLang checks them when a batch first uses the adapter, in
+        mem_pool.load_lora_weight_to_buffer, uncaught): an adapter the engine refuses is
+        registered anyway and kills the server at its first request."""
+        self._fault(bucket=self.bucket_hint())
+        if obj.expected_checksums is not None:
+            raise NotImplementedError("expected_checksums: this emulator does not check adapter checksums")
+        try:
+            decoded = self._tensor_payload(obj.serialized_named_tensors, obj.load_format, 0)
+        except Exception as exc:
+            raise self.crash(f"deserialize_own_rank: {type(exc).__name__}: {exc}") from None
+        # the adapter's own loader (lora.py `_process_weight`), not the model's: its names are kept
+        payload = Payload(decoded.kind, decoded.manifest, {"metadata": "sglang"}, decoded.parts)
+        name, config = obj.lora_name, obj.config_dict if isinstance(obj.config_dict, dict) else {}
+        try:
+            targets, r, alpha = config["target_modules"], config["r"], config["lora_alpha"]
+            if config.get("use_dora", False):
+                raise ValueError(LORA_DORA.format(name=name))
+            if any(ref["name"] == name for ref in self.lora_refs.values()):
+                raise ValueError(LORA_ALREADY.format(name=name))
+            if not self._pool_supports(r, targets):
+                raise ValueError(LORA_INCOMPATIBLE.format(name=name, r=r))
+        except (KeyError, ValueError, TypeError) as exc:
+            return self._lora_result(False, str(exc))
+        spec = {"name": name, "version": 1, "r": r, "lora_alpha": alpha, "target_modules": _targets(targets),
+                "dtype": payload.manifest.entries[0].meta.dtype if payload.manifest.entries else None}  # fmt: skip
+        try:
+            self._engine("stage", [payload.manifest], None, spec)
+            self._engine("load", payload)
+            self._engine("finalize")
+            self._engine("publish", 1)
+        except EngineError as exc:
+            self.broken_loras[name] = exc.message
+        self.lora_refs[obj.lora_id] = {"name": name, "path": LORA_TENSOR_PATH}  # (to_ref of a tensor load)
+        return self._lora_result(True)
+
+    def op_lora_load_path(self, obj: Any) -> dict[str, Any]:
+        """LoRAManager.load_lora_adapter from a path: LoRAConfig reads adapter_config.json in the
+        directory or, for a path that is none, snapshot_download's from the Hub (no network here:
+        its error is answered). This emulator loads no adapter from files."""
+        import os
+
+        if not os.path.isdir(str(obj.lora_path)):
+            return self._lora_result(False, f"Cannot reach the Hugging Face Hub for {obj.lora_path!r} (offline)")
+        raise NotImplementedError("loading an adapter from a directory: this emulator loads adapters from tensors")
+
+    def op_lora_unload(self, obj: Any) -> dict[str, Any]:
+        """LoRAManager._unload_lora_adapter: frees its slot and drops it (by id)."""
+        self._fault()
+        ref = self.lora_refs.pop(obj.lora_id, None)
+        if ref is not None:
+            self.broken_loras.pop(ref["name"], None)
+            with contextlib.suppress(EngineError):
+                self._engine("unload_adapter", ref["name"])
+        return self._lora_result(True)
+
+    def _pool_supports(self, r: Any, targets: Any) -> bool:
+        """LoRAMemoryPool.can_support: the rank within --max-lora-rank, the normalized target
+        modules within the server's (or "all")."""
+        from refit.drivers.sglang_lora import normalized_targets
+
+        rank = (self.lora or {}).get("max_lora_rank")
+        if isinstance(rank, int) and int(r) > rank:
+            return False
+        want, have = normalized_targets(targets), normalized_targets((self.lora or {}).get("lora_target_modules"))
+        return "all" in want or not have or "all" in have or want <= have
+
+    # ---- LoRA: the tokenizer's side, for this module's own HTTP front (tests/sglang_app.py runs
+    # SGLang's own TokenizerControlMixin and LoRARegistry over the scheduler ops above) ------------
+
+    def tm_load_lora(self, obj: Any, from_tensors: bool) -> dict[str, Any]:
+        """TokenizerControlMixin.load_lora_adapter(_from_tensors): under lora_update_lock, the
+        scheduler's load; registered on success, then LRU eviction past --max-loaded-loras."""
+        if not self.lora:
+            return {**self._lora_result(False, LORA_NOT_ENABLED), "loaded_adapters": None}
+        with self.lora_update_lock:
+            if obj.lora_name in self.pending_lora_unloads:
+                return {**self._lora_result(False, LORA_INCOMPLETE_UNLOAD.format(name=obj.lora_name)),
+                        "loaded_adapters": None}  # fmt: skip
+            import uuid
+
+            ref = {"id": uuid.uuid4().hex, "path": LORA_TENSOR_PATH if from_tensors else obj.lora_path,
+                   "pinned": bool(obj.pinned)}  # fmt: skip
+            obj.lora_id, obj.lora_path = ref["id"], ref["path"]
+            result = self.op_lora_load_tensors(obj) if from_tensors else self.op_lora_load_path(obj)
+            if result["success"]:
+                with self.lora_cond:
+                    self.lora_registry[obj.lora_name] = ref
+                    self.lora_counts[ref["id"]] = 0
+                self.lora_ref_cache[obj.lora_name] = ref
+            limit = self.lora["max_loaded_loras"]
+            while limit is not None and len(self.lora_registry) > limit:
+                lru = next((n for n, r in self.lora_registry.items() if not r["pinned"]), None)
+                if lru is None:
+                    return {**result, "success": False, "error_message": "Didn't find any LoRA adapters when trying "
+                            f"to evict LRU LoRA adapter. LoRA registry is: {self.lora_registry}"}  # fmt: skip
+                self._unload_locked(lru)
+                result["loaded_adapters"].pop(lru, None)
+            return result
+
+    def tm_unload_lora(self, name: str) -> dict[str, Any]:
+        """TokenizerControlMixin.unload_lora_adapter: under lora_update_lock, `_unload_locked`."""
+        if not self.lora:
+            return {**self._lora_result(False, LORA_NOT_ENABLED), "loaded_adapters": None}
+        with self.lora_update_lock:
+            return self._unload_locked(name)
+
+    def _unload_locked(self, name: str) -> dict[str, Any]:
+        """_unload_lora_adapter_locked: unregister at once (new requests can no longer get it),
+        wait for the requests using it to finish, then the scheduler's unload."""
+        lora_id = self.pending_lora_unloads.get(name)
+        if lora_id is None:
+            with self.lora_cond:
+                ref = self.lora_registry.pop(name, None)
+                if ref is None:
+                    return {**self._lora_result(False, LORA_MISSING.format(name=name, names=list(self.lora_registry))),
+                            "loaded_adapters": None}  # fmt: skip
+            lora_id = self.pending_lora_unloads[name] = ref["id"]
+        with self.lora_cond:
+            self.lora_cond.wait_for(lambda: self.lora_counts.get(lora_id, 0) == 0)
+            self.lora_counts.pop(lora_id, None)
+        result = self.op_lora_unload(SimpleNamespace(lora_name=name, lora_id=lora_id))
+        if result["success"]:
+            self.pending_lora_unloads.pop(name, None)
+        return result
+
+    def tm_acquire_lora(self, name: str | None) -> str | None:
+        """TokenizerManager._validate_and_resolve_lora: a name not registered is reloaded from the
+        path it was last loaded from (a tensor adapter's, "__tensor__", cannot be), one never
+        loaded is refused; then LoRARegistry.acquire counts the request."""
+        if name is None:
+            return None
+        if not self.lora:
+            raise _Reply(400, {"error": {"message": (
+                f"LoRA adapter '{name}' was requested, but LoRA is not enabled. Please launch the server with "
+                "--enable-lora flag and preload adapters using --lora-paths or /load_lora_adapter endpoint."
+            )}})  # fmt: skip
+        if name not in self.lora_registry:
+            if name not in self.lora_ref_cache:
+                raise _Reply(400, {"error": {"message": LORA_NEVER.format(name=name, names=list(self.lora_ref_cache))}})
+            ref = self.lora_ref_cache[name]
+            again = SimpleNamespace(lora_name=name, lora_path=ref["path"], pinned=ref["pinned"])
+            result = self.tm_load_lora(again, from_tensors=False)
+            if not result["success"] and "already loaded" not in result["error_message"]:
+                raise _Reply(400, {"error": {"message": LORA_RELOAD.format(name=name, why=result["error_message"])}})
+        with self.lora_cond:
+            ref = self.lora_registry.get(name)
+            if ref is None:
+                raise _Reply(400, {"error": {"message": (
+                    f"The following requested LoRA adapters are not loaded: {name}\nLoaded adapters: "
+                    f"odict_keys({list(self.lora_registry)!r})."
+                )}})  # fmt: skip
+            self.lora_registry[name] = self.lora_registry.pop(name)  # most recently used last
+            self.lora_counts[ref["id"]] = self.lora_counts.get(ref["id"], 0) + 1
+            return ref["id"]
+
+    def tm_release_lora(self, lora_id: str | None) -> None:
+        if lora_id is None:
+            return
+        with self.lora_cond:
+            self.lora_counts[lora_id] = self.lora_counts.get(lora_id, 1) - 1
+            self.lora_cond.notify_all()
 
     def model_info(self) -> dict[str, Any]:
         return {"model_path": "refit-reference (emulated SGLang)", "weight_version": self.label, "is_generation": True}
@@ -653,6 +870,8 @@ class EmulatedSGLang(EmulatedServer):
             "enable_memory_saver": self.memory_saver, "enable_weights_cpu_backup": self.weights_cpu_backup,
             "weight_cache_mode": "off", "weight_version": "default", "frontend": "python", "device": self.device,
             "cpu_offload_gb": 0, "offload_group_size": -1, "attn_dp_size": 1, "enable_dp_lm_head": False,
+            "enable_lora": True if self.lora else None, "max_loras_per_batch": 8,
+            **{k: (self.lora or {}).get(k) for k in ("max_lora_rank", "lora_target_modules", "max_loaded_loras")},
             **self.server_args,
         }  # fmt: skip
 
@@ -761,7 +980,36 @@ class EmulatedSGLang(EmulatedServer):
         self.op_resume_memory_occupation(obj)
 
     def r_generate(self, method: str, query: Any, body: Any, call: str | None) -> Any:
-        return self.op_generate(self._req(body, "/generate"))
+        obj = self._req(body, "/generate")
+        lora_id = self.tm_acquire_lora(getattr(obj, "lora_path", None))
+        try:
+            return self.op_generate(obj)
+        finally:
+            self.tm_release_lora(lora_id)
+
+    def _lora_answer(self, result: dict[str, Any]) -> Any:
+        """The LoRA routes: 200 on success, else 400, with the LoRAUpdateOutput either way."""
+        if not result["success"]:
+            raise _Reply(400, result)
+        return result
+
+    def r_load_lora_adapter_from_tensors(self, method: str, query: Any, body: Any, call: str | None) -> Any:
+        obj = self._req(body, "/load_lora_adapter_from_tensors")
+        return self._lora_answer(self.tm_load_lora(obj, from_tensors=True))
+
+    def r_load_lora_adapter(self, method: str, query: Any, body: Any, call: str | None) -> Any:
+        return self._lora_answer(self.tm_load_lora(self._req(body, "/load_lora_adapter"), from_tensors=False))
+
+    def r_unload_lora_adapter(self, method: str, query: Any, body: Any, call: str | None) -> Any:
+        return self._lora_answer(self.tm_unload_lora(self._req(body, "/unload_lora_adapter").lora_name))
+
+    def r_v1__models(self, method: str, query: Any, body: Any, call: str | None) -> Any:
+        """entrypoints/http_server.py `available_models`: the base model, then each registered adapter."""
+        cards = [{"id": "refit-reference", "object": "model", "root": "refit-reference", "parent": None}]
+        if self.lora:
+            cards += [{"id": n, "object": "model", "root": r["path"], "parent": "refit-reference"}
+                      for n, r in list(self.lora_registry.items())]  # fmt: skip
+        return {"object": "list", "data": cards}
 
     def r_weights_checker(self, method: str, query: Any, body: Any, call: str | None) -> Any:
         """entrypoints/http_server.py `check_weights` (GET or POST, the body optional): 200 with
@@ -790,12 +1038,29 @@ class EmulatedSGLang(EmulatedServer):
 
     def r__refit__info(self, method: str, query: Any, body: Any, call: str | None) -> Any:
         return {**super().r__refit__info(method, query, body, call), "session_open": self.session_open,
-                "groups": list(self.groups), "offload_tags": sorted(self.offload_tags)}  # fmt: skip
+                "groups": list(self.groups), "offload_tags": sorted(self.offload_tags),
+                "lora_loaded": sorted(ref["name"] for ref in self.lora_refs.values())}  # fmt: skip
+
+
+def _targets(targets: Any) -> list[str]:
+    """An adapter's target modules as the reference engine takes them ("all": every projection)."""
+    from refit.reference.lora import LORA_TARGETS
+
+    return list(LORA_TARGETS) if isinstance(targets, str) else list(targets)
 
 
 class EmulatedSGLangEngine(EmulatorClient, SGLangEngine):
     """The production SGLang driver pointed at an `EmulatedSGLang`, plus what the conformance kit
     reads from the engine behind it (`EmulatorClient`)."""
+
+    def arm_fault(self, kind: str, call: str, *, bucket: int | None, seconds: float, timeout: float) -> bool:
+        """A LoRA refit's calls that send no request (stage, finalize, publish, continue; a drain
+        with nothing to unload) cannot misbehave in the server: simulated at the boundary."""
+        run = self._adapter_run
+        quiet = call == "stage" or (run is not None and call in ("finalize", "publish", "continue_generation"))
+        if quiet or (run is not None and call == "drain" and not self._lora.going(run["name"])):
+            return False
+        return super().arm_fault(kind, call, bucket=bucket, seconds=seconds, timeout=timeout)
 
     def __init__(self, name: str, server: EmulatedSGLang, **kwargs: Any) -> None:
         self.server = server
@@ -804,6 +1069,20 @@ class EmulatedSGLangEngine(EmulatorClient, SGLangEngine):
         kwargs.setdefault("admin_api_key", server.admin_api_key)
         kwargs.setdefault("checksums", True)  # the emulator keeps the weights as it loaded them
         super().__init__(name, server.url, tp=server.tp, **kwargs)
+
+    def info(self, *, timeout: float = 60.0) -> dict[str, Any]:
+        """The emulator's account (`EmulatorClient.info`), with the versions of each refit adapter
+        the server holds ("adapters": {name: {version: {"state"}}}, each loaded one counted as
+        servable: SGLang serves any loaded name)."""
+        from refit.drivers.sglang_lora import parse_version_name
+
+        out = EmulatorClient.info(self, timeout=timeout)
+        adapters: dict[str, dict[int, dict[str, str]]] = {}
+        for name in out["engine"].get("lora_loaded", []):
+            parsed = parse_version_name(name)
+            if parsed is not None:
+                adapters.setdefault(parsed[0], {})[parsed[1]] = {"state": "LIVE"}
+        return {**out, "adapters": adapters}
 
     @classmethod
     def start(
@@ -824,12 +1103,13 @@ class EmulatedSGLangEngine(EmulatorClient, SGLangEngine):
         weights_cpu_backup: bool = False,
         device: str = "cpu",
         server_args: dict[str, Any] | None = None,
+        lora: dict[str, Any] | None = None,
     ) -> EmulatedSGLangEngine:
         """A fresh reference engine (own processes, or a thread) behind a new emulated server.
         `server`: the server class (tests pass one that mounts SGLang's own FastAPI app);
         `memory_saver`, `weights_cpu_backup`: the server's --enable-memory-saver and
         --enable-weights-cpu-backup; `device`: the device it reports; `server_args`: more of its
-        resolved args (`EmulatedSGLang`)."""
+        resolved args; `lora`: its --enable-lora settings (`EmulatedSGLang`)."""
 
         def new_engine() -> ReferenceEngine:
             if in_thread:
@@ -840,6 +1120,6 @@ class EmulatedSGLangEngine(EmulatorClient, SGLangEngine):
         emu = make(
             new_engine(), version=version, api_key=api_key, admin_api_key=admin_api_key, decoder=decoder,
             validate=validate, new_engine=new_engine, memory_saver=memory_saver, weights_cpu_backup=weights_cpu_backup,
-            device=device, server_args=server_args,
+            device=device, server_args=server_args, **({"lora": lora} if lora is not None else {}),
         )  # fmt: skip
         return cls(name, emu)
