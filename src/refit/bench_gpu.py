@@ -560,15 +560,20 @@ def lora_state(config: ModelConfig, *, r: int = 64, seed: int = 2, device: str =
 
 
 def run_lora(
-    config: ModelConfig, *, refits: int, bucket_mb: int, r: int = 64, requests: int = 16, tokens: int = 4096,
+    config: ModelConfig, *, refits: int, bucket_mb: int, r: int = 64, requests: int = 16, tokens: int = 128,
     device: str = "cuda", tick: Callable[[str], None] = lambda s: None, verify: str = "digest",
 ) -> dict[str, Any]:  # fmt: skip
     """LoRA refits (`LoraSource`, rank `r` on every projection) into an engine process decoding
-    `requests` requests naming the adapter throughout (batched), over path (b) (CUDA IPC; shared
-    memory on the CPU). Generation is blocked only while the engine runs a refit's calls on its
-    thread between decode steps: per refit, `ms_blocked` is the sum of the engine's call times for
-    that refit (its audit: each call's start to end, on the engine's clock), `ms_blocked_max` the
-    longest one. A connecting refit first, then `refits` timed ones; max_staleness 1."""
+    (batched) throughout: a client keeps `requests` requests of `tokens` tokens naming the adapter
+    in flight, each one that finishes replaced at once, so new requests get each new version and
+    the old versions drain (max_staleness 1: a refit waits in DRAINING for the requests on the
+    version it pushes out). Over path (b) (CUDA IPC; shared memory on the CPU). Generation is
+    blocked only while the engine runs a refit's calls on its thread between decode steps: per
+    refit, `ms_blocked` is the sum of the engine's call times for that refit (its audit: each
+    call's start to end, on the engine's clock), `ms_blocked_longest_call` the longest one. A
+    connecting refit first, then `refits` timed ones."""
+    import threading
+
     from refit.drivers.lora_source import LoraSource
 
     prompt = 8
@@ -582,7 +587,22 @@ def run_lora(
         bucket_bytes=max(bucket_mb << 20, nbytes), deadline_s=300.0, verify=verify,
     )  # fmt: skip
     blocked, longest, phases, seconds = [], [], [], []
-    futures: list[Any] = []
+    done: list[dict[str, Any]] = []
+    stop = threading.Event()
+
+    def client() -> None:  # `requests` in flight, each finished one replaced by a new one
+        inflight = [engine.submit([j + 1, *range(2, prompt + 1)], tokens, adapter="policy") for j in range(requests)]
+        while inflight:
+            time.sleep(0.005)
+            for i, fut in enumerate(inflight):
+                if fut is not None and fut.done():
+                    done.append(fut.result())
+                    inflight[i] = None if stop.is_set() else engine.submit(
+                        [i + 1, *range(2, prompt + 1)], tokens, adapter="policy"
+                    )  # fmt: skip
+            inflight = [f for f in inflight if f is not None] if stop.is_set() else inflight
+
+    feeder = threading.Thread(target=client, name="lora-client", daemon=True)
     try:
         for i in range(refits + 1):  # the first refit connects and loads the first version: not counted
             with torch.no_grad():
@@ -593,9 +613,7 @@ def run_lora(
             result = protocol.run(ctx).raise_for_error()
             tick(f"lora refit {i + 1}/{refits + 1}")
             if i == 0:  # requests name the adapter once a version of it is live
-                futures = [
-                    engine.submit([j + 1, *range(2, prompt + 1)], tokens, adapter="policy") for j in range(requests)
-                ]
+                feeder.start()
                 time.sleep(0.2)
                 continue
             calls = [
@@ -609,9 +627,10 @@ def run_lora(
             phases.append(result.phase_seconds)
         info = engine.info()
         tokens_before = info["tokens_sampled"]
-        outs = [f.result(timeout=60) for f in futures if f.done()]  # the rest are still decoding
-        engine.client.call("abort_requests", timeout=60)
+        stop.set()
+        feeder.join(timeout=120)
     finally:
+        stop.set()
         ctx.close()
         engine.close()
     return {
@@ -626,8 +645,9 @@ def run_lora(
         "refits": refits,
         "requests": requests,
         "tokens_sampled": tokens_before,
-        "requests_done": len(outs),
-        "requests_done_not_by_length": sum(1 for o in outs if o["finish_reason"] != "length"),  # aborted: none
+        "requests_done": len(done),
+        "requests_done_not_by_length": sum(1 for o in done if o["finish_reason"] != "length"),  # aborted: none
+        "versions_served": len({o.get("adapter_version") for o in done}),
         "versions_live_after": len((info.get("adapters") or {}).get("policy", {})),
         "runner_phase_ms": {k: round(statistics.median(p.get(k, 0.0) for p in phases) * 1e3, 3) for k in phases[-1]},
     }
