@@ -148,6 +148,12 @@ class TokenizerShim:
         for owner, names in ((h.TCM, LORA_TCM), (h.TM, LORA_TM)):  # SGLang's own methods, on this shim
             for name in names:
                 setattr(self, name, types.MethodType(getattr(owner, name), self))
+        unload = self.unload_lora_adapter
+
+        async def unload_unless_off(obj: Any, request: Any = None) -> Any:  # (its first check, per server)
+            return self._lora_off(obj) or await unload(obj, request)
+
+        self.unload_lora_adapter = unload_unless_off
         # TokenizerManager.__init__'s LoRA state
         self.lora_registry = sglang_http().LoRARegistry(None)
         self.lora_update_lock = asyncio.Lock()
@@ -226,13 +232,16 @@ class TokenizerShim:
     async def generate_request(self, obj: Any, request: Any = None) -> Any:
         """SGLang's LoRA resolution (a ValueError: the route's 400), the emulated scheduler's
         generation, then the registry's release (`_release_lora_once`, at the request's end)."""
-        await self._validate_and_resolve_lora(obj)
-        try:
-            out = await self._op("op_generate", obj)
-        finally:
-            if getattr(obj, "lora_id", None) is not None:
-                await self.lora_registry.release(obj.lora_id)
-        yield out
+        loop = asyncio.get_running_loop()
+
+        def resolve(o: Any) -> Any:  # inside the pause wait and the reader lock, as SGLang's order is
+            asyncio.run_coroutine_threadsafe(self._validate_and_resolve_lora(o), loop).result()
+            return getattr(o, "lora_id", None)
+
+        def release(lora_id: Any) -> None:
+            asyncio.run_coroutine_threadsafe(self.lora_registry.release(lora_id), loop).result()
+
+        yield await asyncio.to_thread(self.emu.op_generate, obj, resolve, release)
 
     def auto_create_handle_loop(self) -> None:
         return None

@@ -6,61 +6,27 @@ served is transformers + PEFT with the same adapter."""
 
 from __future__ import annotations
 
+import base64
 import threading
 import time
 from typing import Any
 
 import httpx
 import pytest
-import torch
 
 from refit import invariants, protocol
 from refit.errors import ConfigError
-from refit.reference.model import ModelConfig, TinyLlama
+from refit.invariants.adapters import trace_adapter_moves
+from refit.reference.model import ModelConfig
 from refit.testing import check_lora_driver
 from refit.testing.sglang_server import EmulatedSGLangEngine
 
+from .lora_support import TARGETS, greedy, peft_model, train
 from .sglang_app import SGLangAppServer
 
 pytestmark = pytest.mark.e2e
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 LORA = {"max_lora_rank": 8, "lora_target_modules": TARGETS}
 PROMPT = [1, 2, 3, 4]
-
-
-def _peft(r: int = 4, **kw: Any) -> Any:
-    import peft
-
-    torch.manual_seed(0)
-    config = peft.LoraConfig(r=r, lora_alpha=2 * r, target_modules=kw.pop("targets", TARGETS),
-                             init_lora_weights=False, **kw)  # fmt: skip
-    return peft.get_peft_model(TinyLlama(ModelConfig(), seed=0), config).eval()
-
-
-def _train(model: Any, step: int) -> dict[str, torch.Tensor]:
-    """One 'training step' of the adapter; returns a snapshot of it (the oracle of that version)."""
-    import peft
-
-    gen = torch.Generator().manual_seed(step)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.add_(0.1 * torch.randn(p.shape, generator=gen))
-    return {n: t.detach().clone() for n, t in peft.get_peft_model_state_dict(model).items()}
-
-
-def _greedy(model: Any, snapshot: dict[str, torch.Tensor], prompt: list[int], n: int) -> list[int]:
-    import copy
-
-    import peft
-
-    oracle = copy.deepcopy(model)
-    peft.set_peft_model_state_dict(oracle, snapshot)
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            ids.append(int(oracle(torch.tensor([ids]))[0, -1].argmax()))
-    return ids[len(prompt) :]
 
 
 def _engine(name: str = "s0", **kw: Any) -> EmulatedSGLangEngine:
@@ -90,11 +56,11 @@ def test_lora_refits_into_sglang_serve_each_version_and_unload_the_old_after_its
     v1 to its last token while v2 goes live, and the refit that pushes v1 out (max_staleness 1)
     waits in DRAINING for it (SGLang's unload answers when its requests have finished); the
     servers hold at most 2 versions; bytes moved are the adapter's; the trace checks clean."""
-    model = _peft()
+    model = peft_model()
     engines = [_engine("s0"), _engine("s1")]
     ctx = _ctx(model, engines)
     try:
-        snaps = {1: _train(model, 1)}
+        snaps = {1: train(model, 1)}
         first = protocol.run(ctx).raise_for_error()
         nbytes = sum(t.numel() * t.element_size() for t in snaps[1].values())
         assert first.bytes_moved == nbytes
@@ -102,13 +68,13 @@ def test_lora_refits_into_sglang_serve_each_version_and_unload_the_old_after_its
         ended: dict[str, float] = {}
         long.add_done_callback(lambda _: ended.setdefault("long", time.monotonic()))
         time.sleep(0.3)
-        snaps[2] = _train(model, 2)
+        snaps[2] = train(model, 2)
         protocol.run(ctx).raise_for_error()
         assert _listed(engines[0]) == ["policy@v1", "policy@v2"]
         for e in engines:
             out = e.generate(PROMPT, 6, adapter="policy")
-            assert out["adapter_version"] == 2 and out["output"] == _greedy(model, snaps[2], PROMPT, 6)
-        snaps[3] = _train(model, 3)
+            assert out["adapter_version"] == 2 and out["output"] == greedy(model, snaps[2], PROMPT, 6)
+        snaps[3] = train(model, 3)
         box: dict[str, Any] = {}
 
         def third() -> None:
@@ -124,21 +90,21 @@ def test_lora_refits_into_sglang_serve_each_version_and_unload_the_old_after_its
         # DRAINING: v1's unload answered only once the request on it had finished
         assert ended["third"] >= ended["long"] and result.phase_seconds.get("DRAINING", 0) > 0
         assert old["finish_reason"] == "length" and old["adapter_version"] == 1 and len(old["output"]) == 1200
-        assert old["output"][:60] == _greedy(model, snaps[1], PROMPT, 60)  # v1's tokens, though v2 went live
+        assert old["output"][:60] == greedy(model, snaps[1], PROMPT, 60)  # v1's tokens, though v2 went live
         assert result.bytes_moved == nbytes
-        snaps[4] = _train(model, 4)
+        snaps[4] = train(model, 4)
         protocol.run(ctx).raise_for_error()
         for e in engines:
             assert _listed(e) == ["policy@v3", "policy@v4"]
             out = e.generate(PROMPT, 6, adapter="policy")
-            assert out["adapter_version"] == 4 and out["output"] == _greedy(model, snaps[4], PROMPT, 6)
+            assert out["adapter_version"] == 4 and out["output"] == greedy(model, snaps[4], PROMPT, 6)
         # a client naming an unloaded version gets SGLang's own refusal (its implicit reload of a
         # tensor adapter, path "__tensor__", cannot work), never the old weights
         stale = httpx.post(engines[0].url + "/generate", json={"input_ids": PROMPT, "lora_path": "policy@v1",
                            "sampling_params": {"max_new_tokens": 2}}, timeout=30)  # fmt: skip
         assert stale.status_code == 400 and "Failed to implicitly load LoRA adapter policy@v1" in stale.text
         assert invariants.check_trace(ctx.recorder.events, open_ok=True) == []
-        moves = invariants.adapters.trace_adapter_moves(ctx.recorder.events)
+        moves = trace_adapter_moves(ctx.recorder.events)
         assert {m["event"] for m in moves["s0"]} >= {"stage", "complete", "publish", "supersede", "unload"}
     finally:
         ctx.close()
@@ -153,13 +119,16 @@ def test_lora_refits_into_sglang_serve_each_version_and_unload_the_old_after_its
         ({"max_staleness": None}, {}, "needs max_staleness >= 1"),
         ({"verify": "digest"}, {}, "reports no checksums of a loaded adapter"),
         ({}, {"use_rslora": True}, "SGLang scales every adapter by lora_alpha / r"),
+        ({}, {"targets": ["q_proj", "o_proj"]}, "needs v_proj with it"),
+        ({}, {"targets": ["k_proj", "v_proj"]}, "k or v without q"),
+        ({}, {"targets": ["up_proj", "down_proj"]}, "only from gate_proj"),
     ],
 )
 def test_what_sglang_can_never_do_is_refused_when_the_context_is_made(kw: Any, peft_kw: Any, needle: str) -> None:
     e = _engine()
     try:
         with pytest.raises(ConfigError, match=needle):
-            _ctx(_peft(**peft_kw), [e], **kw)
+            _ctx(peft_model(**peft_kw), [e], **kw)
         assert _listed(e) == []
     finally:
         e.close()
@@ -177,12 +146,77 @@ def test_what_this_server_cannot_load_fails_the_run_before_any_byte(lora: Any, p
     """Known only from the server's /server_info: the run fails in CONNECTING or STAGING, nothing
     moved, nothing loaded, the lock free; the server serves on."""
     e = EmulatedSGLangEngine.start("s0", in_thread=True, server=SGLangAppServer, **({"lora": lora} if lora else {}))
-    ctx = _ctx(_peft(**peft_kw), [e])
+    ctx = _ctx(peft_model(**peft_kw), [e])
     try:
         result = protocol.run(ctx)
         assert not result.ok and needle in str(result.error) and result.bytes_moved == 0
         assert _listed(e) == [] and ctx.lock.holder is None
         assert e.generate(PROMPT, 2)["output"]  # the base model serves on
+    finally:
+        ctx.close()
+        e.close()
+
+
+def _post_adapter(e: EmulatedSGLangEngine, name: str, targets: list[str]) -> httpx.Response:
+    """A raw /load_lora_adapter_from_tensors of a PEFT adapter on `targets`, as any client sends it."""
+    import peft
+
+    from refit.drivers.flattened import flatten, serialize
+    from refit.drivers.sglang_lora import load_body
+
+    model = peft_model(targets=targets)
+    tensors = list(peft.get_peft_model_state_dict(model).items())
+    adapter = {"r": 4, "lora_alpha": 8, "target_modules": targets}
+    body = load_body(name, adapter, [base64.b64encode(serialize(flatten(tensors))).decode()])
+    return httpx.post(e.url + "/load_lora_adapter_from_tensors", json=body, timeout=30)
+
+
+def test_the_emulator_is_no_kinder_than_sglang_to_adapters_it_cannot_fuse() -> None:
+    """SGLang fuses q/k/v only from q (v needed: else the load fails naming it) and gate/up only
+    from gate; an adapter with k and v but no q loads (200) and kills the server at the first batch
+    that uses it (mem_pool.py: get_target_module_name, uncaught)."""
+    e = _engine()
+    try:
+        q_only = _post_adapter(e, "q-only", ["q_proj", "o_proj"])
+        assert q_only.status_code == 400 and "v_proj.lora_A.weight" in q_only.json()["error_message"]
+        kv = _post_adapter(e, "kv", ["k_proj", "v_proj"])
+        assert kv.status_code == 200 and kv.json()["success"] is True
+        assert e.generate(PROMPT, 2)["output"]  # the base model still serves
+        with pytest.raises(httpx.TransportError):
+            httpx.post(e.url + "/generate", json={"input_ids": PROMPT, "lora_path": "kv",
+                       "sampling_params": {"max_new_tokens": 2}}, timeout=30)  # fmt: skip
+    finally:
+        e.close()
+
+
+def test_a_load_that_lands_after_its_run_gave_up_is_unloaded_by_the_next_run() -> None:
+    """A load that answers after its budget (a hang in the server) fails the run; SGLang still
+    registers it when it completes (nothing cancels the handler). The next run finds it, never
+    published, and unloads it before its own load: the server holds max_staleness + 1 versions."""
+    from refit.protocol.faults import FaultPlan
+
+    model = peft_model()
+    e = _engine()
+    ctx = _ctx(model, [e], call_timeout_s=1.0)
+    try:
+        protocol.run(ctx).raise_for_error()
+        train(model, 2)
+        ctx.faults = FaultPlan().fail_at("transferring", call="load", kind="hang")
+        assert not protocol.run(ctx).ok
+        ctx.faults = None
+        deadline = time.monotonic() + 30
+        while "policy@v2" not in _listed(e) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _listed(e) == ["policy@v1", "policy@v2"]  # landed late: loaded, never published
+        for step in (3, 4):
+            train(model, step)
+            protocol.run(ctx).raise_for_error()
+            assert len(_listed(e)) <= 2, _listed(e)
+        # (the failed run spent version 2) the next run finds v2 loaded, never published, and unloads it
+        assert ctx.published_version == 4 and _listed(e) == ["policy@v3", "policy@v4"]
+        moves = trace_adapter_moves(ctx.recorder.events)["s0"]
+        assert [m["event"] for m in moves if m["adapter_version"] == 2][-1] == "discard"  # never published
+        assert invariants.check_trace(ctx.recorder.events, open_ok=True) == []
     finally:
         ctx.close()
         e.close()
@@ -194,12 +228,12 @@ def test_a_load_sglang_cannot_decode_kills_the_server_and_the_run_ends_inside_it
     within its deadline; the next run finds nothing listening and says so."""
     from refit.protocol.faults import FaultPlan
 
-    model = _peft()
+    model = peft_model()
     e = _engine()
     ctx = _ctx(model, [e])
     try:
         protocol.run(ctx).raise_for_error()
-        _train(model, 2)
+        train(model, 2)
         ctx.faults = FaultPlan().fail_at("transferring", call="load", kind="kill")
         t0 = time.monotonic()
         result = protocol.run(ctx)

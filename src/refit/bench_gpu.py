@@ -587,6 +587,7 @@ def run_lora(
         bucket_bytes=max(bucket_mb << 20, nbytes), deadline_s=300.0, verify=verify,
     )  # fmt: skip
     blocked, longest, phases, seconds = [], [], [], []
+    per_call: dict[str, list[float]] = {}  # each engine call's time, by call, over the timed refits
     done: list[dict[str, Any]] = []
     stop = threading.Event()
 
@@ -621,6 +622,8 @@ def run_lora(
                 and rec["start"] >= since
             ]  # fmt: skip
             durations = [rec["t"] - rec["start"] for rec in calls]
+            for rec, d in zip(calls, durations, strict=True):
+                per_call.setdefault(str(rec.get("op")), []).append(d)
             blocked.append(sum(durations))
             longest.append(max(durations, default=0.0))
             seconds.append(result.seconds)
@@ -649,6 +652,11 @@ def run_lora(
         "requests_done_not_by_length": sum(1 for o in done if o["finish_reason"] != "length"),  # aborted: none
         "versions_served": len({o.get("adapter_version") for o in done}),
         "versions_live_after": len((info.get("adapters") or {}).get("policy", {})),
+        # where the blocked time goes: per refit, each call's summed ms and how many there were
+        "ms_blocked_per_refit_by_call": {
+            op: {"ms": round(sum(v) / max(refits, 1) * 1e3, 3), "calls": round(len(v) / max(refits, 1), 2)}
+            for op, v in sorted(per_call.items())
+        },
         "runner_phase_ms": {k: round(statistics.median(p.get(k, 0.0) for p in phases) * 1e3, 3) for k in phases[-1]},
     }
 

@@ -243,7 +243,7 @@ def _bench_gpu(args: argparse.Namespace) -> int:
     bench.write_json(report, args.json)
     if args.json:
         print(f"wrote {args.json}")
-    ok = all(r["bit_exact"] is not False for s in report["shapes"].values() for r in s["paths"].values())
+    ok = all(r.get("bit_exact") is not False for s in report["shapes"].values() for r in s["paths"].values())
     return 0 if ok else 1
 
 

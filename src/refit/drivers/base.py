@@ -575,12 +575,15 @@ class EngineDriver(ABC):
     def drain(self, hold_s: float, *, timeout: float) -> dict[str, Any]:
         """LoRA refits (`serves_adapters`), DRAINING: {"ready": whether the finalized adapter
         version may go live within max_staleness + 1 now, "pinned": requests still on the versions
-        it would push out}. Generation goes on; asked again until ready. Where the version to go
+        it would push out, optionally "eta_s": when they will have ended at the latest (the runner
+        asks again then instead of polling)}. Generation goes on; asked again until ready. Where the version to go
         is the live one, new requests naming the adapter wait until the publish, the discard, or
         `hold_s` seconds (the run's time left and its cleanup grace), whichever comes first."""
         from refit.errors import EngineError
 
         raise EngineError("unsupported", f"{type(self).__name__} serves no adapters")
+
+    adapter_transports: frozenset[str] | None = None  # LoRA refits: the transports for them (None: `transports`)
 
     def no_adapter(self, adapter: dict[str, Any], *, verify: str, max_live: int | None) -> str | None:
         """LoRA refits (`serves_adapters`): why this engine can never take this one (its adapter

@@ -23,9 +23,10 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from refit.buckets import BucketManifest
+from refit.drivers.adapter_names import AdapterMirror, parse_version_name
 from refit.drivers.base import EngineDriver, Payload
 from refit.errors import EngineDied, EngineError
-from refit.states import FactMachine, Update, UpdateEvent
+from refit.states import Adapter, FactMachine, Update, UpdateEvent
 
 if TYPE_CHECKING:
     import httpx
@@ -161,11 +162,73 @@ class HttpEngineDriver(EngineDriver):
         self._ledger = UpdateLedger(name)
         self._quarantined: str | None = None  # why this driver took the engine out of service, if it did
         self._gone = False  # a call found nothing listening at the URL (the server process died)
+        # LoRA refits into a server that knows adapters by name only (SGLang, vLLM): its versions as
+        # this driver knows them, the refit under way, the adapters the version policy holds here
+        self._lora = AdapterMirror()
+        self._adapter_run: dict[str, Any] | None = None
+        self._adapter_held: dict[str, str] = {}
 
     def _check_serving(self) -> None:
         """Refuse to continue an engine this driver quarantined until a refit completes."""
         if self._quarantined is not None:
             raise EngineError("quarantined", f"engine {self.name} is quarantined ({self._quarantined}); refit it first")
+
+    # ---- LoRA refits over adapter names (`refit.drivers.adapter_names`) ----------------------------
+
+    def live_adapter(self, adapter: str) -> int:
+        """The version of `adapter` this driver published and serves (refused while held or none)."""
+        if adapter in self._adapter_held:
+            raise EngineError("quarantined", f"engine {self.name}: adapter {adapter!r} is held "
+                              f"({self._adapter_held[adapter]}); a refit that reaches it brings it back")  # fmt: skip
+        live = self._lora.live(adapter)
+        if live is None:
+            raise EngineError("bad_request", f"engine {self.name}: no version of adapter {adapter!r} is live here")
+        return live
+
+    def _listed_versions(self, adapter: str, call: str, timeout: float) -> list[int]:
+        """GET /v1/models: the versions of `adapter` the server lists (its adapters by name)."""
+        data = self._call("GET", "/v1/models", call, timeout=timeout, serving=True)  # type: ignore[attr-defined]
+        cards = data.get("data") if isinstance(data, dict) else None
+        if not isinstance(cards, list):
+            raise EngineError("server_error", f"engine {self.name}: GET /v1/models answered {str(data)[:200]!r}")
+        found = [parse_version_name(str(c.get("id"))) for c in cards if isinstance(c, dict)]
+        return sorted(v for a_v in found if a_v is not None for a, v in [a_v] if a == adapter)
+
+    def _adapter_probed(self, target: int, adapter: str, listed: Sequence[int]) -> dict[str, Any]:
+        """The probe's answer once the server's versions are `listed`: folded into the mirror; the
+        version is the adapter's live one (0: none); `version_ahead` when it holds the target."""
+        self._lora.sync(adapter, listed)
+        held = self._lora.live(adapter) or 0
+        if held >= target:
+            raise EngineError(
+                "version_ahead", f"engine {self.name}: adapter {adapter!r} is at version {held}, the refit targets "
+                f"{target}", {"version": held},
+            )  # fmt: skip
+        serving = self._quarantined is None and adapter not in self._adapter_held
+        return {"version": held, "serving": serving, "adapter_moves": self._lora.report()}
+
+    def _publish_adapter(self, version: int) -> dict[str, Any]:
+        """CONTINUING: the loaded version becomes the one this driver's requests name (no call)."""
+        run = self._adapter_run
+        assert run is not None
+        name = run["name"]
+        if version != run["version"] or self._lora.state(name, version) != Adapter.STAGED:
+            raise EngineError("not_ready", f"engine {self.name}: adapter {name!r} v{version} is not loaded")
+        going = self._lora.going(name)
+        if going:
+            bound = self._lora.max_live.get(name)
+            raise EngineError("busy", f"engine {self.name}: publishing adapter {name!r} v{version} would leave more "
+                              f"than {bound} versions loaded: v{going[0]} is still there")  # fmt: skip
+        self._lora.publish(name, version)
+        self._adapter_held.pop(name, None)
+        return {"adapter_moves": self._lora.report()}
+
+    def _hold_adapter(self, adapter: str, reason: str, timeout: float) -> None:
+        """The version policy's hold of `adapter` here: its staged version unloaded, and
+        `generate(adapter=...)` refused until a refit publishes one (the server cannot hold a name)."""
+        if self._adapter_run is not None and self._lora.staged(adapter) is not None:
+            self.discard(timeout=timeout)  # type: ignore[attr-defined]
+        self._adapter_held[adapter] = reason
 
     def submit(self, prompt: Sequence[int], max_new_tokens: int, **kwargs: Any) -> Any:
         """Start a request on a thread; returns a Future of `generate`'s answer (`kwargs`: its own)."""

@@ -104,9 +104,7 @@ from refit.buckets import BucketManifest
 from refit.drivers.base import ConnectInfo, PauseMode, Payload
 from refit.drivers.http import HttpEngineDriver, label_version, message_of, token_versions, version_tuple
 from refit.drivers.sglang_lora import (
-    AdapterMirror,
     load_body,
-    parse_version_name,
     server_lora,
     server_problem,
     static_problem,
@@ -267,6 +265,7 @@ class SGLangEngine(HttpEngineDriver):
     )
     memory_tags = frozenset({"weights", "kv_cache", "cuda_graph"})
     serves_adapters = True  # LoRA refits: a version per adapter name (see the module docstring)
+    adapter_transports = frozenset({"sglang_tensor"})  # an adapter loads from tensors, one request
 
     def __init__(
         self,
@@ -307,10 +306,7 @@ class SGLangEngine(HttpEngineDriver):
         self.checksums = checksums
         self._attached: ConnectInfo | None = None
         self._released: set[str] = set(self._server_tags(released))
-        self._lora = AdapterMirror()  # the versions of each adapter this driver loaded, as it knows them
         self._lora_args: dict[str, Any] = {}  # the server's LoRA settings, from /server_info
-        self._adapter_run: dict[str, Any] | None = None  # the LoRA refit under way (its adapter and version)
-        self._adapter_held: dict[str, str] = {}  # adapters the version policy holds here, and why
         self._read_capabilities(5.0)
 
     def _read_capabilities(self, timeout: float) -> None:
@@ -732,9 +728,7 @@ class SGLangEngine(HttpEngineDriver):
         `adapter` (a LoRA refit's version policy): that adapter alone, in this driver (its staged
         version unloaded): `generate(adapter=...)` refuses until a refit publishes one here."""
         if adapter is not None:
-            if self._adapter_run is not None and self._lora.staged(adapter) is not None:
-                self.discard(timeout=timeout)
-            self._adapter_held[adapter] = reason
+            self._hold_adapter(adapter, reason, timeout)
             return
         end = time.monotonic() + timeout
         self._quarantined = reason
@@ -757,25 +751,6 @@ class SGLangEngine(HttpEngineDriver):
         """What no SGLang server can do for this LoRA refit (checked when a run starts)."""
         return static_problem(adapter, verify=verify, max_live=max_live)
 
-    def live_adapter(self, adapter: str) -> int:
-        """The version of `adapter` this driver published and serves (refused while held or none)."""
-        if adapter in self._adapter_held:
-            raise EngineError("quarantined", f"engine {self.name}: adapter {adapter!r} is held "
-                              f"({self._adapter_held[adapter]}); a refit that reaches it brings it back")  # fmt: skip
-        live = self._lora.live(adapter)
-        if live is None:
-            raise EngineError("bad_request", f"engine {self.name}: no version of adapter {adapter!r} is live here")
-        return live
-
-    def _loaded_versions(self, adapter: str, timeout: float) -> list[int]:
-        """GET /v1/models: the versions of `adapter` the server lists (its LoRA registry)."""
-        data = self._call("GET", "/v1/models", "probe", timeout=timeout)
-        cards = data.get("data") if isinstance(data, dict) else None
-        if not isinstance(cards, list):
-            raise EngineError("server_error", f"engine {self.name}: GET /v1/models answered {str(data)[:200]!r}")
-        found = [parse_version_name(str(c.get("id"))) for c in cards if isinstance(c, dict)]
-        return sorted(v for a_v in found if a_v is not None for a, v in [a_v] if a == adapter)
-
     def _probe_adapter(self, target: int, adapter: str, timeout: float) -> dict[str, Any]:
         """Reads only: /server_info (its LoRA settings; refused without --enable-lora) and
         /v1/models, folded into the mirror. The version is the adapter's live one (0: none)."""
@@ -785,17 +760,8 @@ class SGLangEngine(HttpEngineDriver):
         if not self._lora_args.get("enable_lora"):
             raise EngineError("unsupported", f"engine {self.name}: LoRA is not enabled on the server at {self.url}: "
                               "launch it with --enable-lora --max-lora-rank R --lora-target-modules ...")  # fmt: skip
-        self._lora.sync(adapter, self._loaded_versions(adapter, end - time.monotonic()))
-        held = self._lora.live(adapter) or 0
-        if held >= target:
-            raise EngineError(
-                "version_ahead", f"engine {self.name}: adapter {adapter!r} is at version {held}, the refit targets "
-                f"{target}", {"version": held},
-            )  # fmt: skip
-        return {
-            "version": held, "serving": self._quarantined is None and adapter not in self._adapter_held,
-            "server_version": self._caps().version, "adapter_moves": self._lora.report(),
-        }  # fmt: skip
+        listed = self._listed_versions(adapter, "probe", end - time.monotonic())
+        return {**self._adapter_probed(target, adapter, listed), "server_version": self._caps().version}
 
     def stage(
         self, plan: Sequence[BucketManifest], digest: str | None = None, adapter: dict[str, Any] | None = None,
@@ -856,7 +822,7 @@ class SGLangEngine(HttpEngineDriver):
         except EngineError as exc:  # "does not exist": an earlier unload of ours finished meanwhile
             if exc.kind != "bad_request" or "does not exist" not in exc.message:
                 raise
-            if version in self._loaded_versions(adapter, max(timeout, 1.0)):
+            if version in self._listed_versions(adapter, call, max(timeout, 1.0)):
                 raise
         if self._lora.state(adapter, version) in (Adapter.STAGING, Adapter.STAGED):
             self._lora.discard(adapter, version, reason=reason or "discarded")
@@ -877,21 +843,6 @@ class SGLangEngine(HttpEngineDriver):
         going = self._lora.going(run["name"])
         return {"ready": not going, "pinned": None, "going": going, "adapter_moves": self._lora.report()}
 
-    def _publish_adapter(self, version: int) -> dict[str, Any]:
-        run = self._adapter_run
-        assert run is not None
-        name = run["name"]
-        if version != run["version"] or self._lora.state(name, version) != Adapter.STAGED:
-            raise EngineError("not_ready", f"engine {self.name}: adapter {name!r} v{version} is not loaded")
-        going = self._lora.going(name)
-        if going:
-            bound = self._lora.max_live.get(name)
-            raise EngineError("busy", f"engine {self.name}: publishing adapter {name!r} v{version} would leave more "
-                              f"than {bound} versions loaded: v{going[0]} is still there")  # fmt: skip
-        self._lora.publish(name, version)
-        self._adapter_held.pop(name, None)
-        return {"adapter_moves": self._lora.report()}
-
     def discard(self, *, timeout: float) -> dict[str, Any]:
         """A LoRA refit that will not publish: unload the version it loaded (no request of refit's
         names it), after asking the server whether a load that did not answer went in."""
@@ -901,7 +852,7 @@ class SGLangEngine(HttpEngineDriver):
         name, version = run["name"], run["version"]
         end = time.monotonic() + timeout
         if self._lora.state(name, version) == Adapter.STAGING:
-            if version not in self._loaded_versions(name, timeout):
+            if version not in self._listed_versions(name, "discard", timeout):
                 self._lora.discard(name, version, reason="its load did not complete")
                 return {"discarded": True, "adapter_moves": self._lora.report()}
             self._lora.complete(name, version)

@@ -7,37 +7,20 @@ once and answers only when the requests using it have finished). So each version
 adapter is its own name (`version_name`: "policy@v7"), and which one is live is refit's to say:
 the driver resolves a request for "policy" to the live version's name (`lora_path`).
 
-`AdapterMirror` is the driver's account of the versions it loaded, published, unloaded or
-discarded, kept on the adapter fact table (`refit.states`: STAGING, STAGED, LIVE, RETIRED,
-UNLOADED, DISCARDED) and reported as the same self-contained move records the reference engine
-gives (`refit.invariants.adapters`), so `refit check` follows SGLang's versions too. What SGLang
-itself lists (`/v1/models`) is folded in at each probe (`sync`): a version the server lost is
-unloaded, one found that the mirror never saw is adopted.
+The driver keeps its account of the versions in an `AdapterMirror` (`refit.drivers.adapter_names`),
+so `refit check` follows SGLang's versions too.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from refit.states import SERVABLE_ADAPTER, Adapter, AdapterEvent, FactMachine
+from refit.drivers.adapter_names import AdapterMirror, parse_version_name, version_name
 
-_NAME = re.compile(r"^(?P<adapter>.+)@v(?P<version>\d+)$")
 # sglang/srt/lora/utils.py get_normalized_target_modules: the fused names SGLang's pool keeps
 _FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
           "up_proj": "gate_up_proj"}  # fmt: skip
-
-
-def version_name(adapter: str, version: int) -> str:
-    """The SGLang adapter name of `version` of `adapter` ("policy@v7")."""
-    return f"{adapter}@v{int(version)}"
-
-
-def parse_version_name(name: str) -> tuple[str, int] | None:
-    """("policy", 7) from "policy@v7"; None for a name refit did not make."""
-    m = _NAME.match(name)
-    return (m["adapter"], int(m["version"])) if m else None
 
 
 def normalized_targets(targets: str | Iterable[str] | None) -> set[str]:
@@ -57,6 +40,7 @@ def server_lora(info: Mapping[str, Any]) -> dict[str, Any]:
         "max_lora_rank": info.get("max_lora_rank"),
         "lora_target_modules": info.get("lora_target_modules"),
         "max_loaded_loras": info.get("max_loaded_loras"),
+        "max_loras_per_batch": info.get("max_loras_per_batch"),
     }
 
 
@@ -74,6 +58,19 @@ def static_problem(adapter: Mapping[str, Any], *, verify: str, max_live: int | N
             "adapter while its live version drains (its unload unregisters the name at once, "
             "managers/tokenizer_control_mixin.py _unload_lora_adapter_locked), so the new version goes live "
             "beside the old one, and refit unloads old ones (a call that waits for their requests) in DRAINING"
+        )
+    targets = set(adapter.get("target_modules") or ())
+    if targets & {"q_proj", "k_proj", "v_proj"} and not {"q_proj", "v_proj"} <= targets:
+        return (
+            f"target modules {sorted(targets)}: SGLang fuses q/k/v into qkv_proj only from q_proj, and needs v_proj "
+            "with it (sglang/srt/lora/lora.py normalize_qkv_proj: q without v fails the load; k or v without q "
+            "stays unfused and kills the server at the first batch that uses it); target q_proj and v_proj too"
+        )
+    if "up_proj" in targets and "gate_proj" not in targets:
+        return (
+            f"target modules {sorted(targets)}: SGLang fuses gate/up into gate_up_proj only from gate_proj "
+            "(lora.py normalize_gate_up_proj: up without gate stays unfused and kills the server at the first batch "
+            "that uses it); target gate_proj too"
         )
     if adapter.get("use_rslora"):
         return (
@@ -96,6 +93,12 @@ def server_problem(adapter: Mapping[str, Any], lora: Mapping[str, Any], plan_buc
         return (
             f"the adapter targets {sorted(want - server)}, outside the server's --lora-target-modules "
             f"(normalized: {sorted(server)})"
+        )
+    loaded = lora.get("max_loaded_loras")
+    if isinstance(loaded, int) and isinstance(adapter.get("max_live"), int) and loaded < adapter["max_live"]:
+        return (
+            f"the server's --max-loaded-loras {loaded} is below the {adapter['max_live']} versions this refit keeps "
+            "loaded (max_staleness + 1): SGLang would evict the live version (its LRU) after the load"
         )
     if plan_buckets != 1:
         return (
@@ -120,112 +123,6 @@ def load_body(name: str, adapter: Mapping[str, Any], serialized: Sequence[str]) 
         "lora_name": name, "config_dict": config_dict(adapter), "serialized_named_tensors": list(serialized),
         "load_format": "flattened_bucket", "pinned": False,
     }  # fmt: skip
-
-
-class AdapterMirror:
-    """The driver's account of its adapters' versions on one server (see the module docstring)."""
-
-    def __init__(self) -> None:
-        self.versions: dict[str, dict[int, FactMachine]] = {}
-        self.max_live: dict[str, int | None] = {}
-        self.moves: list[dict[str, Any]] = []
-        self.seq = 0
-
-    def state(self, adapter: str, version: int) -> Adapter | None:
-        m = self.versions.get(adapter, {}).get(version)
-        return None if m is None else Adapter(m.state)
-
-    def live(self, adapter: str) -> int | None:
-        return next((v for v, m in self.versions.get(adapter, {}).items() if m.state == Adapter.LIVE), None)
-
-    def servable(self, adapter: str) -> list[int]:
-        return sorted(v for v, m in self.versions.get(adapter, {}).items() if m.state in SERVABLE_ADAPTER)
-
-    def loaded(self, adapter: str) -> list[int]:
-        """Versions on the server: staged (loaded, not published) or servable."""
-        keep = (Adapter.STAGED, *SERVABLE_ADAPTER)
-        return sorted(v for v, m in self.versions.get(adapter, {}).items() if m.state in keep)
-
-    def staged(self, adapter: str) -> int | None:
-        pending = (Adapter.STAGING, Adapter.STAGED)
-        return next((v for v, m in self.versions.get(adapter, {}).items() if m.state in pending), None)
-
-    def going(self, adapter: str) -> list[int]:
-        """The servable versions a publish of the staged one would push past `max_live` (oldest first)."""
-        bound, servable = self.max_live.get(adapter), self.servable(adapter)
-        return [] if bound is None else servable[: max(0, len(servable) + 1 - bound)]
-
-    def _log(self, adapter: str, version: int, event: str, src: str | None, **fields: Any) -> None:
-        self.seq += 1
-        m = self.versions[adapter][version]
-        self.moves.append({
-            "adapter": adapter, "adapter_version": version, "event": event, "src": src, "state": str(m.state),
-            "servable": len(self.servable(adapter)), "max_live": self.max_live.get(adapter), "seq": self.seq,
-            **fields,
-        })  # fmt: skip
-
-    def _move(self, adapter: str, version: int, event: AdapterEvent, **fields: Any) -> None:
-        m = self.versions[adapter][version]
-        src = str(m.state)
-        m.fire(event)
-        self._log(adapter, version, str(event), src, **fields)
-
-    def stage(self, adapter: str, version: int, max_live: int | None) -> None:
-        self.max_live[adapter] = max_live
-        self.versions.setdefault(adapter, {})[version] = FactMachine("adapter")
-        self._log(adapter, version, "stage", None)
-
-    def complete(self, adapter: str, version: int) -> None:
-        self._move(adapter, version, AdapterEvent.COMPLETE)
-
-    def publish(self, adapter: str, version: int) -> None:
-        before = self.live(adapter)
-        if before is not None:
-            self._move(adapter, before, AdapterEvent.SUPERSEDE)
-        self._move(adapter, version, AdapterEvent.PUBLISH)
-
-    def unload(self, adapter: str, version: int, **fields: Any) -> None:
-        if self.state(adapter, version) == Adapter.LIVE:
-            self._move(adapter, version, AdapterEvent.SUPERSEDE, **fields)
-        self._move(adapter, version, AdapterEvent.UNLOAD, **fields)
-        del self.versions[adapter][version]
-
-    def discard(self, adapter: str, version: int, *, reason: str) -> None:
-        self._move(adapter, version, AdapterEvent.DISCARD, reason=reason)
-        del self.versions[adapter][version]
-
-    def sync(self, adapter: str, on_server: Iterable[int]) -> None:
-        """Fold in the versions the server lists: one it lost is unloaded (a restart, another
-        client's unload), one never seen here is adopted (a new driver over a running server: the
-        newest is taken as live, the others as retired). Adoption makes no move record (nothing
-        moved: the first record of an adopted version starts where it was found)."""
-        found = set(on_server)
-        mine = self.versions.setdefault(adapter, {})
-        for v in [v for v, m in mine.items() if v not in found and m.state != Adapter.STAGING]:
-            if mine[v].state == Adapter.STAGED:
-                self.discard(adapter, v, reason="gone from the server")
-            else:
-                self.unload(adapter, v, reason="gone from the server")
-        new = sorted(found - set(mine))
-        if not new:
-            return
-        live = self.live(adapter)
-        newest = max(new) if live is None else max(live, *new)
-        for v in new:
-            m = mine[v] = FactMachine("adapter")
-            m.fire(AdapterEvent.COMPLETE)
-            m.fire(AdapterEvent.PUBLISH)
-            if v != newest:
-                m.fire(AdapterEvent.SUPERSEDE)
-        if live is not None and live != newest:  # a newer one someone else loaded: that one is taken as live
-            self._move(adapter, live, AdapterEvent.SUPERSEDE, reason=f"v{newest} found on the server")
-
-    def report(self) -> list[dict[str, Any]]:
-        out, self.moves = self.moves, []
-        return out
-
-    def describe(self) -> dict[str, dict[int, dict[str, str]]]:
-        return {a: {v: {"state": str(m.state)} for v, m in vs.items()} for a, vs in self.versions.items() if vs}
 
 
 __all__ = [

@@ -55,6 +55,24 @@ Lifecycle, per state (each step is one HTTP call; vLLM has no batch route):
                           server keeps a CPU copy of its weights).
   disconnect              detach(): POST /shutdown_weight_transfer_engine.
 
+LoRA refits (`serves_adapters`; a `LoraSource` over shared memory, max_staleness >= 1, verify off):
+each version is its own vLLM adapter name ("policy@v7") in its own directory; nothing pauses.
+  CONNECTING              probe(target, adapter): GET /server_info?config_format=json (lora_config,
+                          VLLM_ALLOW_RUNTIME_LORA_UPDATING), GET /v1/models (the versions loaded);
+                          attach(shm): the driver maps the trainer's shared memory itself (no call).
+  STAGING                 stage(plan, kind, adapter): refuses what the server cannot load; unloads
+                          a version a failed run left loaded.
+  TRANSFERRING            load(payload): the driver reads the bucket out of shared memory.
+  POST_PROCESSING         finalize(): writes <lora_dir>/policy@vN/ (adapter_config.json,
+                          adapter_model.safetensors), then POST /v1/load_lora_adapter {lora_name,
+                          lora_path} (never load_inplace: vLLM keeps the prefix cache of the name).
+  DRAINING                drain(hold_s): POST /v1/unload_lora_adapter for each version past
+                          max_staleness + 1 (vLLM removes the name; requests already running keep
+                          it until they end, the engine evicting its weights later).
+  CONTINUING              publish(v): the driver's live version becomes vN (no call);
+                          generate(adapter=...) sends model "policy@vN".
+  failure path            discard(): POST /v1/unload_lora_adapter of a version this run loaded.
+
 vLLM reports every worker-side failure as HTTP 500 with `error.message` "Call to collective_rpc
 method failed: <why>"; the driver maps the known reasons: "must be called before" and "without a
 matching start" (`no_session`), "already active" (`session_open`), "Invalid update_info" /
@@ -77,6 +95,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from refit.buckets import BucketManifest
+from refit.drivers.adapter_names import version_name
 from refit.drivers.base import ConnectInfo, PauseMode, Payload
 from refit.drivers.http import (
     DEFAULT_TIMEOUT,
@@ -87,6 +106,7 @@ from refit.drivers.http import (
     versions_per_token,
 )
 from refit.errors import EngineDied, EngineError
+from refit.states import Adapter
 
 if TYPE_CHECKING:
     import httpx
@@ -180,6 +200,8 @@ class VLLMEngine(HttpEngineDriver):
         "no second copy to stage into and swap"
     )
     memory_tags = frozenset({"weights", "kv_cache"})
+    serves_adapters = True  # LoRA refits: a version per adapter name, loaded from a directory
+    adapter_transports = frozenset({"shm"})  # the driver reads the adapter and writes its files
 
     def __init__(
         self,
@@ -193,6 +215,7 @@ class VLLMEngine(HttpEngineDriver):
         released: Sequence[str] = (),
         checksums: bool = False,
         transport: httpx.BaseTransport | None = None,
+        lora_dir: str | None = None,
     ) -> None:
         """`url`: the server's base URL (started with VLLM_SERVER_DEV_MODE=1 and a
         --weight-transfer-config). `api_key`: for /v1 routes. `tp`: its worker count (TP x PP).
@@ -204,7 +227,9 @@ class VLLMEngine(HttpEngineDriver):
         parameter to the host and hashes it with sha256 (seconds per refit for a 7B model, and the
         trainer hashes what it sends the same way), for a server on a GPU (vLLM's CPU backend
         repacks linear weights, which then hash empty: refused, naming why), one data-parallel
-        rank and one pipeline stage, serving the dtype the trainer sends."""
+        rank and one pipeline stage, serving the dtype the trainer sends. `lora_dir`: where LoRA
+        refits write each adapter version for the server to read (a directory it can see; default
+        a folder of this machine's temporary directory, for a server on this host)."""
         super().__init__(name, url, api_key=api_key, tp=tp, transport=transport)
         self.model = model
         self.weights_cpu_backup = weights_cpu_backup
@@ -218,6 +243,13 @@ class VLLMEngine(HttpEngineDriver):
         self._session_unknown = False
         self._released: set[str] = {t for t in released if t in self.memory_tags}
         self.checksums = checksums
+        import tempfile
+        from pathlib import Path
+
+        self.lora_dir = Path(lora_dir) if lora_dir else Path(tempfile.gettempdir()) / f"refit-lora-{name}"
+        self._lora_args: dict[str, Any] = {}
+        self._adapter_tensors: dict[str, Any] = {}
+        self._lora_receiver: Any = None  # the shared-memory reader of a LoRA refit's connection
         with contextlib.suppress(TimeoutError, EngineDied, EngineError):
             self._read_capabilities(5.0)
 
@@ -319,7 +351,10 @@ class VLLMEngine(HttpEngineDriver):
         self.capabilities = None
         return attached
 
-    def probe(self, target_version: int, *, timeout: float) -> dict[str, Any]:
+    def probe(self, target_version: int, adapter: str | None = None, *, timeout: float) -> dict[str, Any]:
+        self._adapter_run = None
+        if adapter is not None:
+            return self._probe_adapter(target_version, adapter, timeout)
         end = time.monotonic() + timeout
         caps = self._caps(timeout)
         label = self._weight_label("probe", end - time.monotonic()) if caps.weight_version else None
@@ -386,6 +421,11 @@ class VLLMEngine(HttpEngineDriver):
         return {"weights_intact": intact, "resumed": resumed}
 
     def attach(self, info: ConnectInfo, *, timeout: float) -> None:
+        if info.kind in self.adapter_transports:  # a LoRA refit's: read here, written to files
+            from refit.drivers.shm import SharedMemoryReceiver
+
+            self._lora_receiver = SharedMemoryReceiver(info, 0)
+            return
         if info.kind not in self.transports:
             raise EngineError(
                 "bad_request", f"engine {self.name}: vLLM receives {sorted(self.transports)}, not {info.kind!r}"
@@ -413,6 +453,11 @@ class VLLMEngine(HttpEngineDriver):
         self._attached = info
 
     def detach(self, *, timeout: float) -> None:
+        if self._lora_receiver is not None:
+            with contextlib.suppress(Exception):
+                self._lora_receiver.close()
+            self._lora_receiver = None
+            return
         if self._attached is not None:
             self._attached = None
             self._call("POST", "/shutdown_weight_transfer_engine", "detach", timeout=timeout)
@@ -454,6 +499,9 @@ class VLLMEngine(HttpEngineDriver):
         self._call("POST", "/start_weight_update", "begin", timeout=timeout, body=caps.start_body, update=True)
 
     def load(self, payload: Payload, *, timeout: float) -> None:
+        if self._adapter_run is not None:
+            self._load_adapter(payload)
+            return
         manifest = payload.manifest
         self._ledger.check_load(payload, attached=self._attached.kind if self._attached else None, tp=self._tp)
         info = update_info(manifest, payload.parts if payload.kind == "vllm_ipc" else None)
@@ -483,13 +531,18 @@ class VLLMEngine(HttpEngineDriver):
         )  # fmt: skip
 
     def finalize(self, *, timeout: float) -> None:
+        if self._adapter_run is not None:
+            self._finalize_adapter(timeout)
+            return
         plan = self._ledger.close()
         if self._caps(timeout).session:
             self._call("POST", "/finish_weight_update", "finalize", timeout=timeout, body={}, update=True)
             self._session_unknown = False
         self._ledger.complete(plan)
 
-    def publish(self, version: int, *, timeout: float) -> None:
+    def publish(self, version: int, *, timeout: float) -> dict[str, Any] | None:
+        if self._adapter_run is not None:
+            return self._publish_adapter(version)
         self._ledger.require_complete("vLLM")
         end = time.monotonic() + timeout
         if self._caps(timeout).weight_version:  # still the process the probe read, at the label it read?
@@ -512,22 +565,31 @@ class VLLMEngine(HttpEngineDriver):
         self._ledger.published()
         self._published = str(version)
         self._quarantined = None
+        return None
 
     def continue_generation(self, *, timeout: float) -> None:
         """Resume, with the KV memory awake first if this driver released it: vLLM's /resume
         unpauses whatever sleeps (v1/engine/core.py resume_scheduler)."""
         self._check_serving()
+        if self._adapter_run is not None:  # a LoRA refit paused nothing
+            return
         end = time.monotonic() + timeout
         if "kv_cache" in self._released:
             self.resume_memory(["kv_cache"], timeout=timeout)
         self._call("POST", "/resume", "continue_generation", timeout=end - time.monotonic())
         self._ledger.vouch()  # the runner continues only weights a version names
 
-    def quarantine(self, reason: str, keep_requests: bool = False, *, timeout: float) -> None:
+    def quarantine(
+        self, reason: str, keep_requests: bool = False, adapter: str | None = None, *, timeout: float
+    ) -> None:
         """Stop serving (new requests get 503; this driver refuses them itself) and finish a session
         this run may have left open. A hold (`keep_requests`, the version policy's STALE) pauses with
         mode "keep": vLLM keeps the requests it runs, to go on once it is resumed (v1/engine/core.py
-        `pause_scheduler`; keep does not reject new requests, the driver does)."""
+        `pause_scheduler`; keep does not reject new requests, the driver does). `adapter` (a LoRA
+        refit's version policy): that adapter alone, in this driver (`generate(adapter=...)` refuses)."""
+        if adapter is not None:
+            self._hold_adapter(adapter, reason, timeout)
+            return
         end = time.monotonic() + timeout
         self._quarantined = reason
         self._ledger.reset()
@@ -551,16 +613,20 @@ class VLLMEngine(HttpEngineDriver):
         return self.model
 
     def generate(
-        self, prompt: Sequence[int], max_new_tokens: int, *, timeout: float = DEFAULT_TIMEOUT
-    ) -> dict[str, Any]:
+        self, prompt: Sequence[int], max_new_tokens: int, *, adapter: str | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
+    ) -> dict[str, Any]:  # fmt: skip
         """Greedy completion of token ids through POST /v1/completions, with the token ids and the
         weight version of each token: {"output", "weight_versions", "finish_reason"}. Refused
         (EngineError "quarantined") while this driver holds the engine out of service (a hold
-        pauses with mode=keep, under which vLLM queues new requests instead of answering 503)."""
+        pauses with mode=keep, under which vLLM queues new requests instead of answering 503).
+        `adapter`: a LoRA refit's adapter: the request names its live version as its `model`."""
         self._check_serving()
         end = time.monotonic() + timeout
+        live = None if adapter is None else self.live_adapter(adapter)
+        model = self._model(timeout) if adapter is None else version_name(adapter, live)
         body = {
-            "model": self._model(timeout), "prompt": list(prompt), "max_tokens": int(max_new_tokens),
+            "model": model, "prompt": list(prompt), "max_tokens": int(max_new_tokens),
             "temperature": 0.0, "return_token_ids": True, "return_weight_versions": True,
         }  # fmt: skip
         data = self._call(
@@ -573,12 +639,148 @@ class VLLMEngine(HttpEngineDriver):
         if versions is not None:
             out["weight_versions"] = versions
         out["num_retractions"] = 0
+        if adapter is not None:
+            out["adapter"], out["adapter_version"] = adapter, live
         return out
 
     def info(self, *, timeout: float = DEFAULT_TIMEOUT) -> dict[str, Any]:
         label = self._weight_label("info", timeout)
         caps = self.capabilities or Capabilities.of(None)
-        return {"version": label_version(label), "capabilities": caps.as_dict()}
+        return {
+            "version": label_version(label), "capabilities": caps.as_dict(), "adapters": self._lora.describe(),
+            "adapters_held": dict(self._adapter_held),
+        }  # fmt: skip
+
+    # ---- LoRA refits (see the module docstring; the pure half is refit.drivers.vllm_lora) ----------
+
+    def no_adapter(self, adapter: dict[str, Any], *, verify: str, max_live: int | None) -> str | None:
+        from refit.drivers.vllm_lora import static_problem
+
+        return static_problem(adapter, verify=verify, max_live=max_live)
+
+    def _probe_adapter(self, target: int, adapter: str, timeout: float) -> dict[str, Any]:
+        """Reads only: /server_info (LoRA on, runtime loading on) and /v1/models, into the mirror."""
+        from refit.drivers.vllm_lora import server_lora
+
+        end = time.monotonic() + timeout
+        info = self._call("GET", "/server_info", "probe", timeout=timeout, params={"config_format": "json"})
+        self._lora_args = server_lora(info if isinstance(info, dict) else {})
+        return self._adapter_probed(target, adapter, self._listed_versions(adapter, "probe", end - time.monotonic()))
+
+    def stage(
+        self, plan: Sequence[BucketManifest], digest: str | None = None, adapter: dict[str, Any] | None = None,
+        *, timeout: float,
+    ) -> None:  # fmt: skip
+        """A LoRA refit's STAGING (vLLM has no staged copy of its weights: `no_stage`)."""
+        from refit.drivers.vllm_lora import server_problem, static_problem
+
+        if adapter is None:
+            raise EngineError("unsupported", f"engine {self.name}: {self.no_stage}")
+        end = time.monotonic() + timeout
+        name, version, max_live = str(adapter["name"]), int(adapter["version"]), adapter.get("max_live")
+        problem = static_problem(adapter, verify="off" if digest is None else "digest", max_live=max_live)
+        problem = problem or server_problem(adapter, self._lora_args)
+        if problem is not None:
+            raise EngineError("unsupported", f"engine {self.name}: {problem}")
+        if self._lora_receiver is None:
+            raise EngineError("not_attached", f"engine {self.name}: no shared-memory connection attached")
+        for v in [v for v in self._lora.loaded(name) if self._lora.state(name, v) == Adapter.STAGED]:
+            self._unload(name, v, "stage", end - time.monotonic(), reason="a failed run left it loaded")
+        self._lora.stage(name, version, max_live)
+        self._adapter_run = {**adapter, "name": name, "version": version}
+        self._adapter_tensors = {}
+        self._adapter_plan = {e.meta.name for m in plan for e in m.entries}
+
+    def _load_adapter(self, payload: Payload) -> None:
+        if payload.kind not in self.adapter_transports or self._lora_receiver is None:
+            raise EngineError("bad_payload", f"engine {self.name}: a LoRA refit into vLLM takes shared memory "
+                              f"(SharedMemoryTransport), not {payload.kind!r}")  # fmt: skip
+        try:
+            tensors = self._lora_receiver.read(payload)
+        except (ValueError, KeyError, OSError, IndexError, RuntimeError) as exc:
+            raise EngineError("bad_payload", f"engine {self.name}: bucket {payload.manifest.index}: {exc}") from exc
+        for n, t in tensors:
+            self._adapter_tensors[n] = t.detach().clone()  # out of the trainer's buffer before its release
+
+    def _finalize_adapter(self, timeout: float) -> None:
+        """Write the version's directory, then POST /v1/load_lora_adapter (vLLM reads it)."""
+        from refit.drivers.vllm_lora import write_adapter
+
+        run = self._adapter_run
+        assert run is not None
+        missing = sorted(self._adapter_plan - set(self._adapter_tensors))
+        if missing:
+            raise EngineError("incomplete", f"engine {self.name}: {len(missing)} adapter tensors not received, "
+                              f"first {missing[0]!r}")  # fmt: skip
+        name = version_name(run["name"], run["version"])
+        path = write_adapter(self.lora_dir / name, run, self._adapter_tensors)
+        self._adapter_tensors = {}
+        body = {"lora_name": name, "lora_path": str(path), "load_inplace": False}
+        status, data = self._request("POST", "/v1/load_lora_adapter", "finalize", timeout=timeout, body=body)
+        if status >= 300:
+            raise self._lora_error("/v1/load_lora_adapter", "finalize", name, status, data)
+        self._lora.complete(run["name"], run["version"])
+
+    def _lora_error(self, route: str, call: str, name: str, status: int, data: Any) -> EngineError:
+        """vLLM answers a refused load or unload before anything registered (the name is added only
+        after the engine took the adapter): 400, 404 (no adapter at the path, or an unknown name;
+        no route: runtime loading off) and 500 ("Call to add_lora method failed: ...")."""
+        where = f"engine {self.name}: POST {route} ({call}, {name!r}) -> HTTP {status}: {message_of(data)}"
+        if status in (401, 403):
+            return EngineError("unauthorized", where)
+        if status == 404 and isinstance(data, dict) and data.get("detail") == "Not Found":
+            return EngineError("unsupported", f"{where} (no such route: VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 is unset)")
+        return EngineError("bad_request", where)
+
+    def _unload(self, adapter: str, version: int, call: str, timeout: float, *, reason: str | None = None) -> None:
+        """POST /v1/unload_lora_adapter (vLLM answers at once: the name goes, running requests keep
+        it); an unknown name (404) is already gone. Recorded as an unload, or a discard."""
+        name = version_name(adapter, version)
+        status, data = self._request("POST", "/v1/unload_lora_adapter", call, timeout=timeout, body={"lora_name": name})
+        if status >= 300 and not (status == 404 and "cannot be found" in message_of(data)):
+            raise self._lora_error("/v1/unload_lora_adapter", call, name, status, data)
+        if self._lora.state(adapter, version) in (Adapter.STAGING, Adapter.STAGED):
+            self._lora.discard(adapter, version, reason=reason or "discarded")
+        elif self._lora.state(adapter, version) is not None:
+            self._lora.unload(adapter, version)
+
+    def drain(self, hold_s: float, *, timeout: float) -> dict[str, Any]:
+        """DRAINING: unload each version the publish would push past max_staleness + 1."""
+        from refit.drivers.vllm_lora import prune
+
+        run = self._adapter_run
+        if run is None or self._lora.state(run["name"], run["version"]) != Adapter.STAGED:
+            raise EngineError("not_ready", f"engine {self.name}: drain without a loaded LoRA refit")
+        end = time.monotonic() + timeout
+        for v in self._lora.going(run["name"]):
+            self._unload(run["name"], v, "drain", end - time.monotonic())
+        # directories of versions two back go (vLLM may reload an evicted adapter from its path while
+        # a request started before its unload still runs: the last unloaded one is kept)
+        oldest = run["version"] - (self._lora.max_live.get(run["name"]) or 1)
+        prune(self.lora_dir, run["name"], [version_name(run["name"], v) for v in range(oldest, run["version"] + 1)])
+        return {"ready": True, "pinned": None, "going": [], "adapter_moves": self._lora.report()}
+
+    def discard(self, *, timeout: float) -> dict[str, Any]:
+        """A LoRA refit that will not publish: unload the version it loaded (after asking the server
+        whether a load that did not answer went in) and remove its directory."""
+        import shutil
+
+        run = self._adapter_run
+        if run is None:
+            raise EngineError("unsupported", f"engine {self.name}: {self.no_stage}")
+        name, version = run["name"], run["version"]
+        end = time.monotonic() + timeout
+        self._adapter_tensors = {}
+        state = self._lora.state(name, version)
+        if state == Adapter.STAGING and version in self._listed_versions(name, "discard", timeout):
+            self._lora.complete(name, version)
+            state = Adapter.STAGED
+        if state == Adapter.STAGED:
+            self._unload(name, version, "discard", end - time.monotonic(), reason="its run failed")
+        elif state == Adapter.STAGING:
+            self._lora.discard(name, version, reason="its load did not complete")
+        shutil.rmtree(self.lora_dir / version_name(name, version), ignore_errors=True)
+        return {"discarded": state is not None, "adapter_moves": self._lora.report()}
 
 
 # ---- refit doctor (read only) ------------------------------------------------------------------

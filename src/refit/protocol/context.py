@@ -347,10 +347,14 @@ class RefitContext:
                 raise ConfigError(
                     f"engine {e.name} supports pause modes {sorted(e.pause_modes)}, not {self.pause_mode!r}"
                 )
-            if self.transport.kind not in e.transports:
+            kinds = e.transports
+            if self.adapter is not None:  # a LoRA refit: what the engine takes adapters over
+                kinds = getattr(e, "adapter_transports", None) or kinds
+            if self.transport.kind not in kinds:
                 raise ConfigError(
                     f"engine {e.name} ({type(e).__name__}) cannot receive the {self.transport.kind!r} transport "
-                    f"({type(self.transport).__name__}); it receives {sorted(e.transports)}"
+                    f"({type(self.transport).__name__}){' for a LoRA refit' if self.adapter is not None else ''}; "
+                    f"it receives {sorted(kinds)}"
                 )
             if self.verify in ("digest", "both") and e.digest_kinds and self.digest_kind not in e.digest_kinds:
                 none = next((x for x in self.engines if not x.digest_kinds), None)

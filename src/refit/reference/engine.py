@@ -374,6 +374,7 @@ class EngineCore:
         # LoRA adapters, several versions live; each version keeps its own prefix cache
         self.lora = lora.AdapterTable(config, self.device, self.record, lambda: self.tokens_sampled)
         self._adapter_ready: str | None = None  # a LoRA refit's adapter, finalized whole: publish serves it
+        self.step_s = 0.0  # a step's time, averaged (`step`)
         self.max_running = max_running
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -1322,7 +1323,39 @@ class EngineCore:
         generation goes on either way."""
         if self._adapter_ready is None:
             raise EngineError("not_ready", "drain without a finalized LoRA refit")
-        return {**self.lora.drain(self._adapter_ready, hold_s), "adapter_moves": self.lora.report()}
+        out = self.lora.drain(self._adapter_ready, hold_s)
+        if not out["ready"]:  # when the requests on the going versions will have ended, at the latest
+            going = set(out["going"])
+            left = [
+                r.max_new_tokens - len(r.output) for r in (*self.running, *self.waiting)
+                if r.adapter_name == self._adapter_ready and r.adapter is not None and r.adapter.version in going
+            ]  # fmt: skip
+            out["eta_s"] = round(max(left, default=0) * self.step_s, 4)
+        return {**out, "adapter_moves": self.lora.report()}
+
+    def load_adapter_dir(self, name: str, path: str) -> dict[str, Any]:
+        """Load adapter `name` from a PEFT directory (adapter_config.json, adapter_model.safetensors)
+        as its only version and serve it (as a server that loads adapters from paths: vLLM's worker
+        reads `lora_path`); refused whole, changing nothing, if the config or a tensor does not fit."""
+        import json
+        from pathlib import Path
+
+        from safetensors.torch import load_file
+
+        root = Path(path)
+        try:
+            config = json.loads((root / "adapter_config.json").read_text())
+            tensors = load_file(str(root / "adapter_model.safetensors"))
+        except (OSError, ValueError) as exc:
+            raise EngineError("bad_request", f"adapter {name!r} at {path}: {exc}") from exc
+        dtype = next(iter(tensors.values())).dtype if tensors else None
+        self.stage_adapter(name, 1, config, dtype_name(dtype) if dtype is not None else None)
+        try:
+            self.load_adapter(name, list(tensors.items()))
+            return self.publish_adapter(name)
+        except EngineError:
+            self.lora.discard(name, reason="its files were refused")
+            raise
 
     def discard_adapter(self, name: str, reason: str = "discarded") -> dict[str, bool]:
         return {"discarded": self.lora.discard(name, reason=reason)}
@@ -1520,9 +1553,18 @@ class EngineCore:
         self.waiting.extendleft(reversed(held))
 
     def step(self) -> None:
-        """Admit waiting requests, then advance every running request by one token."""
+        """Admit waiting requests, then advance every running request by one token (its time kept
+        as a moving average, `step_s`: how long a drain still has to wait, `drain`)."""
         if not self.has_work():
             return
+        t0 = time.perf_counter()
+        try:
+            self._step()
+        finally:
+            took = time.perf_counter() - t0
+            self.step_s = took if self.step_s == 0.0 else 0.9 * self.step_s + 0.1 * took
+
+    def _step(self) -> None:
         self._admit()
         if not self.batch_decode:
             for req in list(self.running):
@@ -1872,6 +1914,7 @@ class EngineCore:
             "tp": self.comm.size,
             "heads": [self.config.num_heads, self.config.num_kv_heads],  # attention heads, KV heads
             "intermediate_size": self.config.intermediate_size,
+            "vocab_size": self.config.vocab_size,
             "device": str(self.device),
             "copies_landed_at": self.copies_landed_at,
             "copy_span_s": self.copy_span_s,

@@ -260,6 +260,7 @@ class EngineServer:
             "begin", "load", "finalize", "publish", "label_version", "quarantine", "release_memory",
             "resume_memory", "attach", "detach", "ping", "audit", "arm_fault", "probe", "steps", "abort_requests",
             "verify", "served_state_dict", "rank_shards", "stage", "swap", "discard", "drain",
+            "unload_adapter", "load_adapter_dir",  # an adapter server's own loads and unloads (emulated SGLang, vLLM)
         }
     )  # fmt: skip
 

@@ -249,6 +249,14 @@ class EmulatedSGLang(EmulatedServer):
         self.server_args = dict(server_args or {})
         self.lora = None if lora is None else {"max_lora_rank": None, "lora_target_modules": None,
                                                "max_loaded_loras": None, **lora}  # fmt: skip
+        if self.lora is not None:  # arg_groups/lora_hook.py check_lora_server_args (asserts at launch)
+            if not (self.lora["max_lora_rank"] and self.lora["lora_target_modules"]):
+                engine.close()
+                raise ValueError("SGLang needs --max-lora-rank and --lora-target-modules with --enable-lora and no "
+                                 "--lora-paths")  # fmt: skip
+            if self.lora["max_loaded_loras"] is not None and self.lora["max_loaded_loras"] < 8:
+                engine.close()
+                raise ValueError("--max-loaded-loras must be >= --max-loras-per-batch (8)")
         self.memory_saver = memory_saver
         self.weights_cpu_backup = weights_cpu_backup
         self.v = version_tuple(version) or (0, 5, 23)
@@ -658,17 +666,26 @@ class EmulatedSGLang(EmulatedServer):
             ranks.append({"checksums": sums, "per_gpu_checksum": overall.hexdigest(), "parallelism_info": [par]})
         return True, "Success.", ranks
 
-    def op_generate(self, obj: Any) -> dict[str, Any]:
-        """A request waits while paused, then holds the model's reader lock for its whole life."""
+    def op_generate(
+        self, obj: Any, resolve: Callable[[Any], Any] | None = None, release: Callable[[Any], None] | None = None
+    ) -> dict[str, Any]:
+        """A request waits while paused, then holds the model's reader lock for its whole life;
+        inside it, its LoRA adapter is resolved and counted (`resolve`: the tokenizer's; TokenizerManager
+        generate_request's order), and released when it ends (`release`)."""
         params = obj.sampling_params or {}
         ids = obj.input_ids
         with self.pause_cond:
             self.pause_cond.wait_for(lambda: not self.is_pause)
-        adapter = getattr(obj, "lora_path", None)
-        if adapter is not None and adapter in self.broken_loras:  # its first batch: mem_pool's assert, uncaught
-            raise self.crash(f"load_lora_weight_to_buffer: {self.broken_loras[adapter]}")
         with self.model_update_lock.reader():
-            out = self._generate(ids, int(params.get("max_new_tokens", 128)), adapter)
+            held = resolve(obj) if resolve is not None and getattr(obj, "lora_path", None) else None
+            try:
+                adapter = getattr(obj, "lora_path", None) or None
+                if adapter is not None and adapter in self.broken_loras:  # its first batch: uncaught
+                    raise self.crash(f"load_lora_weight_to_buffer: {self.broken_loras[adapter]}")
+                out = self._generate(ids, int(params.get("max_new_tokens", 128)), adapter)
+            finally:
+                if release is not None and held is not None:
+                    release(held)
         tokens, versions = out.get("output") or [], out.get("weight_versions") or []
         meta: dict[str, Any] = {
             "finish_reason": {"type": out.get("finish_reason")},
@@ -709,15 +726,31 @@ class EmulatedSGLang(EmulatedServer):
         # the adapter's own loader (lora.py `_process_weight`), not the model's: its names are kept
         payload = Payload(decoded.kind, decoded.manifest, {"metadata": "sglang"}, decoded.parts)
         name, config = obj.lora_name, obj.config_dict if isinstance(obj.config_dict, dict) else {}
+        names = [e.meta.name for e in payload.manifest.entries]
         try:
             targets, r, alpha = config["target_modules"], config["r"], config["lora_alpha"]
+            if isinstance(targets, str) and targets not in ("all", "all-linear"):  # lora/utils.py
+                raise ValueError("Only 'all' or 'all-linear' can be used as the string for target module")
+            added = {t: i for t, i in (obj.added_tokens_config or {}).items() if i >= self._vocab()}
+            if added:  # validate_new_adapter, in its order: added tokens, DoRA, a name loaded, the pool, pins
+                raise ValueError(f"Failed to load {name} because LoRA serving currently doesn't support adapters "
+                                 "that add tokens to the vocabulary")  # fmt: skip
             if config.get("use_dora", False):
                 raise ValueError(LORA_DORA.format(name=name))
             if any(ref["name"] == name for ref in self.lora_refs.values()):
                 raise ValueError(LORA_ALREADY.format(name=name))
             if not self._pool_supports(r, targets):
                 raise ValueError(LORA_INCOMPATIBLE.format(name=name, r=r))
-        except (KeyError, ValueError, TypeError) as exc:
+            if obj.pinned and sum(bool(ref.get("pinned")) for ref in self.lora_refs.values()) >= 8 - 1:
+                raise ValueError(f"Failed to load LoRA adapter {name} as a pinned adapter. It is not allowed to pin "
+                                 "all slots in the LoRA memory pool to avoid starvation for unpinned adapters and "
+                                 "base models. Please increase your `--max-loras-per-batch` or load it as unpinned "
+                                 "LoRA adapters.")  # fmt: skip
+            if str(config["peft_type"]).lower() != "lora":  # lora.py LoRAAdapter.__init__: an assert
+                raise AssertionError()
+            float(alpha) / int(r)  # (scaling: r == 0 raises ZeroDivisionError)
+            unfused = self._unfused(names)
+        except (KeyError, ValueError, TypeError, AssertionError, ZeroDivisionError) as exc:
             return self._lora_result(False, str(exc))
         spec = {"name": name, "version": 1, "r": r, "lora_alpha": alpha, "target_modules": _targets(targets),
                 "dtype": payload.manifest.entries[0].meta.dtype if payload.manifest.entries else None}  # fmt: skip
@@ -728,8 +761,30 @@ class EmulatedSGLang(EmulatedServer):
             self._engine("publish", 1)
         except EngineError as exc:
             self.broken_loras[name] = exc.message
-        self.lora_refs[obj.lora_id] = {"name": name, "path": LORA_TENSOR_PATH}  # (to_ref of a tensor load)
+        if unfused:  # mem_pool.load_lora_weight_to_buffer -> get_target_module_name raises, uncaught
+            self.broken_loras[name] = f"Cannot find target module name for {unfused[0]}"
+        self.lora_refs[obj.lora_id] = {"name": name, "path": LORA_TENSOR_PATH, "pinned": bool(obj.pinned)}
         return self._lora_result(True)
+
+    def _vocab(self) -> int:
+        return int(self._engine("info").get("vocab_size") or 0)
+
+    def _unfused(self, names: list[str]) -> list[str]:
+        """lora.py normalize_qkv_proj / normalize_gate_up_proj per layer: from q (k missing: zeros;
+        v missing: KeyError naming it, the load refused), from gate (up missing: zeros); k or v
+        without q, or up without gate, stay unfused: names no pool module has (returned)."""
+        out = []
+        layers: dict[str, set[str]] = {}
+        for n in names:
+            if ".layers." in n and ".lora_A." in n:
+                stem, _, proj = n.split(".lora_A.")[0].rpartition(".")
+                layers.setdefault(stem, set()).add(proj)
+        for stem, projs in sorted(layers.items()):
+            if "q_proj" in projs and "v_proj" not in projs:
+                raise KeyError(f"{stem}.v_proj.lora_A.weight")
+            out += [f"{stem}.{p}" for p in ("k_proj", "v_proj") if p in projs and "q_proj" not in projs]
+            out += [f"{stem}.up_proj" for _ in [0] if "up_proj" in projs and "gate_proj" not in projs]
+        return out
 
     def op_lora_load_path(self, obj: Any) -> dict[str, Any]:
         """LoRAManager.load_lora_adapter from a path: LoRAConfig reads adapter_config.json in the
@@ -825,7 +880,7 @@ class EmulatedSGLang(EmulatedServer):
         """TokenizerManager._validate_and_resolve_lora: a name not registered is reloaded from the
         path it was last loaded from (a tensor adapter's, "__tensor__", cannot be), one never
         loaded is refused; then LoRARegistry.acquire counts the request."""
-        if name is None:
+        if not name:  # tokenizer_manager.py _validate_and_resolve_lora: no lora_path, the base model
             return None
         if not self.lora:
             raise _Reply(400, {"error": {"message": (
@@ -981,11 +1036,7 @@ class EmulatedSGLang(EmulatedServer):
 
     def r_generate(self, method: str, query: Any, body: Any, call: str | None) -> Any:
         obj = self._req(body, "/generate")
-        lora_id = self.tm_acquire_lora(getattr(obj, "lora_path", None))
-        try:
-            return self.op_generate(obj)
-        finally:
-            self.tm_release_lora(lora_id)
+        return self.op_generate(obj, lambda o: self.tm_acquire_lora(o.lora_path), self.tm_release_lora)
 
     def _lora_answer(self, result: dict[str, Any]) -> Any:
         """The LoRA routes: 200 on success, else 400, with the LoRAUpdateOutput either way."""
@@ -995,6 +1046,11 @@ class EmulatedSGLang(EmulatedServer):
 
     def r_load_lora_adapter_from_tensors(self, method: str, query: Any, body: Any, call: str | None) -> Any:
         obj = self._req(body, "/load_lora_adapter_from_tensors")
+        for entry in obj.serialized_named_tensors if isinstance(obj.serialized_named_tensors, list) else [None]:
+            try:  # msgspec_utils.py Base64Bytes: the request type's own validation (400)
+                base64.b64decode(entry, validate=True)
+            except (TypeError, ValueError):
+                raise self.invalid("serialized_named_tensors: Only base64 data is allowed") from None
         return self._lora_answer(self.tm_load_lora(obj, from_tensors=True))
 
     def r_load_lora_adapter(self, method: str, query: Any, body: Any, call: str | None) -> Any:
@@ -1005,9 +1061,12 @@ class EmulatedSGLang(EmulatedServer):
 
     def r_v1__models(self, method: str, query: Any, body: Any, call: str | None) -> Any:
         """entrypoints/http_server.py `available_models`: the base model, then each registered adapter."""
-        cards = [{"id": "refit-reference", "object": "model", "root": "refit-reference", "parent": None}]
+        now = int(time.time())
+        cards = [{"id": "refit-reference", "object": "model", "created": now, "owned_by": "sglang",
+                  "root": "refit-reference", "parent": None, "max_model_len": 4096}]  # fmt: skip
         if self.lora:
-            cards += [{"id": n, "object": "model", "root": r["path"], "parent": "refit-reference"}
+            cards += [{"id": n, "object": "model", "created": now, "owned_by": "sglang", "root": r["path"],
+                       "parent": "refit-reference", "max_model_len": None}
                       for n, r in list(self.lora_registry.items())]  # fmt: skip
         return {"object": "list", "data": cards}
 

@@ -52,6 +52,9 @@ UPDATE_KEYS = {
 MODEL_ID = "refit-reference"
 BOOL_ENVS = frozenset({"VLLM_SERVER_DEV_MODE", "VLLM_ALLOW_INSECURE_SERIALIZATION"})  # parsed as bool(int(...))
 PUBLIC_ROUTES = frozenset({"/version", "/v1/models", "/v1/completions", "/health"})
+# vllm/entrypoints/serve/lora/api_router.py attach_router: attached only when vllm/envs.py's
+# VLLM_ALLOW_RUNTIME_LORA_UPDATING is "1" or "true" (case-insensitive); not a dev route
+LORA_ROUTES = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
 # A head tied to the embedding, inside a weight-update session (vLLM 0.33): start_weight_update
 # (distributed/weight_transfer/nccl_engine.py, ipc_engine.py) calls `initialize_layerwise_reload`
 # (model_executor/model_loader/reload/layerwise.py), which puts a meta Parameter of its own on each
@@ -116,10 +119,13 @@ class EmulatedVLLM(EmulatedServer):
         env: dict[str, str] | None = None,
         sleep_mode: bool = True,
         new_engine: Callable[[], ReferenceEngine] | None = None,
+        lora: dict[str, Any] | None = None,
     ) -> None:
         """`env`: the server's VLLM_* environment (default: VLLM_SERVER_DEV_MODE=1 only, as vLLM's
         own defaults plus the flag its weight-transfer routes need). `sleep_mode`: started with
-        --enable-sleep-mode."""
+        --enable-sleep-mode. `lora`: --enable-lora with its settings ({"max_lora_rank"}; None:
+        LoRA off); its runtime routes need VLLM_ALLOW_RUNTIME_LORA_UPDATING in `env` too."""
+        self.lora = None if lora is None else {"max_lora_rank": 16, "max_loras": 1, **lora}
         if backend not in ("nccl", "ipc"):
             raise ValueError(f"backend {backend!r}: nccl or ipc")
         self.backend = backend
@@ -140,6 +146,9 @@ class EmulatedVLLM(EmulatedServer):
         self.bucket_count = 0
         self.asleep: set[str] = set()  # executor memory asleep (sleep, release_kv_cache_memory)
         self.meta = False  # a weight update started and did not finish: no usable weights
+        # OpenAIServingModels.lora_requests: the API server's adapters (name -> {"id", "path"})
+        self.lora_requests: dict[str, dict[str, Any]] = {}
+        self.lora_next_id = 1
 
     def flag(self, name: str) -> bool:
         """A VLLM_* switch as vllm/envs.py parses it: bool(int(value)), default 0."""
@@ -166,7 +175,12 @@ class EmulatedVLLM(EmulatedServer):
 
     def handle(self, method: str, path: str, query: dict[str, list[str]], body: Any, call: str | None) -> Any:
         """vLLM registers its dev and RL routers only with VLLM_SERVER_DEV_MODE=1
-        (vllm/entrypoints/launchers/api_server/routers.py): without it they are 404."""
+        (vllm/entrypoints/launchers/api_server/routers.py): without it they are 404. Its runtime
+        LoRA routes exist only with VLLM_ALLOW_RUNTIME_LORA_UPDATING set."""
+        if path in LORA_ROUTES:
+            if str(self.env.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "")).lower() not in ("1", "true"):
+                raise _Reply(404, {"detail": "Not Found"})
+            return super().handle(method, path, query, body, call)
         dev = self.flag("VLLM_SERVER_DEV_MODE")
         if not dev and path not in PUBLIC_ROUTES and not path.startswith("/_refit/"):
             raise _Reply(404, {"detail": "Not Found"})
@@ -178,9 +192,16 @@ class EmulatedVLLM(EmulatedServer):
             "model_config": {"model": MODEL_ID, "enable_sleep_mode": self.sleep_mode},
             "parallel_config": {"tensor_parallel_size": self.tp, "data_parallel_size": 1},
             "weight_transfer_config": {"backend": self.backend},
+            "lora_config": None
+            if self.lora is None
+            else {
+                "max_lora_rank": self.lora["max_lora_rank"],
+                "max_loras": self.lora["max_loras"],
+                "max_cpu_loras": self.lora.get("max_cpu_loras") or self.lora["max_loras"],
+            },
         }
         return {"vllm_config": config if (query or {}).get("config_format") == ["json"] else str(config),
-                "vllm_env": {k: (self.flag(k) if k in BOOL_ENVS else v) for k, v in self.env.items() if "KEY" not in k},
+                "vllm_env": {k: self._env_value(k, v) for k, v in self.env.items() if "KEY" not in k},
                 "system_env": {}}  # fmt: skip
 
     # ---- generation control ------------------------------------------------------------------
@@ -189,8 +210,95 @@ class EmulatedVLLM(EmulatedServer):
         self._fault(call)
         return {"version": self.version}
 
+    def _env_value(self, key: str, value: str) -> Any:
+        """vllm/envs.py's parsed value: bool(int(...)) switches, the runtime-LoRA one by its text."""
+        if key == "VLLM_ALLOW_RUNTIME_LORA_UPDATING":
+            return value.lower() in ("1", "true")
+        return self.flag(key) if key in BOOL_ENVS else value
+
     def r_v1__models(self, method: str, query: Any, body: Any, call: str | None) -> Any:
-        return {"object": "list", "data": [{"id": MODEL_ID, "object": "model", "owned_by": "refit"}]}
+        """OpenAIServingModels.show_available_models: the base model, then each adapter (its path
+        as root, the base as parent)."""
+        cards = [{"id": MODEL_ID, "object": "model", "owned_by": "refit", "root": MODEL_ID, "parent": None}]
+        cards += [{"id": n, "object": "model", "owned_by": "vllm", "root": r["path"], "parent": MODEL_ID}
+                  for n, r in list(self.lora_requests.items())]  # fmt: skip
+        return {"object": "list", "data": cards}
+
+    # ---- runtime LoRA (vllm/entrypoints/openai/models/serving.py, vllm/lora/peft_helper.py) -------
+
+    def r_v1__load_lora_adapter(self, method: str, query: Any, body: Any, call: str | None) -> Any:
+        """OpenAIServingModels.load_lora_adapter: names checked, then the engine's add_lora (the
+        worker reads the directory: PEFTHelper's checks, then the tensors); the name is added only
+        once that succeeded. 200 with a text answer."""
+        obj = self._obj(body, "/v1/load_lora_adapter", ["lora_name", "lora_path"])
+        name, path = obj.get("lora_name") or "", obj.get("lora_path") or ""
+        if not name or not path:
+            raise _Reply(400, {"error": {"message": "Both 'lora_name' and 'lora_path' must be provided.",
+                                         "type": "InvalidUserInput", "param": None, "code": 400}})  # fmt: skip
+        if name == MODEL_ID:
+            raise _bad_request(f"The lora adapter '{name}' conflicts with a served base model.")
+        if name in self.lora_requests:
+            if not obj.get("load_inplace"):
+                raise _bad_request(
+                    f"The lora adapter '{name}' has already been loaded. If you want to load the adapter in place, "
+                    "set 'load_inplace' to True."
+                )
+            raise NotImplementedError("load_inplace: this emulator does not reload adapters in place")
+        self._fault(call)
+        import json
+        from pathlib import Path
+
+        config_path = Path(path) / "adapter_config.json"
+        if not config_path.is_file():  # LoRAAdapterNotFoundError -> 404 (relative paths: the Hub)
+            raise _Reply(404, {"error": {"message": f"Loading lora {name} failed: No adapter found for <path>",
+                                         "type": "NotFoundError", "param": None, "code": 404}})  # fmt: skip
+        try:
+            why = self._peft_problem(json.loads(config_path.read_text()))
+            if why is None:
+                self._engine("load_adapter_dir", name, path)
+        except (ValueError, EngineError) as exc:
+            why = getattr(exc, "message", str(exc))
+        if why is not None:
+            raise _utility_error("add_lora", why)
+        self.lora_requests[name] = {"id": self.lora_next_id, "path": path}
+        self.lora_next_id += 1
+        return f"Success: LoRA adapter '{name}' added successfully."
+
+    def _peft_problem(self, config: dict[str, Any]) -> str | None:
+        """The worker's checks (lora_model_runner_mixin.py; peft_helper.py PEFTHelper)."""
+        if self.lora is None:
+            return "LoRA is not enabled. Use --enable-lora to enable LoRA."
+        missing = {"r", "lora_alpha", "target_modules"} - set(config)
+        if missing:
+            return f"Missing required configuration fields: {missing}"
+        errors = []
+        if config.get("use_dora"):
+            errors.append("vLLM does not yet support DoRA.")
+        if config.get("bias", "none") != "none":
+            errors.append("Adapter bias is not supported.")
+        if errors:
+            return " ".join(errors)
+        if int(config["r"]) > int(self.lora["max_lora_rank"]):
+            return f"LoRA rank {config['r']} is greater than max_lora_rank {self.lora['max_lora_rank']}."
+        return None
+
+    def r_v1__unload_lora_adapter(self, method: str, query: Any, body: Any, call: str | None) -> Any:
+        """OpenAIServingModels.unload_lora_adapter: the name goes from the API server; the engine is
+        not told (requests running on it go on). The emulator's engine frees the adapter when its
+        last request ends (vLLM's evicts it from its LRU caches later)."""
+        obj = self._obj(body, "/v1/unload_lora_adapter", ["lora_name"])
+        name = obj.get("lora_name") or ""
+        if not name:
+            raise _Reply(400, {"error": {"message": "'lora_name' needs to be provided to unload a LoRA adapter.",
+                                         "type": "InvalidUserInput", "param": None, "code": 400}})  # fmt: skip
+        self._fault(call)
+        if name not in self.lora_requests:
+            raise _Reply(404, {"error": {"message": f"The lora adapter '{name}' cannot be found.",
+                                         "type": "NotFoundError", "param": None, "code": 404}})  # fmt: skip
+        del self.lora_requests[name]
+        with contextlib.suppress(EngineError):
+            self._engine("unload_adapter", name)
+        return f"Success: LoRA adapter '{name}' removed successfully."
 
     def r_pause(self, method: str, query: dict[str, list[str]], body: Any, call: str | None) -> Any:
         mode = (query.get("mode") or ["abort"])[-1]
@@ -549,7 +657,12 @@ class EmulatedVLLM(EmulatedServer):
         if self.rejecting:
             raise _Reply(503, {"error": {"message": "Generation is paused. Please retry after it resumes.",
                                          "type": "ServiceUnavailableError", "code": 503}})  # fmt: skip
-        out = self._generate(obj["prompt"], int(obj.get("max_tokens") or 16))
+        model = obj.get("model")
+        adapter = model if model in self.lora_requests else None
+        if model != MODEL_ID and adapter is None:  # serving.py _check_model
+            raise _Reply(404, {"error": {"message": f"The model `{model}` does not exist. Valid aliases: {MODEL_ID}.",
+                                         "type": "NotFoundError", "param": "model", "code": 404}})  # fmt: skip
+        out = self._generate(obj["prompt"], int(obj.get("max_tokens") or 16), adapter)
         tokens, versions = out.get("output") or [], out.get("weight_versions") or []
         choice: dict[str, Any] = {
             "index": 0, "text": "", "finish_reason": out.get("finish_reason"),
@@ -561,7 +674,7 @@ class EmulatedVLLM(EmulatedServer):
 
     def r__refit__info(self, method: str, query: Any, body: Any, call: str | None) -> Any:
         return {**super().r__refit__info(method, query, body, call), "session_open": self.session_open,
-                "initialized": self.initialized is not None}  # fmt: skip
+                "initialized": self.initialized is not None, "lora_names": sorted(self.lora_requests)}  # fmt: skip
 
 
 class _SafeHandles(pickle.Unpickler):
@@ -584,6 +697,29 @@ class EmulatedVLLMEngine(EmulatorClient, VLLMEngine):
     """The production vLLM driver pointed at an `EmulatedVLLM`, plus what the conformance kit reads
     from the engine behind it (`EmulatorClient`)."""
 
+    def arm_fault(self, kind: str, call: str, *, bucket: int | None, seconds: float, timeout: float) -> bool:
+        """A LoRA refit's calls that send no request (stage, load: the driver reads shared memory
+        itself, publish, continue; a drain with nothing to unload) cannot misbehave in the server:
+        simulated at the boundary."""
+        run = self._adapter_run
+        quiet = call == "stage" or (run is not None and call in ("load", "publish", "continue_generation"))
+        if quiet or (run is not None and call == "drain" and not self._lora.going(run["name"])):
+            return False
+        return super().arm_fault(kind, call, bucket=bucket, seconds=seconds, timeout=timeout)
+
+    def info(self, *, timeout: float = 60.0) -> dict[str, Any]:
+        """The emulator's account (`EmulatorClient.info`), with the versions of each refit adapter
+        the server lists ("adapters": {name: {version: {"state"}}}, each counted as servable)."""
+        from refit.drivers.adapter_names import parse_version_name
+
+        out = EmulatorClient.info(self, timeout=timeout)
+        adapters: dict[str, dict[int, dict[str, str]]] = {}
+        for name in out["engine"].get("lora_names", []):
+            parsed = parse_version_name(name)
+            if parsed is not None:
+                adapters.setdefault(parsed[0], {})[parsed[1]] = {"state": "LIVE"}
+        return {**out, "adapters": adapters}
+
     def __init__(self, name: str, server: EmulatedVLLM, **kwargs: Any) -> None:
         self.server = server
         self._bucket = threading.local()
@@ -604,6 +740,7 @@ class EmulatedVLLMEngine(EmulatorClient, VLLMEngine):
         in_thread: bool = False,
         validate: Callable[..., None] | None = None,
         env: dict[str, str] | None = None,
+        lora: dict[str, Any] | None = None,
     ) -> EmulatedVLLMEngine:
         """A fresh reference engine (own processes, or a thread) behind a new emulated server.
         `env`: the server's VLLM_* environment; default: as docs/engines.md launches it
@@ -620,6 +757,6 @@ class EmulatedVLLMEngine(EmulatorClient, VLLMEngine):
 
         server = EmulatedVLLM(
             new_engine(), version=version, backend=backend, api_key=api_key, validate=validate, env=env,
-            new_engine=new_engine,
+            new_engine=new_engine, lora=lora,
         )  # fmt: skip
         return cls(name, server)
