@@ -126,7 +126,7 @@ NO_SESSION_TEXTS = ("must run between begin_weight_update", "no weight-update se
 NORMAL_ROUTES = frozenset(
     {"/generate", "/model_info", "/get_model_info", "/server_info", "/get_server_info", "/v1/models"}
 )
-UNLOAD_POLL_S = 0.25  # DRAINING: how long one unload call waits for SGLang's answer before asking again
+UNLOAD_POLL_S = 0.25  # DRAINING: the least one unload call waits for SGLang's answer before asking again
 
 
 SAY_WHICH = (
@@ -833,13 +833,16 @@ class SGLangEngine(HttpEngineDriver):
     def drain(self, hold_s: float, *, timeout: float) -> dict[str, Any]:
         """DRAINING: unload each version the publish would push past max_staleness + 1 (never the
         live one: max_staleness >= 1). SGLang answers an unload when the version's requests have
-        finished; one still waiting after `UNLOAD_POLL_S` leaves this answer not ready (asked again)."""
+        finished; one still waiting when the call's time is nearly up leaves this answer not ready
+        (asked again)."""
         run = self._adapter_run
         if run is None or self._lora.state(run["name"], run["version"]) != Adapter.STAGED:
             raise EngineError("not_ready", f"engine {self.name}: drain without a loaded LoRA refit")
         end = time.monotonic() + timeout
         for v in self._lora.going(run["name"]):
-            self._unload(run["name"], v, "drain", timeout=min(UNLOAD_POLL_S, end - time.monotonic()))
+            # one unload request per drain call, waiting as long as the call may (each one abandoned
+            # stays queued in SGLang behind its update lock, to answer "does not exist" to nobody)
+            self._unload(run["name"], v, "drain", timeout=max(UNLOAD_POLL_S, end - time.monotonic() - 0.25))
         going = self._lora.going(run["name"])
         return {"ready": not going, "pinned": None, "going": going, "adapter_moves": self._lora.report()}
 
