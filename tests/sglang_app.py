@@ -338,6 +338,12 @@ class SGLangAppServer(EmulatedSGLang):
             if path.startswith("/_refit/"):
                 await self._inspect(scope, path, body, send)
                 return
+            if path in ("/server_info", "/get_server_info", "/model_info", "/v1/models"):
+                try:  # the probe's reads: SGLang's routes answer them without the scheduler, so a fault
+                    await asyncio.to_thread(self._fault)  # armed for the probe is run here
+                except _Drop:
+                    self._drop_all()
+                    return
             decision = auth.decide_request_auth(
                 method=scope["method"], path=path, authorization_header=headers.get("authorization"),
                 api_key=self.api_key, admin_api_key=self.admin_api_key,

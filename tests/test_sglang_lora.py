@@ -222,6 +222,68 @@ def test_a_load_that_lands_after_its_run_gave_up_is_unloaded_by_the_next_run() -
         e.close()
 
 
+def test_a_new_driver_never_serves_a_version_no_run_published() -> None:
+    """A hung load leaves v3 loaded, never published. A new driver over the running server (a
+    restarted trainer) cannot tell which listed version was published, so it takes none as live:
+    requests naming the adapter are refused until a refit publishes one; that refit unloads the
+    never-published v3 (its own name) and loads its own v3."""
+    from refit.errors import EngineError
+    from refit.protocol.faults import FaultPlan
+
+    model = peft_model()
+    e = _engine()
+    ctx = _ctx(model, [e], call_timeout_s=1.0)
+    try:
+        for step in (1, 2):
+            train(model, step)
+            protocol.run(ctx).raise_for_error()
+        train(model, 3)
+        ctx.faults = FaultPlan().fail_at("transferring", call="load", kind="hang")
+        assert not protocol.run(ctx).ok
+        deadline = time.monotonic() + 30
+        while "policy@v3" not in _listed(e) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert "policy@v3" in _listed(e)
+        ctx.close()
+        fresh = EmulatedSGLangEngine("s0", e.server)  # a new driver (a restarted trainer), the same server
+        with pytest.raises(EngineError, match="no version of adapter 'policy' is live"):
+            fresh.generate(PROMPT, 4, adapter="policy")
+        ctx = _ctx(model, [fresh], version=2)
+        snap = train(model, 4)
+        result = protocol.run(ctx).raise_for_error()
+        out = fresh.generate(PROMPT, 6, adapter="policy")
+        assert out["adapter_version"] == result.version == 3 and out["output"] == greedy(model, snap, PROMPT, 6)
+        assert _listed(e) == ["policy@v2", "policy@v3"]
+    finally:
+        ctx.close()
+        e.close()
+
+
+def test_the_plan_is_checked_against_the_adapter_before_sglang_sees_it() -> None:
+    """SGLang checks shapes only when a batch first uses an adapter (and dies on a wrong one): the
+    driver checks the plan's names, ranks and per-layer shapes itself (`plan_problem`)."""
+    from refit.buckets import BucketManifest, TensorEntry, TensorMeta
+    from refit.drivers.sglang_lora import plan_problem
+
+    def plan(shapes: dict[str, tuple[int, int]]) -> list[BucketManifest]:
+        entries = tuple(TensorEntry(TensorMeta(n, "float32", s), 0) for n, s in shapes.items())
+        return [BucketManifest(0, entries, 0)]
+
+    stem = "base_model.model.model.layers.{}.self_attn.{}.lora_{}.weight"
+    good = {stem.format(i, p, ab): (4, 64) if ab == "A" else (64, 4) for i in (0, 1) for p in ("q_proj", "v_proj")
+            for ab in "AB"}  # fmt: skip
+    spec = {"r": 4, "target_modules": ["q_proj", "v_proj"]}
+    assert plan_problem(spec, plan(good)) is None
+    missing = {k: v for k, v in good.items() if k != stem.format(1, "v_proj", "B")}
+    assert "layer 1: v_proj.lora_B missing" in str(plan_problem(spec, plan(missing)))
+    wrong = {**good, stem.format(1, "q_proj", "A"): (4, 7)}
+    assert "differ between layers" in str(plan_problem(spec, plan(wrong)))
+    rank = {**good, stem.format(0, "q_proj", "B"): (64, 8)}
+    assert "no rank-4 lora_B" in str(plan_problem(spec, plan(rank)))
+    stray = {**good, stem.format(0, "o_proj", "A"): (4, 64)}
+    assert "not an A or B of a targeted projection" in str(plan_problem(spec, plan(stray)))
+
+
 def test_a_load_sglang_cannot_decode_kills_the_server_and_the_run_ends_inside_its_deadline() -> None:
     """A payload SGLang's scheduler cannot decode raises outside any handler
     (tp_worker.py deserialize_own_rank): the server dies. The run fails with the engine lost,

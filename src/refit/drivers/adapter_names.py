@@ -12,6 +12,7 @@ server lost is unloaded, one found that the mirror never saw is adopted.
 from __future__ import annotations
 
 import re
+import threading
 from collections.abc import Iterable
 from typing import Any
 
@@ -39,6 +40,7 @@ class AdapterMirror:
         self.max_live: dict[str, int | None] = {}
         self.moves: list[dict[str, Any]] = []
         self.seq = 0
+        self._lock = threading.RLock()  # a publish's two moves, against a request's thread reading `live`
         self.gave_up: dict[str, set[int]] = {}  # versions discarded whose load may still land (a timeout)
 
     def state(self, adapter: str, version: int) -> Adapter | None:
@@ -46,19 +48,20 @@ class AdapterMirror:
         return None if m is None else Adapter(m.state)
 
     def live(self, adapter: str) -> int | None:
-        return next((v for v, m in self.versions.get(adapter, {}).items() if m.state == Adapter.LIVE), None)
+        with self._lock:
+            return next((v for v, m in self.versions.get(adapter, {}).items() if m.state == Adapter.LIVE), None)
 
     def servable(self, adapter: str) -> list[int]:
-        return sorted(v for v, m in self.versions.get(adapter, {}).items() if m.state in SERVABLE_ADAPTER)
+        return sorted(v for v, m in list(self.versions.get(adapter, {}).items()) if m.state in SERVABLE_ADAPTER)
 
     def loaded(self, adapter: str) -> list[int]:
         """Versions on the server: staged (loaded, not published) or servable."""
         keep = (Adapter.STAGED, *SERVABLE_ADAPTER)
-        return sorted(v for v, m in self.versions.get(adapter, {}).items() if m.state in keep)
+        return sorted(v for v, m in list(self.versions.get(adapter, {}).items()) if m.state in keep)
 
     def staged(self, adapter: str) -> int | None:
         pending = (Adapter.STAGING, Adapter.STAGED)
-        return next((v for v, m in self.versions.get(adapter, {}).items() if m.state in pending), None)
+        return next((v for v, m in list(self.versions.get(adapter, {}).items()) if m.state in pending), None)
 
     def going(self, adapter: str) -> list[int]:
         """The servable versions a publish of the staged one would push past `max_live` (oldest first)."""
@@ -81,70 +84,70 @@ class AdapterMirror:
         self._log(adapter, version, str(event), src, **fields)
 
     def stage(self, adapter: str, version: int, max_live: int | None) -> None:
-        self.max_live[adapter] = max_live
-        self.versions.setdefault(adapter, {})[version] = FactMachine("adapter")
-        self._log(adapter, version, "stage", None)
+        with self._lock:
+            self.max_live[adapter] = max_live
+            self.versions.setdefault(adapter, {})[version] = FactMachine("adapter")
+            self._log(adapter, version, "stage", None)
 
     def complete(self, adapter: str, version: int) -> None:
-        self._move(adapter, version, AdapterEvent.COMPLETE)
+        with self._lock:
+            self._move(adapter, version, AdapterEvent.COMPLETE)
 
     def publish(self, adapter: str, version: int) -> None:
-        before = self.live(adapter)
-        if before is not None:
-            self._move(adapter, before, AdapterEvent.SUPERSEDE)
-        self._move(adapter, version, AdapterEvent.PUBLISH)
+        """The staged version goes LIVE and the live one before it RETIRED; a reader (`live`, from
+        a request's thread) sees one or the other, never neither."""
+        with self._lock:
+            before = self.live(adapter)
+            if before is not None:
+                self._move(adapter, before, AdapterEvent.SUPERSEDE)
+            self._move(adapter, version, AdapterEvent.PUBLISH)
 
     def unload(self, adapter: str, version: int, **fields: Any) -> None:
-        if self.state(adapter, version) == Adapter.LIVE:
-            self._move(adapter, version, AdapterEvent.SUPERSEDE, **fields)
-        self._move(adapter, version, AdapterEvent.UNLOAD, **fields)
-        del self.versions[adapter][version]
+        with self._lock:
+            if self.state(adapter, version) == Adapter.LIVE:
+                self._move(adapter, version, AdapterEvent.SUPERSEDE, **fields)
+            self._move(adapter, version, AdapterEvent.UNLOAD, **fields)
+            del self.versions[adapter][version]
 
     def discard(self, adapter: str, version: int, *, reason: str) -> None:
-        self._move(adapter, version, AdapterEvent.DISCARD, reason=reason)
-        del self.versions[adapter][version]
-        self.gave_up.setdefault(adapter, set()).add(version)
+        with self._lock:
+            self._move(adapter, version, AdapterEvent.DISCARD, reason=reason)
+            del self.versions[adapter][version]
+            self.gave_up.setdefault(adapter, set()).add(version)
 
     def sync(self, adapter: str, on_server: Iterable[int]) -> None:
         """Fold in the versions the server lists: one it lost is unloaded (a restart, another
-        client's unload), one never seen here is adopted (a new driver over a running server: the
-        newest is taken as live, the others as retired). Adoption makes no move record (nothing
-        moved: the first record of an adopted version starts where it was found)."""
-        found = set(on_server)
-        mine = self.versions.setdefault(adapter, {})
-        for v in [v for v, m in mine.items() if v in found and m.state == Adapter.STAGING]:
-            self.complete(adapter, v)  # a load whose answer was lost went in: STAGED, unloaded at the next stage
-        for v in sorted(found & self.gave_up.get(adapter, set()) - set(mine)):
-            # a load given up on (it did not answer in time) landed after its run: loaded, never
-            # published; staged again on the record so the next stage unloads it
-            self.stage(adapter, v, self.max_live.get(adapter))
-            self.complete(adapter, v)
-            self.moves[-1]["reason"] = "its load landed after its run gave up on it"
-        for v in [v for v, m in mine.items() if v not in found and m.state != Adapter.STAGING]:
-            if mine[v].state == Adapter.STAGED:
-                self.discard(adapter, v, reason="gone from the server")
-            else:
-                self.unload(adapter, v, reason="gone from the server")
-        new = sorted(found - set(mine))
-        if not new:
-            return
-        live = self.live(adapter)
-        newest = max(new) if live is None else max(live, *new)
-        for v in new:
-            m = mine[v] = FactMachine("adapter")
-            m.fire(AdapterEvent.COMPLETE)
-            m.fire(AdapterEvent.PUBLISH)
-            if v != newest:
-                m.fire(AdapterEvent.SUPERSEDE)
-        if live is not None and live != newest:  # a newer one someone else loaded: that one is taken as live
-            self._move(adapter, live, AdapterEvent.SUPERSEDE, reason=f"v{newest} found on the server")
+        client's unload), one never seen here is adopted as retired (a new driver over a running
+        server: the server cannot say which one was published, and a loaded one may never have
+        been, so none is taken as live: requests naming the adapter wait for the next refit's
+        publish; the adopted ones serve only requests already on them and go in DRAINING).
+        Adoption makes no move record (the first record of an adopted version starts there)."""
+        with self._lock:
+            found = set(on_server)
+            mine = self.versions.setdefault(adapter, {})
+            for v in [v for v, m in mine.items() if v in found and m.state == Adapter.STAGING]:
+                self.complete(adapter, v)  # a load whose answer was lost went in: STAGED, unloaded at the next stage
+            for v in sorted(found & self.gave_up.get(adapter, set()) - set(mine)):
+                # a load given up on (it did not answer in time) landed after its run: loaded, never
+                # published; staged again on the record so the next stage unloads it
+                self.stage(adapter, v, self.max_live.get(adapter))
+                self.complete(adapter, v)
+                self.moves[-1]["reason"] = "its load landed after its run gave up on it"
+            for v in [v for v, m in mine.items() if v not in found and m.state != Adapter.STAGING]:
+                if mine[v].state == Adapter.STAGED:
+                    self.discard(adapter, v, reason="gone from the server")
+                else:
+                    self.unload(adapter, v, reason="gone from the server")
+            for v in sorted(found - set(mine)):
+                mine[v] = FactMachine("adapter", Adapter.RETIRED)
 
     def report(self) -> list[dict[str, Any]]:
         out, self.moves = self.moves, []
         return out
 
     def describe(self) -> dict[str, dict[int, dict[str, str]]]:
-        return {a: {v: {"state": str(m.state)} for v, m in vs.items()} for a, vs in self.versions.items() if vs}
+        with self._lock:
+            return {a: {v: {"state": str(m.state)} for v, m in vs.items()} for a, vs in self.versions.items() if vs}
 
 
 __all__ = ["AdapterMirror", "parse_version_name", "version_name"]

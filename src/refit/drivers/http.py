@@ -207,13 +207,17 @@ class HttpEngineDriver(EngineDriver):
         serving = self._quarantined is None and adapter not in self._adapter_held
         return {"version": held, "serving": serving, "adapter_moves": self._lora.report()}
 
-    def _publish_adapter(self, version: int) -> dict[str, Any]:
-        """CONTINUING: the loaded version becomes the one this driver's requests name (no call)."""
+    def _publish_adapter(self, version: int, timeout: float) -> dict[str, Any]:
+        """CONTINUING: the loaded version becomes the one this driver's requests name, once the
+        server still lists it (a restart since its load would have it gone)."""
         run = self._adapter_run
         assert run is not None
         name = run["name"]
         if version != run["version"] or self._lora.state(name, version) != Adapter.STAGED:
             raise EngineError("not_ready", f"engine {self.name}: adapter {name!r} v{version} is not loaded")
+        if version not in self._listed_versions(name, "publish", timeout):
+            gone = f"the server no longer lists {name}@v{version}, loaded in this run"
+            raise EngineError("not_ready", f"engine {self.name}: {gone} (it restarted, or another client unloaded it)")
         going = self._lora.going(name)
         if going:
             bound = self._lora.max_live.get(name)

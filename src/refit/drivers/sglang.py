@@ -105,6 +105,7 @@ from refit.drivers.base import ConnectInfo, PauseMode, Payload
 from refit.drivers.http import HttpEngineDriver, label_version, message_of, token_versions, version_tuple
 from refit.drivers.sglang_lora import (
     load_body,
+    plan_problem,
     server_lora,
     server_problem,
     static_problem,
@@ -668,7 +669,7 @@ class SGLangEngine(HttpEngineDriver):
 
     def publish(self, version: int, *, timeout: float) -> dict[str, Any] | None:
         if self._adapter_run is not None:
-            return self._publish_adapter(version)
+            return self._publish_adapter(version, timeout)
         self._ledger.require_complete("SGLang")
         end = time.monotonic() + timeout
         body = {"new_version": str(version), "abort_all_requests": False}
@@ -776,8 +777,16 @@ class SGLangEngine(HttpEngineDriver):
         problem = problem or server_problem(adapter, self._lora_args, len(plan))
         if problem is not None:
             raise EngineError("unsupported", f"engine {self.name}: {problem}")
-        for v in [v for v in self._lora.loaded(name) if self._lora.state(name, v) == Adapter.STAGED]:
-            self._unload(name, v, "stage", timeout=end - time.monotonic(), reason="a failed run left it loaded")
+        problem = plan_problem(adapter, plan)
+        if problem is not None:
+            raise EngineError("bad_manifest", f"engine {self.name}: {problem}")
+        leftovers = [
+            v for v in self._lora.loaded(name) if self._lora.state(name, v) == Adapter.STAGED or v == version
+        ]  # a failed run's, never published; one under this run's name (adopted from a crashed trainer's run)
+        for v in leftovers:
+            if not self._unload(name, v, "stage", timeout=end - time.monotonic(), reason="a failed run left it loaded"):
+                raise TimeoutError(f"engine {self.name}: unloading {version_name(name, v)} (loaded, never published, "
+                                   "left by a failed run) did not answer: requests still use it")  # fmt: skip
         self._lora.stage(name, version, max_live)
         self._adapter_run = {**adapter, "name": name, "version": version}
 

@@ -13,6 +13,7 @@ so `refit check` follows SGLang's versions too.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -94,17 +95,53 @@ def server_problem(adapter: Mapping[str, Any], lora: Mapping[str, Any], plan_buc
             f"the adapter targets {sorted(want - server)}, outside the server's --lora-target-modules "
             f"(normalized: {sorted(server)})"
         )
-    loaded = lora.get("max_loaded_loras")
-    if isinstance(loaded, int) and isinstance(adapter.get("max_live"), int) and loaded < adapter["max_live"]:
+    loaded, live = lora.get("max_loaded_loras"), adapter.get("max_live")
+    if isinstance(loaded, int) and isinstance(live, int) and loaded < live + 1:
         return (
-            f"the server's --max-loaded-loras {loaded} is below the {adapter['max_live']} versions this refit keeps "
-            "loaded (max_staleness + 1): SGLang would evict the live version (its LRU) after the load"
+            f"the server's --max-loaded-loras {loaded} is below the {live + 1} versions a refit has loaded before its "
+            "drain (max_staleness + 2): SGLang would evict a version still serving (its LRU) at the load"
         )
     if plan_buckets != 1:
         return (
             f"SGLang loads an adapter in one request (/load_lora_adapter_from_tensors) and this plan has "
             f"{plan_buckets} buckets: use bucket_bytes >= the adapter's bytes"
         )
+    return None
+
+
+_LORA_NAME = re.compile(r"\.layers\.(?P<layer>\d+)\.(?:self_attn|mlp)\.(?P<proj>\w+)\.lora_(?P<ab>[AB])\.weight$")
+
+
+def plan_problem(adapter: Mapping[str, Any], plan: Sequence[Any]) -> str | None:
+    """The plan against the adapter's spec, as far as a driver can check it without the model
+    (SGLang checks shapes only when a batch first uses the adapter, and dies on a wrong one):
+    every name a targeted projection's A or B in some layer, each once; every layer with every
+    target, A and B; A r rows, B r columns; each projection's shapes the same in every layer."""
+    r, targets = int(adapter["r"]), set(adapter.get("target_modules") or ())
+    seen: dict[tuple[int, str, str], tuple[int, ...]] = {}
+    for manifest in plan:
+        for entry in manifest.entries:
+            m = _LORA_NAME.search(entry.meta.name)
+            if m is None or m["proj"] not in targets:
+                return f"{entry.meta.name!r} is not an A or B of a targeted projection ({sorted(targets)})"
+            key = (int(m["layer"]), m["proj"], m["ab"])
+            if key in seen:
+                return f"{entry.meta.name!r} twice"
+            shape = tuple(entry.meta.shape)
+            if len(shape) != 2 or (m["ab"] == "A" and shape[0] != r) or (m["ab"] == "B" and shape[1] != r):
+                return f"{entry.meta.name}: shape {list(shape)} is no rank-{r} lora_{m['ab']}"
+            seen[key] = shape
+    layers = {k[0] for k in seen}
+    for layer in layers:
+        for proj in targets:
+            for ab in "AB":
+                if (layer, proj, ab) not in seen:
+                    return f"layer {layer}: {proj}.lora_{ab} missing from the plan"
+    for proj in targets:
+        for ab in "AB":
+            shapes = {seen[(layer, proj, ab)] for layer in layers}
+            if len(shapes) > 1:
+                return f"{proj}.lora_{ab}: shapes {sorted(shapes)} differ between layers"
     return None
 
 

@@ -542,7 +542,7 @@ class VLLMEngine(HttpEngineDriver):
 
     def publish(self, version: int, *, timeout: float) -> dict[str, Any] | None:
         if self._adapter_run is not None:
-            return self._publish_adapter(version)
+            return self._publish_adapter(version, timeout)
         self._ledger.require_complete("vLLM")
         end = time.monotonic() + timeout
         if self._caps(timeout).weight_version:  # still the process the probe read, at the label it read?
@@ -684,7 +684,7 @@ class VLLMEngine(HttpEngineDriver):
             raise EngineError("unsupported", f"engine {self.name}: {problem}")
         if self._lora_receiver is None:
             raise EngineError("not_attached", f"engine {self.name}: no shared-memory connection attached")
-        for v in [v for v in self._lora.loaded(name) if self._lora.state(name, v) == Adapter.STAGED]:
+        for v in [v for v in self._lora.loaded(name) if self._lora.state(name, v) == Adapter.STAGED or v == version]:
             self._unload(name, v, "stage", end - time.monotonic(), reason="a failed run left it loaded")
         self._lora.stage(name, version, max_live)
         self._adapter_run = {**adapter, "name": name, "version": version}
