@@ -134,8 +134,8 @@ class _NoSpans(EmulatedSGLang):
     request's weight_version alone. It reports 0.5.22, a version refit does not trust to give
     spans whenever a request straddled an update."""
 
-    def op_generate(self, obj: Any) -> dict[str, Any]:
-        out = super().op_generate(obj)
+    def op_generate(self, obj: Any, *args: Any) -> dict[str, Any]:
+        out = super().op_generate(obj, *args)
         out["meta_info"].pop("weight_versions", None)
         return out
 

@@ -205,6 +205,7 @@ def lora_worker(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
         )  # fmt: skip
         for _ in range(spec["refits"]):
             train(model, opt, gen, spec["steps"], config.vocab_size)
+            model.base_model.model.reshard()  # the root's parameters sharded again (FSDP2 may keep them gathered)
             result = protocol.run(ctx)
             full = {k: v.full_tensor() for k, v in peft.get_peft_model_state_dict(model).items()}  # a collective
             entry: dict[str, Any] = {"ok": result.ok, "version": result.version}
