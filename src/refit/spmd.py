@@ -205,9 +205,10 @@ def lora_worker(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
         )  # fmt: skip
         for _ in range(spec["refits"]):
             train(model, opt, gen, spec["steps"], config.vocab_size)
-            model.base_model.model.reshard()  # the root's parameters sharded again (FSDP2 may keep them gathered)
             result = protocol.run(ctx)
-            full = {k: v.full_tensor() for k, v in peft.get_peft_model_state_dict(model).items()}  # a collective
+            # a collective either way (peft 0.22 gathers the DTensors itself, 0.21 hands them back)
+            saved = peft.get_peft_model_state_dict(model)
+            full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in saved.items()}
             entry: dict[str, Any] = {"ok": result.ok, "version": result.version}
             if rank == 0:
                 oracle = peft.get_peft_model(TinyLlama(config, seed=spec["seed"]), lora).eval()
@@ -226,7 +227,7 @@ def lora_worker(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
                     statuses={k: o.status for k, o in result.engines.items()},
                     bytes_moved=result.bytes_moved,
                     adapter_bytes=sum(t.numel() * t.element_size() for t in full.values()),
-                    sharded=any(hasattr(t, "placements") for t in peft.get_peft_model_state_dict(model).values()),
+                    sharded=any(hasattr(p, "placements") for n, p in model.named_parameters() if "lora_" in n),
                     tokens_equal=all(g == want for g in got),
                     adapter_changes_tokens=base != want,
                 )

@@ -84,10 +84,16 @@ class LoraSource(TorchSource):
 
 
 def _peft_state(model: Any, adapter_name: str) -> Callable[[], dict[str, torch.Tensor]]:
-    """The adapter's tensors as PEFT saves them, read from the live parameters at each call."""
-    import peft
+    """The adapter's tensors under the names PEFT saves them by (its `get_peft_model_state_dict`
+    for LoRA: the adapter name dropped from each key), read from the live parameters at each call:
+    the parameters themselves, so FSDP2's DTensors stay sharded (the transport gathers them). Not
+    PEFT's function itself: from 0.22 it gathers DTensors into full CPU copies on every rank."""
+    marks = (f".lora_A.{adapter_name}.", f".lora_B.{adapter_name}.")
 
     def state() -> dict[str, torch.Tensor]:
-        return peft.get_peft_model_state_dict(model, adapter_name=adapter_name)
+        return {
+            name.replace(f".{adapter_name}.", "."): p for name, p in model.named_parameters()
+            if any(m in name for m in marks)
+        }  # fmt: skip
 
     return state
