@@ -407,3 +407,64 @@ def test_a_draining_hold_nothing_follows_up_lapses_by_itself() -> None:
     finally:
         ctx.close()
         engine.close()
+
+
+def _refit(core: EngineCore, plan: Any, tensors: dict[str, list[tuple[str, torch.Tensor]]], adapter: dict[str, Any],
+           digest: str | None = "wsum") -> dict[str, Any]:  # fmt: skip
+    """A LoRA refit's engine calls (what the reference driver sends): stage, load each bucket (the
+    same lists each time: a receiver's stable views), finalize, verify, publish."""
+    core.begin(plan, digest, adapter=adapter)
+    for m in plan:
+        core.load(m, tensors[m.index], keep=True)
+    core.finalize()
+    report = core.verify("wsum")
+    core.publish(adapter["version"])
+    return report
+
+
+def test_a_lora_session_hashes_what_it_writes_and_each_new_version_reuses_a_freed_versions_memory() -> None:
+    from refit.verify import Digests
+
+    model = hf_model("llama", torch.float32, seed=7)
+    core = _engine(model)
+    pm = _peft(model, seed=2)
+    spec = pm.peft_config["default"]
+    weights = _adapter(pm)
+    plan = plan_buckets([TensorMeta.of(n, t) for n, t in weights], 16 << 10)
+    assert len(plan) > 1
+    by_name = dict(weights)
+    lists = {m.index: [(n, by_name[n]) for n in m.names] for m in plan}  # the trainer's tensors, one list per bucket
+    adapter = {"name": "p", **LoraSpec.from_dict(spec).to_dict(), "max_live": 1}
+    slabs = []
+    for version in range(1, 5):
+        with torch.no_grad():
+            for _, t in weights:  # a training step, in place: the same tensors, new bytes
+                t.mul_(-1.5)
+        report = _refit(core, plan, lists, {**adapter, "version": version})
+        want = Digests("wsum")
+        for n, t in weights:
+            want.add(n, t)
+        # every tensor hashed as the loads copied it (nothing read back), equal to the trainer's bytes
+        assert report["digests"] == want.results() and report["read_back"] == 0
+        slab = core.lora.live("p").slab
+        slabs.append(slab)
+        rid = core.submit([3, 4, 5], 6, adapter="p")
+        while core.has_work():
+            core.step()
+        fresh = _engine(model)  # the version as a fresh engine serves it, loaded by hand
+        fresh.stage_adapter("p", 1, spec)
+        fresh.load_adapter("p", [(n, t.clone()) for n, t in weights])
+        fresh.publish_adapter("p")
+        assert core.result(rid)["output"] == _run(fresh, [3, 4, 5], 6, adapter="p")["output"]
+    # max_live 1: each publish frees the version before it, and the next one stages into its memory
+    assert slabs[0] is slabs[2] and slabs[1] is slabs[3] and slabs[0] is not slabs[1]
+    assert core.lora.pooled_bytes() == slabs[0].flat.numel() * 4 and len(core.info()["adapters"]["p"]) == 1
+    # a recycled slab holds an old version's bytes: a version missing one tensor is refused, never served
+    core.begin(plan, "wsum", adapter={**adapter, "version": 5})
+    for m in plan[:-1]:
+        core.load(m, lists[m.index], keep=True)
+    with pytest.raises(EngineError, match="missing") as info:
+        core.finalize()
+    assert info.value.kind == "incomplete" and list(core.info()["adapters"]["p"]) == ["4"]
+    # digests from memory (no hashing session) equal the hashed ones
+    assert _refit(core, plan, lists, {**adapter, "version": 6}, digest=None)["digests"] == want.results()

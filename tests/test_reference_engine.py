@@ -394,3 +394,26 @@ def test_the_engines_audit_is_bounded_and_still_checks(monkeypatch: pytest.Monke
     loads = [i for i, r in enumerate(records) if r["op"] == "load"]
     forged = [r for i, r in enumerate(records) if r["op"] != "flush" or i > loads[-1]]  # every kept flush dropped
     assert any(v.invariant == "kv_fresh" for v in invariants.check_engine_audit(forged, engine="a0"))
+
+
+def test_an_engine_processs_audit_spans_each_calls_whole_turn_on_its_thread() -> None:
+    """An engine process stamps each audited call with when its thread read the request and when
+    the answer left: the span generation waited for it (decoding the request and sending the
+    answer included), around the handler's own start and end."""
+    from refit import protocol
+    from refit.drivers.reference import ReferenceEngine
+    from refit.drivers.shm import SharedMemoryTransport
+    from refit.drivers.torch_source import TorchSource
+
+    engine = ReferenceEngine.spawn("s0", CFG, seed=0)
+    ctx = protocol.RefitContext(TorchSource(TinyLlama(CFG, seed=1)), SharedMemoryTransport(), [engine])
+    try:
+        assert protocol.run(ctx).ok
+        records = [r for r in engine.audit() if "start" in r]
+    finally:
+        ctx.close()
+        engine.close()
+    assert {"begin", "load", "finalize", "publish"} <= {r["op"] for r in records}
+    for r in records:  # (a batch of steps: each from the end of the one before; the last one's answer)
+        assert r["received"] <= r["start"] <= r["t"] <= r.get("answered", r["t"]), r
+    assert {"probe", "begin", "verify", "continue_generation"} <= {r["op"] for r in records if "answered" in r}

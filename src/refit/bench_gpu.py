@@ -568,10 +568,13 @@ def run_lora(
     in flight, each one that finishes replaced at once, so new requests get each new version and
     the old versions drain (max_staleness 1: a refit waits in DRAINING for the requests on the
     version it pushes out). Over path (b) (CUDA IPC; shared memory on the CPU). Generation is
-    blocked only while the engine runs a refit's calls on its thread between decode steps: per
-    refit, `ms_blocked` is the sum of the engine's call times for that refit (its audit: each
-    call's start to end, on the engine's clock), `ms_blocked_longest_call` the longest one. A
-    connecting refit first, then `refits` timed ones."""
+    blocked while the engine runs a refit's calls on its thread between decode steps, and while a
+    decode step waits behind the adapter's copies on the GPU: per refit, `ms_blocked` is the sum
+    of the engine's call times for that refit (its audit: each call from reading its request to
+    sending its answer, on the engine's clock) plus the copies' GPU span (`ms_adapter_copy_gpu`, counted whole though
+    finalize's sync may have waited for part of it: an upper bound); `ms_blocked_calls_only`
+    without it, `ms_blocked_longest_call` the longest call. A connecting refit first, then
+    `refits` timed ones."""
     import threading
 
     from refit.drivers.lora_source import LoraSource
@@ -586,7 +589,7 @@ def run_lora(
         LoraSource(adapter, name="policy", spec=spec), transport, [engine], mode="disaggregated", max_staleness=1,
         bucket_bytes=max(bucket_mb << 20, nbytes), deadline_s=300.0, verify=verify,
     )  # fmt: skip
-    blocked, longest, phases, seconds = [], [], [], []
+    blocked, calls_only, copy_gpu, longest, phases, seconds = [], [], [], [], [], []
     per_call: dict[str, list[float]] = {}  # each engine call's time, by call, over the timed refits
     done: list[dict[str, Any]] = []
     stop = threading.Event()
@@ -621,10 +624,17 @@ def run_lora(
                 rec for rec in engine.audit() if rec.get("op") != "adapter" and isinstance(rec.get("start"), float)
                 and rec["start"] >= since
             ]  # fmt: skip
-            durations = [rec["t"] - rec["start"] for rec in calls]
+            # the engine thread's whole turn: from reading the request (its decode included) to its answer's send
+            durations = [rec.get("answered", rec["t"]) - rec.get("received", rec["start"]) for rec in calls]
             for rec, d in zip(calls, durations, strict=True):
                 per_call.setdefault(str(rec.get("op")), []).append(d)
-            blocked.append(sum(durations))
+            # the adapter's copies run on the decode stream: a decode step queued behind them waits
+            # for their GPU time, which no call's time need show. Counted in full (an upper bound:
+            # finalize's sync may already have waited for part of it)
+            span = engine.info().get("copy_span_s") or 0.0
+            copy_gpu.append(span)
+            calls_only.append(sum(durations))
+            blocked.append(sum(durations) + span)
             longest.append(max(durations, default=0.0))
             seconds.append(result.seconds)
             phases.append(result.phase_seconds)
@@ -640,6 +650,8 @@ def run_lora(
         "ms_blocked": round(statistics.median(blocked) * 1e3, 3),
         "ms_blocked_p90": round(_percentile(blocked, 0.9) * 1e3, 3),
         "ms_blocked_longest_call": round(statistics.median(longest) * 1e3, 3),
+        "ms_blocked_calls_only": round(statistics.median(calls_only) * 1e3, 3),  # without the copies' GPU time
+        "ms_adapter_copy_gpu": round(statistics.median(copy_gpu) * 1e3, 3),  # the copies' span on the GPU
         "ms_refit": round(statistics.median(seconds) * 1e3, 3),
         "bytes": result.bytes_moved,
         "adapter_bytes": nbytes,

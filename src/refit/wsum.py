@@ -22,6 +22,7 @@ to, so pieces of one tensor can be hashed apart (at their offsets) and their lan
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -220,15 +221,15 @@ def _anchor(device: Any) -> torch.Tensor:
     return t
 
 
-def launch(pieces: list[tuple[int, int | None, int, int, int]], out: torch.Tensor, *, copy: bool) -> None:
-    """Queue the kernel over `pieces` (see `plan_rows`), adding lane sums into `out` ([slots, 2]
-    int64 on the device the addresses are on); with `copy`, every piece is also copied to its
-    destination. Two launches at most, no host sync (the table goes up from pinned memory)."""
+def prepare(pieces: list[tuple[int, int | None, int, int, int]], device: Any) -> list[tuple[Any, int, int, bool]]:
+    """The kernel's work tables for `pieces` (see `plan_rows`) on `device`, built once: per launch,
+    (table, rows, programs, aligned). A caller that repeats the same pieces (the same addresses)
+    keeps them and calls `run`, paying none of this host work again."""
     import torch
 
-    device = out.device
     anchor = _anchor(device)
     aligned, other = plan_rows(pieces, anchor.data_ptr())
+    out = []
     for rows, is_aligned in ((aligned, True), (other, False)):
         if not rows:
             continue
@@ -245,10 +246,25 @@ def launch(pieces: list[tuple[int, int | None, int, int, int]], out: torch.Tenso
                 _TABLES.clear()
             host = torch.tensor(flat, dtype=torch.int64, pin_memory=True)
             table = _TABLES[key] = host.to(device, non_blocking=True)
+        out.append((table, len(rows), total, is_aligned))
+    return out
+
+
+def run(prepared: list[tuple[Any, int, int, bool]], out: torch.Tensor, *, copy: bool) -> None:
+    """Queue the kernel over `prepare`'s tables, adding lane sums into `out`; no host sync."""
+    anchor = _anchor(out.device)
+    for table, rows, total, is_aligned in prepared:
         _kernel()[(total,)](
-            anchor, anchor, table, table[5 * len(rows) :], len(rows), out,
+            anchor, anchor, table, table[5 * rows :], rows, out,
             BLOCK=BLOCK, ITERS=ITERS, COPY=copy, ALIGNED=is_aligned, num_warps=WARPS,
         )  # fmt: skip
+
+
+def launch(pieces: list[tuple[int, int | None, int, int, int]], out: torch.Tensor, *, copy: bool) -> None:
+    """Queue the kernel over `pieces` (see `plan_rows`), adding lane sums into `out` ([slots, 2]
+    int64 on the device the addresses are on); with `copy`, every piece is also copied to its
+    destination. Two launches at most, no host sync (the table goes up from pinned memory)."""
+    run(prepare(pieces, out.device), out, copy=copy)
 
 
 def _words(tensor: torch.Tensor) -> torch.Tensor:
@@ -283,11 +299,12 @@ def gpu_lanes(tensors: list[torch.Tensor]) -> torch.Tensor:
     return out
 
 
-def copy_lanes(pairs: list[tuple[torch.Tensor, torch.Tensor, int, int]], out: torch.Tensor) -> list[int]:
-    """Copy each (dst, src, slot, first word index) and add the lanes of the bytes written into
-    `out[slot]`, in one pass over memory (the digest fused into the copy). Pairs it cannot copy as words (not both
-    contiguous and 4-byte aligned, or not a whole number of words) are left alone: their positions
-    in `pairs` are returned, for the caller to copy (and hash) another way."""
+def copy_pieces(
+    pairs: list[tuple[torch.Tensor, torch.Tensor, int, int]],
+) -> tuple[list[tuple[int, int | None, int, int, int]], list[int]]:
+    """`copy_lanes`'s pieces for each (dst, src, slot, first word index) it can copy as words (both
+    contiguous and 4-byte aligned on one GPU, a whole number of words), and the positions of the
+    pairs it cannot."""
     pieces: list[tuple[int, int | None, int, int, int]] = []
     left = []
     for k, (dst, src, slot, first) in enumerate(pairs):
@@ -301,6 +318,15 @@ def copy_lanes(pairs: list[tuple[torch.Tensor, torch.Tensor, int, int]], out: to
             left.append(k)
         elif nbytes:
             pieces.append((src.data_ptr(), dst.data_ptr(), nbytes, slot, first))
+    return pieces, left
+
+
+def copy_lanes(pairs: list[tuple[torch.Tensor, torch.Tensor, int, int]], out: torch.Tensor) -> list[int]:
+    """Copy each (dst, src, slot, first word index) and add the lanes of the bytes written into
+    `out[slot]`, in one pass over memory (the digest fused into the copy). Pairs it cannot copy as words (not both
+    contiguous and 4-byte aligned, or not a whole number of words) are left alone: their positions
+    in `pairs` are returned, for the caller to copy (and hash) another way."""
+    pieces, left = copy_pieces(pairs)
     if pieces:
         launch(pieces, out, copy=True)
     return left
@@ -370,6 +396,19 @@ class Regions:
                 raise ValueError(f"regions {self.names[a]!r} and {self.names[b]!r} overlap")
 
 
+@dataclass
+class CopyPlan:
+    """`Written.plan`'s result: the pairs hashed as they are copied ((dst, src, slot, first word)),
+    the pairs copied plainly (read back at verify), each hashed write's (slot, byte offset, bytes),
+    and on CUDA the kernel's prepared tables (`prepare`)."""
+
+    index: Regions
+    hashed: list[tuple[Any, Any, int, int]]
+    plain: list[tuple[Any, Any]]
+    credits: list[tuple[int, int, int]]
+    launches: list[tuple[Any, int, int, bool]] | None
+
+
 class Written:
     """The lanes of the bytes written into named regions of memory (an engine's served tensors)
     during one update, computed as they are copied: `copy` copies (dst, src) pairs and credits
@@ -385,6 +424,7 @@ class Written:
         import torch
 
         index = regions if isinstance(regions, Regions) else Regions(regions)
+        self.index = index
         self._bisect = bisect.bisect_right
         self.names, self.sizes = index.names, index.sizes
         self._starts, self._spans = index.starts, index.spans
@@ -438,7 +478,11 @@ class Written:
 
     def copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Copy each (dst, src) pair (same shape and dtype), hashing what is written."""
-        self._host = None
+        self.run(self.plan(pairs))
+
+    def plan(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> CopyPlan:
+        """`copy`'s work for `pairs`, as data: valid for any `Written` over the same `Regions` while
+        the pairs' tensors stay where they are (a caller copying the same pairs again keeps it)."""
         hashed: list[tuple[torch.Tensor, torch.Tensor, int, int]] = []
         plain: list[tuple[torch.Tensor, torch.Tensor]] = []
         for dst, src in pairs:
@@ -447,23 +491,36 @@ class Written:
                 plain.append((dst, src))
             else:
                 hashed.append((dst, src, *place))
+        launches = None
         if self.cuda and hashed:
-            left = copy_lanes(hashed, self.lanes)
+            pieces, left = copy_pieces(hashed)
             plain += [hashed[k][:2] for k in left]
-            hashed = [h for k, h in enumerate(hashed) if k not in set(left)]
-        elif hashed:
+            skip = set(left)
+            hashed = [h for k, h in enumerate(hashed) if k not in skip]
+            launches = prepare(pieces, self.lanes.device) if pieces else []
+        credits = [(slot, first * 4, dst.numel() * dst.element_size()) for dst, _s, slot, first in hashed]
+        return CopyPlan(self.index, hashed, plain, credits, launches)
+
+    def run(self, plan: CopyPlan) -> None:
+        """Do `plan`'s copies (one kernel pass on CUDA), crediting each hashed write to its region."""
+        if plan.index is not self.index:
+            raise ValueError("a copy plan made for other regions")
+        self._host = None
+        if plan.launches is not None:
+            run(plan.launches, self.lanes, copy=True)
+        elif plan.hashed:
             from refit.buckets import _raw
 
-            for dst, src, slot, first in hashed:
+            for dst, src, slot, first in plan.hashed:
                 dst.copy_(src)
                 a, b = host_lanes(_raw(dst), first)
                 self.lanes[slot][0] += a
                 self.lanes[slot][1] += b
-        for dst, _src, slot, first in hashed:
+        for slot, offset, nbytes in plan.credits:
             kept = self.pieces[slot]
             if kept is not None:
-                kept.append((first * 4, dst.numel() * dst.element_size()))
-        for dst, src in plain:
+                kept.append((offset, nbytes))
+        for dst, src in plan.plain:
             dst.copy_(src)
             self.touched(dst)
 

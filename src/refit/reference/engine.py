@@ -374,6 +374,7 @@ class EngineCore:
         # LoRA adapters, several versions live; each version keeps its own prefix cache
         self.lora = lora.AdapterTable(config, self.device, self.record, lambda: self.tokens_sampled)
         self._adapter_ready: str | None = None  # a LoRA refit's adapter, finalized whole: publish serves it
+        self._adapter_written: tuple[Any, str, int] | None = None  # its session's Written, adapter, version
         self.step_s = 0.0  # a step's time, averaged (`step`)
         self.max_running = max_running
         self.waiting: deque[Request] = deque()
@@ -565,7 +566,7 @@ class EngineCore:
                     f"{'are quarantined (' + self.quarantined + ')' if self.quarantined else 'match no version'}; "
                     "a full refit first",
                 )
-            self._begin_adapter(plan, adapter)
+            self._begin_adapter(plan, adapter, digest)
             return
         if staged and plan is None:
             raise EngineError("bad_request", "a staged session needs its plan (what it writes is checked whole first)")
@@ -637,11 +638,15 @@ class EngineCore:
             shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
             raise EngineError("bad_manifest", shown)
 
-    def _begin_adapter(self, plan: Sequence[BucketManifest] | None, adapter: dict[str, Any]) -> None:
+    def _begin_adapter(
+        self, plan: Sequence[BucketManifest] | None, adapter: dict[str, Any], digest: str | None = None
+    ) -> None:
         """A LoRA refit's session: stage the version (`stage_adapter`), then check the plan against
         its spec whole (every tensor of the spec once, its shape and dtype, nothing else) before any
-        byte; refused plans discard the staged version. Loads fill it; finalize checks it complete;
-        verify hashes it; publish makes it live; discard drops it. The served weights never change."""
+        byte; refused plans discard the staged version. Loads fill it (`digest="wsum"`: hashing
+        each tensor as it is copied, so verify reads nothing back); finalize checks it complete and
+        waits for its copies; verify hashes it; publish makes it live; discard drops it. The served
+        weights never change."""
         if plan is None:
             raise EngineError("bad_request", "a LoRA refit's session needs its plan")
         try:
@@ -673,7 +678,12 @@ class EngineCore:
             raise EngineError("bad_manifest", shown)
         self.load_host_s = dict.fromkeys(LOAD_HOST_PARTS, 0.0)
         self.session = _Session(plan={m.index: m for m in plan}, staged=True, adapter=name)
+        if digest == "wsum" and staged.slab is not None:
+            from refit.wsum import Written
+
+            self.session.written = Written(staged.slab.written_regions())
         self._adapter_ready = None
+        self._adapter_written = None
         self.sessions += 1
         self.ready_to_publish = False
 
@@ -883,7 +893,8 @@ class EngineCore:
         session = self.session
         assert session is not None
         if session.adapter is not None:  # a LoRA refit: into the staged adapter version (checked there first)
-            self.lora.load(session.adapter, tensors)
+            self._start_copies()
+            self.lora.load(session.adapter, tensors, session.written, keep=keep)
             session.loaded.add(manifest.index)
             return
         program = self._programs.get(manifest.index)
@@ -1205,7 +1216,19 @@ class EngineCore:
             if missing:
                 self.lora.discard(session.adapter, reason="finalized incomplete")
                 raise EngineError("incomplete", f"finalize after {len(session.loaded)} buckets; missing {missing}")
-            self.lora.complete(session.adapter)
+            version = self.lora.complete(session.adapter).version
+            if self.device.type == "cuda":  # every stream's copies (a receiver's side stream too) land first
+                events, self._copy_events = self._copy_events, []
+                if events:
+                    events[1].record()
+                if session.written is not None:
+                    session.written.stage()  # verify's digests come back with this sync
+                torch.cuda.synchronize(self.device)
+                self._side_streams = False
+                if events:
+                    self.copy_span_s = events[0].elapsed_time(events[1]) / 1e3
+            if session.written is not None:
+                self._adapter_written = (session.written, session.adapter, version)
             self._adapter_ready = session.adapter
             self.ready_to_publish = True
             return {"post_processed": True, "adapter": session.adapter}
@@ -1842,6 +1865,14 @@ class EngineCore:
 
         staged = self.lora.staged(name)
         assert staged is not None
+        kept, self._adapter_written = self._adapter_written, None
+        if kind == "wsum" and kept is not None and kept[1:] == (name, staged.version):
+            hashed, missed = kept[0].report()  # hashed as the loads copied them: read back only the rest
+            batch = Digests(kind)
+            for tname in missed:
+                layer, proj, which = lora.parse_name(tname)
+                batch.add(tname, staged.weights[(layer, proj)][0 if which == "A" else 1])
+            return {**hashed, **batch.results()}, len(missed)
         batch = Digests(kind)
         for tname in staged.shapes:
             layer, proj, which = lora.parse_name(tname)

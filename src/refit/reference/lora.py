@@ -48,6 +48,8 @@ LORA_TARGETS: dict[str, str] = {
 }
 PEFT_PREFIX = "base_model.model."  # what PEFT's saved state dict puts before the model's own names
 MOVES_KEPT = 4096  # adapter moves kept for `AdapterTable.report` between two reports
+SLABS_KEPT = 1  # freed versions' memory kept per (spec, dtype) for the next version to stage into
+PLANS_KEPT = 64  # per slab: the checked copies kept for receivers' stable bucket views
 # PEFT LoraConfig fields whose non-default values change the math this engine computes: refused by name
 _REFUSED: dict[str, Any] = {
     "use_dora": False,
@@ -157,6 +159,43 @@ def parse_name(name: str) -> tuple[int, str, str]:
 
 
 @dataclass
+class Slab:
+    """One adapter version's memory: a flat buffer holding every tensor of the spec in PEFT's
+    order (`views`, by name; `pairs`, (layer, proj) -> [A, B], what `delta` reads). A version
+    unloaded or discarded gives its slab back to the table, and the next version of that spec
+    stages into it: the views, the regions a hashing copy credits (`regions`) and the checked
+    copies of stable bucket views (`plans`) are built once, not per refit."""
+
+    flat: torch.Tensor
+    views: dict[str, torch.Tensor]
+    pairs: dict[tuple[int, str], list[torch.Tensor | None]]
+    regions: Any = None  # `refit.wsum.Regions` of `views`, made on first use
+    plans: dict[int, tuple[Any, ...]] = field(default_factory=dict)  # id(bucket views) -> kept checks
+
+    @classmethod
+    def allocate(cls, shapes: Mapping[str, tuple[int, ...]], dtype: torch.dtype, device: torch.device) -> Slab:
+        total = sum(math.prod(shape) for shape in shapes.values())
+        flat = torch.empty(total, dtype=dtype, device=device)
+        views: dict[str, torch.Tensor] = {}
+        pairs: dict[tuple[int, str], list[torch.Tensor | None]] = {}
+        at = 0
+        for name, shape in shapes.items():
+            n = math.prod(shape)
+            views[name] = flat[at : at + n].view(shape)
+            at += n
+            layer, proj, which = parse_name(name)
+            pairs.setdefault((layer, proj), [None, None])[0 if which == "A" else 1] = views[name]
+        return cls(flat, views, pairs)
+
+    def written_regions(self) -> Any:
+        if self.regions is None:
+            from refit.wsum import Regions
+
+            self.regions = Regions(self.views)
+        return self.regions
+
+
+@dataclass
 class AdapterVersion:
     """One version of an adapter: its spec, its tensors ((layer, proj) -> [A, B]), its position."""
 
@@ -170,6 +209,7 @@ class AdapterVersion:
     landed: set[str] = field(default_factory=set)
     pinned: int = 0  # requests admitted with this version that have not finished
     cache: Any = None  # its prefix cache (the engine's PrefixCache), made on first use
+    slab: Slab | None = None  # its memory (`weights` are views of it), from staging until it is freed
 
     @property
     def state(self) -> Adapter:
@@ -177,7 +217,9 @@ class AdapterVersion:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for pair in self.weights.values() for t in pair if t is not None)
+        if self.slab is None:
+            return 0
+        return self.slab.flat.numel() * self.slab.flat.element_size()
 
     def delta(self, layer: int, proj: str, x: torch.Tensor) -> torch.Tensor | None:
         """`(B @ (A @ x)) * scale` for projection `proj` of `layer`, in the adapter's dtype (None
@@ -215,6 +257,8 @@ class AdapterTable:
         self.loads = 0  # adapter versions published so far
         self.unloads = 0
         self.moves: deque[dict[str, Any]] = deque(maxlen=MOVES_KEPT)  # not yet reported (`report`)
+        self._free: dict[tuple[LoraSpec, torch.dtype], list[Slab]] = {}  # freed versions' memory (`SLABS_KEPT`)
+        self._shapes: dict[LoraSpec, dict[str, tuple[int, ...]]] = {}
 
     # ---- the versions -------------------------------------------------------------------------
 
@@ -275,35 +319,61 @@ class AdapterTable:
             raise EngineError(
                 "bad_request", f"adapter {name!r} version {version}: not newer than the live version {live.version}"
             )
-        v = AdapterVersion(name, version, spec, spec.shapes(self.config), dtype)
+        shapes = self._shapes.get(spec)
+        if shapes is None:
+            shapes = self._shapes[spec] = spec.shapes(self.config)
+        free = self._free.get((spec, dtype))
+        slab = free.pop() if free else Slab.allocate(shapes, dtype, self.device)
+        v = AdapterVersion(name, version, spec, shapes, dtype, weights=slab.pairs, slab=slab)
         self.max_live[name] = max_live
         self.versions.setdefault(name, {})[version] = v
         self._log(v, "stage", None, r=spec.r, targets=list(spec.targets))
         return v
 
-    def load(self, name: str, tensors: Sequence[tuple[str, torch.Tensor]]) -> int:
+    def load(
+        self, name: str, tensors: Sequence[tuple[str, torch.Tensor]], written: Any = None, *, keep: bool = False
+    ) -> int:
         """Copy tensors into the staged version of `name`; every name, shape and dtype is checked
-        before any is kept (EngineError naming the first wrong one). Returns the bytes kept."""
+        before any is kept (EngineError naming the first wrong one). One batched copy on the
+        current stream (no host sync); with `written` (a `refit.wsum.Written` over this version's
+        slab), one fused copy-and-hash pass instead. `keep`: the caller hands back this very list
+        of views (a receiver's stable views) for the next version staged into this slab, whose
+        checks and copy plan are then kept and rerun. Returns the bytes kept."""
         v = self.staged(name)
         if v is None or v.state != Adapter.STAGING:
             raise EngineError("no_session", f"adapter {name!r}: no version is staging")
-        for tname, t in tensors:
-            want = v.shapes.get(tname)
-            if want is None:
-                raise EngineError("bad_request", f"adapter {name!r}: {tname!r} is not a tensor of its spec")
-            if tuple(t.shape) != want:
-                raise EngineError(
-                    "bad_request", f"adapter {name!r}: {tname} has shape {tuple(t.shape)}, expected {want}"
-                )
-            if t.dtype != v.dtype:
-                raise EngineError("bad_request", f"adapter {name!r}: {tname} is {t.dtype}, expected {v.dtype}")
-        n = 0
-        for tname, t in tensors:
-            layer, proj, which = parse_name(tname)
-            pair = v.weights.setdefault((layer, proj), [None, None])
-            pair[0 if which == "A" else 1] = t.detach().to(self.device, copy=True)
-            v.landed.add(tname)
-            n += t.numel() * t.element_size()
+        slab = v.slab
+        assert slab is not None
+        index = None if written is None else written.index
+        kept = slab.plans.get(id(tensors))
+        if kept is not None and kept[0] is tensors and kept[1] is index:
+            pairs, plan, n = kept[2], kept[3], kept[4]
+        else:
+            pairs, n = [], 0
+            for tname, t in tensors:
+                dst = slab.views.get(tname)
+                if dst is None:
+                    raise EngineError("bad_request", f"adapter {name!r}: {tname!r} is not a tensor of its spec")
+                if t.shape != dst.shape:
+                    raise EngineError(
+                        "bad_request",
+                        f"adapter {name!r}: {tname} has shape {tuple(t.shape)}, expected {tuple(dst.shape)}",
+                    )
+                if t.dtype != v.dtype:
+                    raise EngineError("bad_request", f"adapter {name!r}: {tname} is {t.dtype}, expected {v.dtype}")
+                pairs.append((dst, t))
+                n += t.numel() * t.element_size()
+            plan = None if written is None else written.plan(pairs)
+            if keep:
+                if len(slab.plans) >= PLANS_KEPT:
+                    slab.plans.clear()
+                slab.plans[id(tensors)] = (tensors, index, pairs, plan, n)
+        with torch.no_grad():
+            if written is not None:
+                written.run(plan)
+            elif pairs:
+                torch._foreach_copy_([d for d, _ in pairs], [t for _, t in pairs])
+        v.landed.update(tname for tname, _ in tensors)
         return n
 
     def complete(self, name: str) -> AdapterVersion:
@@ -319,6 +389,18 @@ class AdapterTable:
             )
         self._move(v, AdapterEvent.COMPLETE, nbytes=v.nbytes)
         return v
+
+    def _release(self, v: AdapterVersion) -> None:
+        """`v` serves no more: its slab goes back for the next version of its spec to stage into
+        (at most `SLABS_KEPT` per spec and dtype; the rest are freed)."""
+        slab, v.slab, v.weights = v.slab, None, {}
+        free = self._free.setdefault((v.spec, v.dtype), [])
+        if slab is not None and len(free) < SLABS_KEPT:
+            free.append(slab)
+
+    def pooled_bytes(self) -> int:
+        """Bytes held by freed versions' slabs kept for the next to stage into."""
+        return sum(s.flat.numel() * s.flat.element_size() for free in self._free.values() for s in free)
 
     def going(self, name: str) -> list[AdapterVersion]:
         """The servable versions of `name` that publishing its staged one pushes past `max_live`
@@ -391,7 +473,7 @@ class AdapterTable:
         v = self.staged(name)
         if v is None:
             return False
-        v.weights.clear()
+        self._release(v)
         self.draining.pop(name, None)
         self._move(v, AdapterEvent.DISCARD, reason=reason)
         del self.versions[name][v.version]
@@ -416,7 +498,7 @@ class AdapterTable:
         for name in list(self.versions):
             for v in list(self.versions[name].values()):
                 if v.state == Adapter.RETIRED and v.pinned == 0:
-                    v.weights.clear()
+                    self._release(v)
                     v.cache = None
                     self._move(v, AdapterEvent.UNLOAD)
                     self.unloads += 1

@@ -275,6 +275,10 @@ class EngineServer:
         self.manifests = Manifests()  # what its client sent once (`ManifestMemo`)
         self.armed: dict[tuple[str, int | None], tuple[str, float]] = {}
         self._corrupt_next_load = False
+        # the engine thread's whole turn at a call (`serve`): when it read the request, and the
+        # audit record to stamp with when its answer left (decode and answer are the thread's time too)
+        self.received_at: float | None = None
+        self._last_record: dict[str, Any] | None = None
 
     def handle(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if method not in self.METHODS:
@@ -289,11 +293,13 @@ class EngineServer:
         if method not in AUDITED:
             return fn(*args, **kwargs)
         bucket = args[0].manifest.index if method == "load" and args and isinstance(args[0], Payload) else None
+        received, self.received_at = self.received_at, None
         before = {
             "dirty_before": self.core.dirty,
             "ready_before": self.core.ready_to_publish,
             "session_open_before": self.core.session is not None,
             "start": time.monotonic(),
+            **({} if received is None else {"received": received}),
         }
         try:
             result = fn(*args, **kwargs)
@@ -301,10 +307,18 @@ class EngineServer:
             self.core.record(method, False, bucket=bucket, error=getattr(exc, "kind", type(exc).__name__), **before)
             raise
         self.core.record(method, True, bucket=bucket, **before)
+        self._last_record = self.core.audit[-1]
         return result
+
+    def answered(self, at: float) -> None:
+        """The answer to the call just handled left at `at` (its audit record's "answered")."""
+        rec, self._last_record = self._last_record, None
+        if rec is not None:
+            rec["answered"] = at
 
     def dispatch(self, method: str, body: bytes) -> Any:
         """Decode, apply any armed fault, forward to the TP followers, handle."""
+        self._last_record = None  # (`answered` stamps only a record of this request)
         fault = self._armed_for(method, body)
         if fault is not None and self._fire(fault, method) == "corrupt" and method != "load":
             body = body[: len(body) // 2]  # the request arrives truncated
@@ -370,6 +384,8 @@ class EngineServer:
                 out.append((False, _error_value(exc), time.monotonic() - t0))
                 break
             out.append((True, value, time.monotonic() - t0))
+            self.received_at = time.monotonic()  # the next step's turn starts where this one's ended
+        self.received_at = None
         return out
 
     def _armed_for(self, method: str, body: bytes) -> tuple[str, float] | None:
@@ -553,6 +569,7 @@ def serve(channel: Channel, server: EngineServer) -> None:
     try:
         while True:
             if channel.poll(0 if core.has_work() else core.wake_in()):
+                received = time.monotonic()
                 msg = channel.recv()
                 if msg == SHUTDOWN:
                     break
@@ -564,7 +581,9 @@ def serve(channel: Channel, server: EngineServer) -> None:
                         rid = core.submit(*args, **kwargs)
                         waiters.setdefault(rid, []).append(call_id)
                     else:
+                        server.received_at = received
                         channel.send((call_id, True, server.dispatch(method, body)))
+                        server.answered(time.monotonic())
                 except _Killed:
                     raise
                 except Exception as exc:  # the engine survives a bad request and says why
