@@ -41,8 +41,8 @@ def _ctx(model: Any, engines: list[Any], **kw: Any) -> protocol.RefitContext:
 
     kw.setdefault("max_staleness", 1)
     kw.setdefault("verify", "off")
-    return protocol.RefitContext(LoraSource(model, name="policy"), SGLangTensorTransport(), engines,
-                                 deadline_s=30, **kw)  # fmt: skip
+    kw.setdefault("deadline_s", 30)
+    return protocol.RefitContext(LoraSource(model, name="policy"), SGLangTensorTransport(), engines, **kw)
 
 
 def _listed(e: EmulatedSGLangEngine) -> list[str]:
@@ -254,6 +254,163 @@ def test_a_new_driver_never_serves_a_version_no_run_published() -> None:
         out = fresh.generate(PROMPT, 6, adapter="policy")
         assert out["adapter_version"] == result.version == 3 and out["output"] == greedy(model, snap, PROMPT, 6)
         assert _listed(e) == ["policy@v2", "policy@v3"]
+    finally:
+        ctx.close()
+        e.close()
+
+
+class _Partition(httpx.BaseTransport):
+    """A network between a driver and its server that can be cut: while cut, every request fails
+    to connect (httpx's ConnectError, as for a host that cannot be reached)."""
+
+    def __init__(self) -> None:
+        self.cut = False
+        self._inner = httpx.HTTPTransport()
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        if self.cut:
+            raise httpx.ConnectError(f"{request.url.host}: no route to host (partition)", request=request)
+        return self._inner.handle_request(request)
+
+
+def test_an_engine_the_run_cannot_reach_is_still_held_by_its_driver() -> None:
+    """Two servers, max_staleness 1. s1's load fails in run 2 (it keeps v1, one behind); in run 3
+    the network to s1 is cut and s0 publishes v3, so s1 would serve two behind. The run cannot
+    reach s1, but the hold lives in its driver: once the network heals, requests naming the
+    adapter on s1 are refused (never served by v1), and the refit that reaches it lifts it. Out
+    of reach when only one behind, it is not held (its driver knows the version it serves)."""
+    from refit.errors import EngineError
+    from refit.protocol.faults import FaultPlan
+
+    model = peft_model()
+    engines = [_engine("s0"), _engine("s1")]
+    net = _Partition()
+    s1 = engines[1]
+    s1._transport = net  # the driver's clients go through the cuttable network
+    s1._http, s1._serve_http = s1._new_client(), s1._new_client()
+    ctx = _ctx(model, engines, retries=0)
+    try:
+        train(model, 1)
+        protocol.run(ctx).raise_for_error()
+        train(model, 2)
+        ctx.faults = FaultPlan().fail_at("transferring", call="load", kind="raise", engine=1)
+        r2 = protocol.run(ctx)
+        assert (r2.engines["s0"].status, r2.engines["s1"].status) == ("updated", "unchanged")
+        assert s1.generate(PROMPT, 3, adapter="policy")["adapter_version"] == 1  # one behind: it serves
+        ctx.faults = None
+        train(model, 3)
+        net.cut = True
+        r3 = protocol.run(ctx)
+        net.cut = False
+        assert r3.engines["s0"].status == "updated" and r3.engines["s1"].status == "failed"
+        assert "its driver holds the adapter" in (r3.engines["s1"].error or "")
+        assert engines[0].generate(PROMPT, 3, adapter="policy")["adapter_version"] == 3
+        with pytest.raises(EngineError, match="held"):
+            s1.generate(PROMPT, 3, adapter="policy")
+        snap = train(model, 4)
+        protocol.run(ctx).raise_for_error()
+        for e in engines:
+            out = e.generate(PROMPT, 6, adapter="policy")
+            assert out["adapter_version"] == 4 and out["output"] == greedy(model, snap, PROMPT, 6)
+        # out of reach again, but only one behind once v5 is out: its driver knows it serves v4, so no hold
+        train(model, 5)
+        net.cut = True
+        r5 = protocol.run(ctx)
+        net.cut = False
+        assert r5.engines["s1"].status == "failed" and "holds the adapter" not in (r5.engines["s1"].error or "")
+        assert s1.generate(PROMPT, 6, adapter="policy")["output"] == greedy(model, snap, PROMPT, 6)
+    finally:
+        ctx.close()
+        for e in engines:
+            e.close()
+
+
+class _OmitAdapters(httpx.BaseTransport):
+    """A proxy that, while `omit` is set, answers GET /v1/models with the base model's card only
+    (a partial answer: the adapters left out) and passes everything else through."""
+
+    def __init__(self) -> None:
+        self.omit = 0  # answers left to cut
+        self._inner = httpx.HTTPTransport()
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        response = self._inner.handle_request(request)
+        if self.omit and request.url.path == "/v1/models":
+            self.omit -= 1
+            response.read()
+            body = response.json()
+            return httpx.Response(200, json={**body, "data": body["data"][:1]}, request=request)
+        return response
+
+
+def test_a_listing_that_leaves_versions_out_does_not_make_them_count_as_gone() -> None:
+    """SGLang's /v1/models answer omits the loaded versions once (a proxy, a partial answer).
+    The driver does not take them as gone on its word: it unloads each by name (SGLang's own
+    unload answers, or says it does not exist), so the server never holds more than
+    max_staleness + 1 versions, and the trace records the unloads and checks clean."""
+    model = peft_model()
+    e = _engine()
+    proxy = _OmitAdapters()
+    e._transport = proxy
+    e._http, e._serve_http = e._new_client(), e._new_client()
+    ctx = _ctx(model, [e])
+    try:
+        for step in (1, 2):
+            train(model, step)
+            protocol.run(ctx).raise_for_error()
+        assert _listed(e) == ["policy@v1", "policy@v2"]
+        proxy.omit = 1
+        snap = train(model, 3)
+        protocol.run(ctx).raise_for_error()
+        assert _listed(e) == ["policy@v3"]  # v1 and v2 unloaded, by name, before v3 loaded
+        out = e.generate(PROMPT, 6, adapter="policy")
+        assert out["adapter_version"] == 3 and out["output"] == greedy(model, snap, PROMPT, 6)
+        unloads = [
+            m["adapter_version"] for m in trace_adapter_moves(ctx.recorder.events)["s0"] if m["event"] == "unload"
+        ]
+        assert unloads == [1, 2]
+        assert invariants.check_trace(ctx.recorder.events, open_ok=True) == []
+    finally:
+        ctx.close()
+        e.close()
+
+
+def test_a_version_sglang_is_still_unloading_is_asked_again_not_taken_as_gone() -> None:
+    """A request pins v1; the run that must push v1 out (max_staleness 1) runs out of time in
+    DRAINING, leaving SGLang's unload of v1 pending (unregistered, so /v1/models no longer lists
+    it, but loaded until its request ends: SGLang's own `pending_lora_unloads`). The next run does
+    not take v1 as gone: its DRAINING asks SGLang again, which answers once the request ended, and
+    only then does v4 go live."""
+    model = peft_model()
+    e = _engine()
+    ctx = _ctx(model, [e], deadline_s=2.0, cleanup_grace_s=1.0)
+    try:
+        for step in (1, 2):
+            train(model, step)
+            protocol.run(ctx).raise_for_error()
+        long = e.submit(PROMPT, 3500, adapter="policy")  # pinned to v2
+        ended: dict[str, float] = {}
+        long.add_done_callback(lambda _: ended.setdefault("long", time.monotonic()))
+        time.sleep(0.3)
+        train(model, 3)
+        protocol.run(ctx).raise_for_error()  # v3 live; v1 (no request) unloaded; v2 retired, pinned
+        train(model, 4)
+        r4 = protocol.run(ctx)  # must push v2 out: its request outlives the run's 2 s
+        assert not r4.ok and not long.done()
+        shim = e.server._shim
+        assert "policy@v2" in shim.pending_lora_unloads and "policy@v2" not in _listed(e)
+        ctx.deadline_s = 120.0
+        snap = train(model, 5)
+        r5 = protocol.run(ctx).raise_for_error()
+        published = time.monotonic()
+        assert long.done() and ended["long"] <= published and r5.phase_seconds.get("DRAINING", 0) > 0
+        assert shim.pending_lora_unloads == {} and _listed(e) == ["policy@v3", f"policy@v{r5.version}"]
+        # the trace never says v2 went while SGLang still held it: its unload is DRAINING's, once it answered
+        v2 = [m for m in trace_adapter_moves(ctx.recorder.events)["s0"] if m["adapter_version"] == 2]
+        assert [(m["event"], m.get("reason")) for m in v2][-1] == ("unload", None)
+        out = e.generate(PROMPT, 6, adapter="policy")
+        assert out["adapter_version"] == r5.version and out["output"] == greedy(model, snap, PROMPT, 6)
+        assert invariants.check_trace(ctx.recorder.events, open_ok=True) == []
     finally:
         ctx.close()
         e.close()

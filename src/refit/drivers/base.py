@@ -489,7 +489,11 @@ class EngineDriver(ABC):
     of ending them: the version policy's hold of an engine merely behind; without it a hold ends
     them as a quarantine does); `stages` (atomic runs: `stage`, `swap`, `discard`; otherwise
     the runner refuses `atomic=True`, with `no_stage` as the reason); `serves_adapters` (LoRA
-    refits: versions of an adapter loaded at runtime, chosen per request).
+    refits: versions of an adapter loaded at runtime, chosen per request); `holds_adapters_locally`
+    (the version policy's hold of an adapter lives in the driver, whose `generate` refuses it: the
+    run sets it even on an engine it could not reach, and the driver keeps it until a refit
+    publishes there; such a driver's `live_adapter(name)` says, with no call, which version it
+    serves, so an engine merely one version behind is not held for being out of reach).
     """
 
     supports_in_place_pause: ClassVar[bool] = False
@@ -504,6 +508,7 @@ class EngineDriver(ABC):
     holds_requests: ClassVar[bool] = False
     stages: ClassVar[bool] = False
     serves_adapters: ClassVar[bool] = False
+    holds_adapters_locally: ClassVar[bool] = False
     no_stage: ClassVar[str | None] = None  # why `stages` is False, for the refusal
     no_digests: ClassVar[str | None] = None  # why `digest_kinds` is empty, for the refusal (optional)
 

@@ -135,8 +135,13 @@ class UpdateLedger:
         self.session.fire(UpdateEvent.PUBLISH)
 
 
+CONFIRM_UNLOAD_S = 0.25  # a probe's wait for the unload of a version the server's listing left out
+
+
 class HttpEngineDriver(EngineDriver):
     """Base for a driver of one engine server reached over HTTP (one engine, `tp` TP ranks)."""
+
+    holds_adapters_locally = True  # the server cannot hold a name: this driver refuses requests naming it
 
     def __init__(
         self,
@@ -194,10 +199,19 @@ class HttpEngineDriver(EngineDriver):
         found = [parse_version_name(str(c.get("id"))) for c in cards if isinstance(c, dict)]
         return sorted(v for a_v in found if a_v is not None for a, v in [a_v] if a == adapter)
 
-    def _adapter_probed(self, target: int, adapter: str, listed: Sequence[int]) -> dict[str, Any]:
+    def _adapter_probed(self, target: int, adapter: str, listed: Sequence[int], end: float) -> dict[str, Any]:
         """The probe's answer once the server's versions are `listed`: folded into the mirror; the
-        version is the adapter's live one (0: none); `version_ahead` when it holds the target."""
-        self._lora.sync(adapter, listed)
+        version is the adapter's live one (0: none); `version_ahead` when it holds the target.
+        A version the mirror holds loaded that the listing leaves out is unloaded by name first,
+        to be sure (a listing omits one the server is still unloading, and a proxy or a partial
+        answer may omit any): gone once the server says so; one whose unload does not finish
+        within `CONFIRM_UNLOAD_S` is kept as unloading, and DRAINING asks again."""
+        unloading = []
+        for v in self._lora.unlisted(adapter, listed):
+            wait = max(0.05, min(CONFIRM_UNLOAD_S, end - time.monotonic()))
+            if self._unload(adapter, v, "probe", timeout=wait, reason="not listed by the server") is False:  # type: ignore[attr-defined]
+                unloading.append(v)
+        self._lora.sync(adapter, listed, unloading)
         held = self._lora.live(adapter) or 0
         if held >= target:
             raise EngineError(
@@ -230,9 +244,9 @@ class HttpEngineDriver(EngineDriver):
     def _hold_adapter(self, adapter: str, reason: str, timeout: float) -> None:
         """The version policy's hold of `adapter` here: its staged version unloaded, and
         `generate(adapter=...)` refused until a refit publishes one (the server cannot hold a name)."""
+        self._adapter_held[adapter] = reason  # first: it holds whether or not the server answers below
         if self._adapter_run is not None and self._lora.staged(adapter) is not None:
             self.discard(timeout=timeout)  # type: ignore[attr-defined]
-        self._adapter_held[adapter] = reason
 
     def submit(self, prompt: Sequence[int], max_new_tokens: int, **kwargs: Any) -> Any:
         """Start a request on a thread; returns a Future of `generate`'s answer (`kwargs`: its own)."""

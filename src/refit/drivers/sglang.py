@@ -762,7 +762,7 @@ class SGLangEngine(HttpEngineDriver):
             raise EngineError("unsupported", f"engine {self.name}: LoRA is not enabled on the server at {self.url}: "
                               "launch it with --enable-lora --max-lora-rank R --lora-target-modules ...")  # fmt: skip
         listed = self._listed_versions(adapter, "probe", end - time.monotonic())
-        return {**self._adapter_probed(target, adapter, listed), "server_version": self._caps().version}
+        return {**self._adapter_probed(target, adapter, listed, end), "server_version": self._caps().version}
 
     def stage(
         self, plan: Sequence[BucketManifest], digest: str | None = None, adapter: dict[str, Any] | None = None,
@@ -836,7 +836,7 @@ class SGLangEngine(HttpEngineDriver):
         if self._lora.state(adapter, version) in (Adapter.STAGING, Adapter.STAGED):
             self._lora.discard(adapter, version, reason=reason or "discarded")
         elif self._lora.state(adapter, version) is not None:
-            self._lora.unload(adapter, version)
+            self._lora.unload(adapter, version, **({"reason": reason} if reason else {}))
         return True
 
     def drain(self, hold_s: float, *, timeout: float) -> dict[str, Any]:

@@ -665,7 +665,8 @@ class VLLMEngine(HttpEngineDriver):
         end = time.monotonic() + timeout
         info = self._call("GET", "/server_info", "probe", timeout=timeout, params={"config_format": "json"})
         self._lora_args = server_lora(info if isinstance(info, dict) else {})
-        return self._adapter_probed(target, adapter, self._listed_versions(adapter, "probe", end - time.monotonic()))
+        listed = self._listed_versions(adapter, "probe", end - time.monotonic())
+        return self._adapter_probed(target, adapter, listed, end)
 
     def stage(
         self, plan: Sequence[BucketManifest], digest: str | None = None, adapter: dict[str, Any] | None = None,
@@ -732,9 +733,9 @@ class VLLMEngine(HttpEngineDriver):
             return EngineError("unsupported", f"{where} (no such route: VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 is unset)")
         return EngineError("bad_request", where)
 
-    def _unload(self, adapter: str, version: int, call: str, timeout: float, *, reason: str | None = None) -> None:
+    def _unload(self, adapter: str, version: int, call: str, timeout: float, *, reason: str | None = None) -> bool:
         """POST /v1/unload_lora_adapter (vLLM answers at once: the name goes, running requests keep
-        it); an unknown name (404) is already gone. Recorded as an unload, or a discard."""
+        it); an unknown name (404) is already gone. Recorded as an unload, or a discard: True."""
         name = version_name(adapter, version)
         status, data = self._request("POST", "/v1/unload_lora_adapter", call, timeout=timeout, body={"lora_name": name})
         if status >= 300 and not (status == 404 and "cannot be found" in message_of(data)):
@@ -742,7 +743,8 @@ class VLLMEngine(HttpEngineDriver):
         if self._lora.state(adapter, version) in (Adapter.STAGING, Adapter.STAGED):
             self._lora.discard(adapter, version, reason=reason or "discarded")
         elif self._lora.state(adapter, version) is not None:
-            self._lora.unload(adapter, version)
+            self._lora.unload(adapter, version, **({"reason": reason} if reason else {}))
+        return True
 
     def drain(self, hold_s: float, *, timeout: float) -> dict[str, Any]:
         """DRAINING: unload each version the publish would push past max_staleness + 1."""

@@ -127,8 +127,46 @@ def trace_adapter_moves(events: Iterable[Mapping[str, Any]]) -> dict[str, list[M
 
 
 def check_trace_adapters(events: Sequence[Mapping[str, Any]]) -> list[Violation]:
-    """The adapter checks over a refit trace: every engine's reported moves (`check_adapter_records`)."""
+    """The adapter checks over a refit trace: every engine's reported moves (`check_adapter_records`),
+    and each LoRA run's own version (`check_run_loads`)."""
     out: list[Violation] = []
     for engine, moves in trace_adapter_moves(events).items():
         out.extend(check_adapter_records(moves, engine=engine))
+    out.extend(check_run_loads(events))
+    return out
+
+
+def check_run_loads(events: Sequence[Mapping[str, Any]]) -> list[Violation]:
+    """adapter_moves, per LoRA run whose start is in the trace: the run's own version is staged and
+    loaded whole within the run, so an engine's publish of it must follow its stage and complete on
+    that engine in the run's own records (a window may begin mid-history, but never mid-way through
+    a run it has the start of)."""
+    out: list[Violation] = []
+    run: Mapping[str, Any] | None = None
+    seen: dict[str, set[str]] = {}  # engine -> this run's moves of the run's version so far
+    for e in events:
+        if e.get("kind") == "run" and e.get("event") == "start":
+            adapter = e.get("adapter")
+            run = e if isinstance(adapter, Mapping) and isinstance(e.get("version"), int) else None
+            seen = {}
+            continue
+        if run is None or e.get("kind") != "call" or e.get("run") != run.get("run"):
+            continue
+        result = e.get("result")
+        moves = result.get("adapter_moves") if isinstance(result, Mapping) else None
+        if not isinstance(moves, list):
+            continue
+        name, version, engine = run["adapter"].get("name"), run["version"], str(e.get("engine"))
+        for m in moves:
+            if not isinstance(m, Mapping) or (m.get("adapter"), m.get("adapter_version")) != (name, version):
+                continue
+            event = str(m.get("event"))
+            if event == "stage":
+                seen[engine] = {"stage"}
+            elif event == "publish" and not {"stage", "complete"} <= seen.get(engine, set()):
+                lacking = " and ".join(x for x in ("stage", "complete") if x not in seen.get(engine, set()))
+                out.append(Violation("adapter_moves", f"engine {engine}: {name} v{version} published in run "
+                                     f"{run.get('run')} with no {lacking} of it on record in that run"))  # fmt: skip
+            else:
+                seen.setdefault(engine, set()).add(event)
     return out

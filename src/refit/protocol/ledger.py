@@ -51,6 +51,7 @@ class Engine:
     previous_version: int | None  # None: stale (new incarnation, or left unversioned earlier)
     begin_moves_weights: bool = False  # its driver's capability: a begin alone makes its weights unusable
     holds_requests: bool = False  # its driver's capability: a hold keeps its requests (quarantine's keep_requests)
+    holds_adapters_locally: bool = False  # its driver's capability: an adapter's hold needs no answer from it
     position: EngineMachine = field(default_factory=EngineMachine)
     weights: FactMachine = field(default_factory=lambda: FactMachine("weights"))
     failure: FactMachine = field(default_factory=lambda: FactMachine("failure"))

@@ -109,8 +109,11 @@ class _Run(Recording):
         self.transport = ctx.transport
         drivers, ranks = faults.wrap(ctx.faults, ctx.engines, ctx.ranks, self.fault_fired)
         self.waves = Waves(drivers, ranks, session.lane, self.budget, self.clock, ctx.ranks.world if ctx.ranks else 1)
-        caps = [(bool(getattr(d, "begin_moves_weights", False)), bool(getattr(d, "holds_requests", False)))
-                for d in ctx.engines]  # fmt: skip
+        caps = [
+            tuple(bool(getattr(d, cap, False)) for cap in ("begin_moves_weights", "holds_requests",
+                                                           "holds_adapters_locally"))
+            for d in ctx.engines
+        ]  # fmt: skip
         self.ledger = Ledger(
             self.version,
             [Engine(i, d.name, d.tp_size, d.name, None, *caps[i]) for i, d in enumerate(ctx.engines)],
@@ -747,12 +750,17 @@ class _Run(Recording):
             return False
         return e.previous_version is None or self.version - e.previous_version > k
 
-    def hold_reason(self, e: Engine) -> str | None:
+    def hold_reason(self, e: Engine, known: int | None = None) -> str | None:
         """Why the version policy holds `e` out of service now (None: it does not): some engine
-        serves the run's version (published and continued) and `e` is `behind`."""
+        serves the run's version (published and continued) and `e` is `behind`. `known`: the
+        version `e` serves as its driver knows it, where the run could not ask `e` itself."""
         if not self.behind(e) or not any(x.published and x.state == E.SERVING for x in self.engines):
             return None
-        held = "no version" if e.previous_version is None else f"version {e.previous_version}"
+        k = self.ctx.max_staleness
+        if e.previous_version is None and known is not None and k is not None and self.version - known <= k:
+            return None
+        was = e.previous_version if e.previous_version is not None else known
+        held = "no version" if was is None else f"version {was}"
         return (
             f"stale: it holds {held}, and the fleet now serves version {self.version} (max_staleness "
             f"{self.ctx.max_staleness}, run {self.run_id}); a refit that reaches it brings it back"
@@ -770,6 +778,29 @@ class _Run(Recording):
             self._settle_wave({e: self.owed(e, cont, quarantine, kv=cont) for e in later}, True)
         if self.ctx.staged:
             self.hold_hung(quarantine)
+        if self.ledger.adapter is not None:
+            self.hold_unreachable(quarantine)
+
+    def hold_unreachable(self, state: str) -> None:
+        """LoRA runs: an engine the run lost (it died, stopped answering or cannot be reached) that
+        the version policy would hold is held anyway where its driver keeps the hold itself
+        (`holds_adapters_locally`: its `generate` refuses the adapter until a refit publishes
+        there), within the cleanup budget; its outcome stays "failed". An engine whose hold lives
+        on the server cannot be told: the next run that reaches it brings it up to date or holds it."""
+        adapter = self.ledger.adapter
+        assert adapter is not None
+        why = {
+            e: self.hold_reason(e, known=self._driver_live(e, adapter)) for e in self.engines
+            if not e.reachable and e.holds_adapters_locally and e.held is None
+        }  # fmt: skip
+        plan = {e: [hold_step(e, state, r, self.ledger.adapter)] for e, r in why.items() if r is not None}
+        if not plan:
+            return
+        w = self.waves.start(plan, cleanup=True)
+        for e, pairs in self.waves.wait(w).items():
+            for step, res in pairs:
+                self.record(e, step, res, w.batch, state=state)  # recorded; it stays reported as it was
+            e.error = f"{e.error}; the run could not reach it, so its driver holds the adapter until a refit does"
 
     def hold_hung(self, state: str) -> None:
         """Atomic runs: an engine that stopped answering while it generated serves its old weights
@@ -791,6 +822,14 @@ class _Run(Recording):
                 f"{e.error}; it stopped answering while it generated, so its discard and hold were sent to run once "
                 "it answers"
             )
+
+    def _driver_live(self, e: Engine, adapter: str) -> int | None:
+        """The live version of `adapter` on `e` as its driver knows it (`live_adapter`, a driver
+        that holds adapters locally: no call), or None where it knows none."""
+        try:
+            return int(self.ctx.engines[e.index].live_adapter(adapter))  # type: ignore[attr-defined]
+        except (RefitError, AttributeError, TypeError, ValueError):
+            return None
 
     def _settle_wave(self, plan: dict[Engine, list[Step]], cleanup: bool) -> None:
         if not any(plan.values()):
