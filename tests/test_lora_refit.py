@@ -378,3 +378,41 @@ def test_a_lora_context_after_a_full_context_attached_the_engines_recovers(engin
     finally:
         lora.close()
         full.close()
+
+
+def _peft_greedy(pm: Any, prompt: list[int], n: int) -> list[int]:
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(pm(torch.tensor([ids]))[0, -1].argmax()))
+    return ids[len(prompt) :]
+
+
+@pytest.mark.parametrize("kv_heads", [2, 1], ids=["kv-heads-split", "kv-head-replicated"])
+def test_lora_refits_into_a_tp2_engine_serve_peft_tokens_and_verify_its_shards(kv_heads: int) -> None:
+    """A TP=2 engine (two processes, gloo) takes LoRA refits: each rank keeps its shard of A and B
+    (B's rows of q/k/v/gate/up, A's columns of o/down; one KV head held by both ranks in the second
+    case), a row-parallel update's A @ x is summed over the ranks, verify gathers the shards back
+    into the trainer's tensors (digests equal), and greedy tokens equal PEFT's under each version."""
+    import dataclasses
+
+    cfg = dataclasses.replace(CFG, num_kv_heads=kv_heads)
+    torch.manual_seed(0)
+    config = peft.LoraConfig(r=8, lora_alpha=16, target_modules=list(LORA_TARGETS), init_lora_weights=False)
+    pm = peft.get_peft_model(TinyLlama(cfg, seed=0), config).eval()
+    engine = ReferenceEngine.spawn("tp2", cfg, seed=0, tp=2)
+    ctx = protocol.RefitContext(
+        LoraSource(pm, name="policy"), SharedMemoryTransport(), [engine], max_staleness=1, verify="digest"
+    )
+    try:
+        for step in range(3):
+            _train_step(pm, step)
+            result = protocol.run(ctx).raise_for_error()
+            assert result.engines["tp2"].verify["ok"] and result.bytes_moved == _adapter_bytes(pm)
+            for prompt in PROMPTS[:2]:
+                out = engine.generate(prompt, 8, adapter="policy")
+                assert out["adapter_version"] == result.version and out["output"] == _peft_greedy(pm, prompt, 8)
+        assert len(engine.info()["adapters"]["policy"]) <= 2
+    finally:
+        ctx.close()
+        engine.close()

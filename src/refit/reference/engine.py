@@ -372,7 +372,7 @@ class EngineCore:
         self._backup: dict[str, torch.Tensor] | None = None
         self.cache = PrefixCache()
         # LoRA adapters, several versions live; each version keeps its own prefix cache
-        self.lora = lora.AdapterTable(config, self.device, self.record, lambda: self.tokens_sampled)
+        self.lora = lora.AdapterTable(config, self.device, self.record, lambda: self.tokens_sampled, self._shard_of)
         self._adapter_ready: str | None = None  # a LoRA refit's adapter, finalized whole: publish serves it
         self._adapter_written: tuple[Any, str, int] | None = None  # its session's Written, adapter, version
         self.step_s = 0.0  # a step's time, averaged (`step`)
@@ -484,6 +484,13 @@ class EngineCore:
             yield
         finally:
             self.params, self.head_serving = staged
+
+    def _shard_of(self, hf_name: str) -> tuple[int, int, int] | None:
+        """(dim, start, length) of HF weight `hf_name`'s shard on this TP rank (None: one rank)."""
+        if self.comm.size == 1:
+            return None
+        _target, dim, src, _dst, n = self.layout.targets[hf_name]
+        return dim, src, n
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """The weights read back and unfused, in HF names (what a refit's check compares); every TP
@@ -1312,9 +1319,7 @@ class EngineCore:
         PEFT config; `dtype`: its tensors', the model's by default). Generation goes on: requests
         pinned to other versions are untouched. `max_live`: at most this many versions of `name`
         serve at once (`max_staleness + 1`); staging one more is refused while the oldest still has
-        requests. A TP engine refuses (its shards of A and B are not served yet)."""
-        if self.comm.size > 1:
-            raise EngineError("unsupported", f"LoRA adapters on a TP={self.comm.size} reference engine are not served")
+        requests. On TP ranks each keeps its shard (`lora.AdapterTable.slice_of`)."""
         try:
             parsed = spec if isinstance(spec, lora.LoraSpec) else lora.LoraSpec.from_dict(spec)
         except (ValueError, KeyError, TypeError) as exc:
@@ -1806,15 +1811,16 @@ class EngineCore:
         """Layer `i` after attention (`out`): o_proj and the residual, then the MLP and its residual,
         each projection with its row's LoRA update (`ad`) where one is given."""
         c, pre = self.config, f"model.layers.{i}."
+        reduce = self.comm.all_reduce if self.comm.size > 1 else None  # a row-parallel update's A @ x
         o = self._row_parallel(out, p[pre + "self_attn.o_proj.weight"], p.get(pre + "self_attn.o_proj.bias"))
-        x = x + lora.apply(o, out, i, (("o_proj", o.shape[-1]),), ad)
+        x = x + lora.apply(o, out, i, (("o_proj", o.shape[-1]),), ad, reduce)
         n = rms_norm(x, p[pre + "post_attention_layernorm.weight"], c.rms_norm_eps)
         gate_up = F.linear(n, p[pre + "mlp.gate_up_proj.weight"])
         half = gate_up.shape[-1] // 2
         gate, up = lora.apply(gate_up, n, i, (("gate_proj", half), ("up_proj", half)), ad).chunk(2, dim=-1)
         h = F.silu(gate) * up
         down = self._row_parallel(h, p[pre + "mlp.down_proj.weight"], None)
-        return x + lora.apply(down, h, i, (("down_proj", c.hidden_size),), ad)
+        return x + lora.apply(down, h, i, (("down_proj", c.hidden_size),), ad, reduce)
 
     def _row_parallel(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """`x @ weight.T + bias` for a row-parallel projection (o_proj, down_proj). One rank: one
@@ -1865,19 +1871,31 @@ class EngineCore:
 
         staged = self.lora.staged(name)
         assert staged is not None
+        assert staged.slab is not None
         kept, self._adapter_written = self._adapter_written, None
         if kind == "wsum" and kept is not None and kept[1:] == (name, staged.version):
             hashed, missed = kept[0].report()  # hashed as the loads copied them: read back only the rest
             batch = Digests(kind)
             for tname in missed:
-                layer, proj, which = lora.parse_name(tname)
-                batch.add(tname, staged.weights[(layer, proj)][0 if which == "A" else 1])
+                batch.add(tname, staged.slab.views[tname])
             return {**hashed, **batch.results()}, len(missed)
+        views: dict[str, torch.Tensor] = staged.slab.views
+        if self.comm.size > 1:  # every rank's shards, unsharded into the HF tensors (one rank per KV head)
+            ranks = self.comm.gather_objects({n: t.clone() for n, t in views.items() if self.lora.slice_of(n)})
+            rep, full = self.layout.kv_replicas, {}
+            for tname, t in views.items():
+                part = self.lora.slice_of(tname)
+                if part is None:
+                    full[tname] = t
+                    continue
+                kv = lora.parse_name(tname)[1] in ("k_proj", "v_proj")
+                holders = ranks[rep - 1 :: rep] if rep > 1 and kv else ranks
+                full[tname] = torch.cat([r[tname] for r in holders], dim=part[0])
+            views = full
         batch = Digests(kind)
-        for tname in staged.shapes:
-            layer, proj, which = lora.parse_name(tname)
-            batch.add(tname, staged.weights[(layer, proj)][0 if which == "A" else 1])
-        return batch.results(), len(staged.shapes)
+        for tname, t in views.items():
+            batch.add(tname, t)
+        return batch.results(), len(views)
 
     def _digests(self, kind: str) -> tuple[dict[str, str], int]:
         """Each served tensor's digest, and how many were read back from memory (the rest were

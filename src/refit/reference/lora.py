@@ -46,6 +46,7 @@ LORA_TARGETS: dict[str, str] = {
     "up_proj": "mlp",
     "down_proj": "mlp",
 }
+ROW_PARALLEL = frozenset({"o_proj", "down_proj"})  # sharded by input columns on TP ranks: A's columns split
 PEFT_PREFIX = "base_model.model."  # what PEFT's saved state dict puts before the model's own names
 MOVES_KEPT = 4096  # adapter moves kept for `AdapterTable.report` between two reports
 SLABS_KEPT = 1  # freed versions' memory kept per (spec, dtype) for the next version to stage into
@@ -174,6 +175,7 @@ class Slab:
 
     @classmethod
     def allocate(cls, shapes: Mapping[str, tuple[int, ...]], dtype: torch.dtype, device: torch.device) -> Slab:
+        """`shapes`: each tensor's shape as this rank keeps it (its shard on a TP rank)."""
         total = sum(math.prod(shape) for shape in shapes.values())
         flat = torch.empty(total, dtype=dtype, device=device)
         views: dict[str, torch.Tensor] = {}
@@ -221,15 +223,24 @@ class AdapterVersion:
             return 0
         return self.slab.flat.numel() * self.slab.flat.element_size()
 
-    def delta(self, layer: int, proj: str, x: torch.Tensor) -> torch.Tensor | None:
+    def delta(
+        self, layer: int, proj: str, x: torch.Tensor, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+    ) -> torch.Tensor | None:
         """`(B @ (A @ x)) * scale` for projection `proj` of `layer`, in the adapter's dtype (None
-        where the adapter does not target it)."""
+        where the adapter does not target it). On TP ranks a row-parallel projection's `x` and A
+        are this rank's columns: `reduce` (the ranks' all-reduce) sums `A @ x` over them, in
+        float32 and rounded once (as `_row_parallel` does the base product), before B; a
+        column-parallel one's B is this rank's rows, so the update is its slice of the output."""
         pair = self.weights.get((layer, proj))
         if pair is None:
             return None
         a, b = pair
         assert a is not None and b is not None
-        return F.linear(F.linear(x.to(a.dtype), a), b) * self.spec.scale
+        if reduce is not None and proj in ROW_PARALLEL:
+            u = reduce(F.linear(x.float(), a.float())).to(a.dtype)
+        else:
+            u = F.linear(x.to(a.dtype), a)
+        return F.linear(u, b) * self.spec.scale
 
 
 class AdapterTable:
@@ -242,10 +253,16 @@ class AdapterTable:
     policy holds on this engine (`stale`) admits no new request until a version is published here."""
 
     def __init__(
-        self, config: ModelConfig, device: torch.device, record: Callable[..., None], clock: Callable[[], int]
-    ) -> None:
+        self, config: ModelConfig, device: torch.device, record: Callable[..., None], clock: Callable[[], int],
+        shard: Callable[[str], tuple[int, int, int] | None] = lambda name: None,
+    ) -> None:  # fmt: skip
+        """`shard`: a TP rank's slice of an adapter tensor, by its base weight's HF name: (dim,
+        start, length) of the base weight's shard on this rank, or None where it keeps it whole.
+        A column-parallel projection's B keeps the rows of its output shard (A whole); a
+        row-parallel one's A keeps the columns of its input shard (B whole)."""
         self.config = config
         self.device = device
+        self._shard = shard
         self._record = record
         self._clock = clock  # the engine's tokens sampled so far: when each move happened, in tokens
         self.versions: dict[str, dict[int, AdapterVersion]] = {}
@@ -323,7 +340,7 @@ class AdapterTable:
         if shapes is None:
             shapes = self._shapes[spec] = spec.shapes(self.config)
         free = self._free.get((spec, dtype))
-        slab = free.pop() if free else Slab.allocate(shapes, dtype, self.device)
+        slab = free.pop() if free else Slab.allocate(self._local_shapes(shapes), dtype, self.device)
         v = AdapterVersion(name, version, spec, shapes, dtype, weights=slab.pairs, slab=slab)
         self.max_live[name] = max_live
         self.versions.setdefault(name, {})[version] = v
@@ -351,17 +368,17 @@ class AdapterTable:
         else:
             pairs, n = [], 0
             for tname, t in tensors:
-                dst = slab.views.get(tname)
-                if dst is None:
+                dst, want = slab.views.get(tname), v.shapes.get(tname)
+                if dst is None or want is None:
                     raise EngineError("bad_request", f"adapter {name!r}: {tname!r} is not a tensor of its spec")
-                if t.shape != dst.shape:
+                if tuple(t.shape) != want:
                     raise EngineError(
-                        "bad_request",
-                        f"adapter {name!r}: {tname} has shape {tuple(t.shape)}, expected {tuple(dst.shape)}",
+                        "bad_request", f"adapter {name!r}: {tname} has shape {tuple(t.shape)}, expected {want}"
                     )
                 if t.dtype != v.dtype:
                     raise EngineError("bad_request", f"adapter {name!r}: {tname} is {t.dtype}, expected {v.dtype}")
-                pairs.append((dst, t))
+                part = self.slice_of(tname) if dst.shape != t.shape else None  # a TP rank: its shard of it
+                pairs.append((dst, t if part is None else t.narrow(part[0], part[1], part[2])))
                 n += t.numel() * t.element_size()
             plan = None if written is None else written.plan(pairs)
             if keep:
@@ -389,6 +406,27 @@ class AdapterTable:
             )
         self._move(v, AdapterEvent.COMPLETE, nbytes=v.nbytes)
         return v
+
+    def slice_of(self, name: str) -> tuple[int, int, int] | None:
+        """(dim, start, length) of adapter tensor `name` this rank keeps (None: all of it)."""
+        layer, proj, which = parse_name(name)
+        part = self._shard(f"model.layers.{layer}.{LORA_TARGETS[proj]}.{proj}.weight")
+        if part is None:
+            return None
+        _dim, start, n = part
+        if proj in ROW_PARALLEL:  # the base weight's columns: A's columns (its input); B whole
+            return (1, start, n) if which == "A" else None
+        return (0, start, n) if which == "B" else None  # the base weight's rows: B's rows (its output)
+
+    def _local_shapes(self, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+        out = {}
+        for name, shape in shapes.items():
+            part = self.slice_of(name)
+            local = list(shape)
+            if part is not None:
+                local[part[0]] = part[2]
+            out[name] = tuple(local)
+        return out
 
     def _release(self, v: AdapterVersion) -> None:
         """`v` serves no more: its slab goes back for the next version of its spec to stage into
@@ -557,11 +595,14 @@ def apply(
     layer: int,
     projs: Sequence[tuple[str, int]],
     rows: Sequence[AdapterVersion | None],
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """`out` (a projection's output [B, T, width]; `projs`: (projection, width) fused side by side
     in that order) plus each row's adapter update on its projection's slice, the sum in the
     adapter's dtype cast back to `out`'s (PEFT's order: base output + update). Rows with no
-    adapter (None), and projections an adapter does not target, are left as they are."""
+    adapter (None), and projections an adapter does not target, are left as they are. `reduce`:
+    TP ranks' all-reduce, for a row-parallel projection (`AdapterVersion.delta`); every rank
+    calls it in the same order (the same rows, the same versions)."""
     if all(v is None for v in rows):
         return out
     result = out
@@ -570,7 +611,7 @@ def apply(
         xs = x[idx]
         start = 0
         for proj, width in projs:
-            d = v.delta(layer, proj, xs)
+            d = v.delta(layer, proj, xs, reduce)
             if d is not None:
                 if result is out:
                     result = out.clone()
