@@ -345,9 +345,10 @@ class _OmitAdapters(httpx.BaseTransport):
 
 def test_a_listing_that_leaves_versions_out_does_not_make_them_count_as_gone() -> None:
     """SGLang's /v1/models answer omits the loaded versions once (a proxy, a partial answer).
-    The driver does not take them as gone on its word: it unloads each by name (SGLang's own
-    unload answers, or says it does not exist), so the server never holds more than
-    max_staleness + 1 versions, and the trace records the unloads and checks clean."""
+    The driver does not take them as gone on its word: it keeps them (the live one retired: no
+    request names it until the next publish), they count against max_staleness + 1, and DRAINING
+    unloads the one the publish pushes out by name, so the server never holds more than two
+    versions; the trace records the moves and checks clean."""
     model = peft_model()
     e = _engine()
     proxy = _OmitAdapters()
@@ -362,13 +363,12 @@ def test_a_listing_that_leaves_versions_out_does_not_make_them_count_as_gone() -
         proxy.omit = 1
         snap = train(model, 3)
         protocol.run(ctx).raise_for_error()
-        assert _listed(e) == ["policy@v3"]  # v1 and v2 unloaded, by name, before v3 loaded
+        assert _listed(e) == ["policy@v2", "policy@v3"]  # v1 unloaded by name in DRAINING; v2 kept
         out = e.generate(PROMPT, 6, adapter="policy")
         assert out["adapter_version"] == 3 and out["output"] == greedy(model, snap, PROMPT, 6)
-        unloads = [
-            m["adapter_version"] for m in trace_adapter_moves(ctx.recorder.events)["s0"] if m["event"] == "unload"
-        ]
-        assert unloads == [1, 2]
+        moves = trace_adapter_moves(ctx.recorder.events)["s0"]
+        assert [m["adapter_version"] for m in moves if m["event"] == "unload"] == [1]
+        assert ("supersede", "not listed by the server") in [(m["event"], m.get("reason")) for m in moves]
         assert invariants.check_trace(ctx.recorder.events, open_ok=True) == []
     finally:
         ctx.close()
@@ -412,6 +412,98 @@ def test_a_version_sglang_is_still_unloading_is_asked_again_not_taken_as_gone() 
         assert out["adapter_version"] == r5.version and out["output"] == greedy(model, snap, PROMPT, 6)
         assert invariants.check_trace(ctx.recorder.events, open_ok=True) == []
     finally:
+        ctx.close()
+        e.close()
+
+
+class _OneRankOutOfMemory(SGLangAppServer):
+    """A TP=2 server whose second rank runs out of memory loading `policy@v3`: the emulated
+    scheduler (standing for rank 0) loads it, and the merged answer is the failure SGLang's
+    tokenizer then sees from its ranks."""
+
+    def op_lora_load_tensors(self, obj: Any) -> dict[str, Any]:
+        res = super().op_lora_load_tensors(obj)
+        if obj.lora_name == "policy@v3":
+            return {**res, "success": False, "error_message": "rank 1: CUDA out of memory"}
+        return res
+
+
+def test_a_load_sglang_refused_after_a_rank_loaded_it_is_unloaded_by_the_failed_run() -> None:
+    """SGLang answers 400 to a load some TP rank completed: its own tokenizer code keeps the name as
+    an incomplete unload (`pending_lora_unloads`, "retry the unload") and the rank keeps the
+    adapter. The failed run's discard retries that unload, so nothing stays half-loaded and the
+    next runs load and serve as before."""
+    model = peft_model()
+    e = EmulatedSGLangEngine.start("s0", in_thread=True, server=_OneRankOutOfMemory, lora=LORA,
+                                   config=ModelConfig(max_seq_len=4096))  # fmt: skip
+    ctx = _ctx(model, [e], retries=0)
+    try:
+        for step in (1, 2):
+            train(model, step)
+            protocol.run(ctx).raise_for_error()
+        train(model, 3)
+        r3 = protocol.run(ctx)
+        assert not r3.ok and "rank 1: CUDA out of memory" in str(r3.error)
+        held = sorted(ref["name"] for ref in e.server.lora_refs.values())  # what the scheduler holds
+        assert held == ["policy@v1", "policy@v2"] and e.server._shim.pending_lora_unloads == {}
+        snap = train(model, 4)
+        r4 = protocol.run(ctx).raise_for_error()
+        out = e.generate(PROMPT, 6, adapter="policy")
+        assert out["adapter_version"] == r4.version and out["output"] == greedy(model, snap, PROMPT, 6)
+        v3 = [(m["event"], m.get("reason")) for m in trace_adapter_moves(ctx.recorder.events)["s0"]
+              if m["adapter_version"] == 3]  # fmt: skip
+        assert v3 == [("stage", None), ("discard", "its load was refused")]
+        assert invariants.check_trace(ctx.recorder.events, open_ok=True) == []
+    finally:
+        ctx.close()
+        e.close()
+
+
+class _UnloadNeverAnswers(SGLangAppServer):
+    """A server whose scheduler never answers the unload of `policy@v3` (until `release`)."""
+
+    release = threading.Event()
+
+    def op_lora_unload(self, obj: Any) -> Any:
+        if obj.lora_name == "policy@v3":
+            self.release.wait(60)
+        return super().op_lora_unload(obj)
+
+
+def test_an_unload_sglang_never_answers_is_named_by_the_runs_it_holds_up() -> None:
+    """A failed run's discard of v3 gets no answer from SGLang's scheduler, and SGLang's adapter
+    lock stays held behind it. Every later run ends inside its deadline, names that unload as
+    what holds it up, and leaves v2 serving; once the unload answers, the next run recovers."""
+    from refit.protocol.faults import FaultPlan
+
+    model = peft_model()
+    e = EmulatedSGLangEngine.start("s0", in_thread=True, server=_UnloadNeverAnswers, lora=LORA,
+                                   config=ModelConfig(max_seq_len=4096))  # fmt: skip
+    ctx = _ctx(model, [e], deadline_s=3.0, cleanup_grace_s=1.0)
+    try:
+        for step in (1, 2):
+            train(model, step)
+            protocol.run(ctx).raise_for_error()
+        train(model, 3)
+        ctx.faults = FaultPlan().fail_at("draining", call="drain", kind="raise")
+        assert not protocol.run(ctx).ok  # its discard of v3 does not answer
+        ctx.faults = None
+        for step in (4, 5):
+            train(model, step)
+            t0 = time.monotonic()
+            r = protocol.run(ctx)
+            assert not r.ok and time.monotonic() - t0 < 3.0 + 1.0 + 1.0
+            assert "policy@v3" in str(r.error) and "SGLang answers an unload once" in str(r.error), r.error
+            assert e.generate(PROMPT, 2, adapter="policy")["adapter_version"] == 2
+        _UnloadNeverAnswers.release.set()
+        time.sleep(0.5)
+        snap = train(model, 6)
+        r6 = protocol.run(ctx).raise_for_error()
+        out = e.generate(PROMPT, 6, adapter="policy")
+        assert out["adapter_version"] == r6.version and out["output"] == greedy(model, snap, PROMPT, 6)
+        assert len(_listed(e)) <= 2
+    finally:
+        _UnloadNeverAnswers.release.set()
         ctx.close()
         e.close()
 

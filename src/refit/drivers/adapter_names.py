@@ -117,26 +117,27 @@ class AdapterMirror:
 
     def unlisted(self, adapter: str, on_server: Iterable[int]) -> list[int]:
         """The versions this mirror holds loaded (staged or servable) that the server's listing
-        leaves out: the driver confirms each with the server before `sync` takes it as gone."""
+        leaves out."""
         found = set(on_server)
         return [v for v in self.loaded(adapter) if v not in found]
 
-    def sync(self, adapter: str, on_server: Iterable[int], unloading: Iterable[int] = ()) -> None:
+    def sync(self, adapter: str, on_server: Iterable[int], keep: Iterable[int] = ()) -> None:
         """Fold in the versions the server lists: one it lost is unloaded (a restart, another
         client's unload), one never seen here is adopted as retired (a new driver over a running
         server: the server cannot say which one was published, and a loaded one may never have
         been, so none is taken as live: requests naming the adapter wait for the next refit's
         publish; the adopted ones serve only requests already on them and go in DRAINING).
         Adoption makes no move record (the first record of an adopted version starts there).
-        `unloading`: versions not listed that the server is still unloading (its unload did not
-        finish when asked): kept, a live one retired, so DRAINING asks again."""
+        `keep`: versions not listed that are kept all the same (`unlisted`: the driver unloads
+        them by name rather than take the listing's word), a live one retired (requests naming the
+        adapter wait for the next publish)."""
         with self._lock:
             found = set(on_server)
             mine = self.versions.setdefault(adapter, {})
-            for v in unloading:
+            for v in keep:
                 if v in mine and mine[v].state == Adapter.LIVE:
-                    self._move(adapter, v, AdapterEvent.SUPERSEDE, reason="unregistered on the server, unloading")
-            found |= {v for v in unloading if v in mine and mine[v].state in SERVABLE_ADAPTER}
+                    self._move(adapter, v, AdapterEvent.SUPERSEDE, reason="not listed by the server")
+            found |= {v for v in keep if v in mine}
             for v in [v for v, m in mine.items() if v in found and m.state == Adapter.STAGING]:
                 self.complete(adapter, v)  # a load whose answer was lost went in: STAGED, unloaded at the next stage
             for v in sorted(found & self.gave_up.get(adapter, set()) - set(mine)):

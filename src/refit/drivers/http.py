@@ -135,9 +135,6 @@ class UpdateLedger:
         self.session.fire(UpdateEvent.PUBLISH)
 
 
-CONFIRM_UNLOAD_S = 0.25  # a probe's wait for the unload of a version the server's listing left out
-
-
 class HttpEngineDriver(EngineDriver):
     """Base for a driver of one engine server reached over HTTP (one engine, `tp` TP ranks)."""
 
@@ -199,19 +196,15 @@ class HttpEngineDriver(EngineDriver):
         found = [parse_version_name(str(c.get("id"))) for c in cards if isinstance(c, dict)]
         return sorted(v for a_v in found if a_v is not None for a, v in [a_v] if a == adapter)
 
-    def _adapter_probed(self, target: int, adapter: str, listed: Sequence[int], end: float) -> dict[str, Any]:
-        """The probe's answer once the server's versions are `listed`: folded into the mirror; the
-        version is the adapter's live one (0: none); `version_ahead` when it holds the target.
-        A version the mirror holds loaded that the listing leaves out is unloaded by name first,
-        to be sure (a listing omits one the server is still unloading, and a proxy or a partial
-        answer may omit any): gone once the server says so; one whose unload does not finish
-        within `CONFIRM_UNLOAD_S` is kept as unloading, and DRAINING asks again."""
-        unloading = []
-        for v in self._lora.unlisted(adapter, listed):
-            wait = max(0.05, min(CONFIRM_UNLOAD_S, end - time.monotonic()))
-            if self._unload(adapter, v, "probe", timeout=wait, reason="not listed by the server") is False:  # type: ignore[attr-defined]
-                unloading.append(v)
-        self._lora.sync(adapter, listed, unloading)
+    def _adapter_probed(self, target: int, adapter: str, listed: Sequence[int]) -> dict[str, Any]:
+        """The probe's answer once the server's versions are `listed`: folded into the mirror (a
+        read: the probe changes nothing on the server); the version is the adapter's live one (0:
+        none); `version_ahead` when it holds the target. A version the mirror holds loaded that
+        the listing leaves out is not taken as gone on its word (a server lists none it is still
+        unloading, and a proxy or a partial answer may leave any out): it is kept, a live one
+        retired, so it counts against max_staleness + 1 and DRAINING unloads it by name (the
+        server's answer to that unload, "does not exist" included, settles it)."""
+        self._lora.sync(adapter, listed, keep=self._lora.unlisted(adapter, listed))
         held = self._lora.live(adapter) or 0
         if held >= target:
             raise EngineError(

@@ -298,6 +298,7 @@ class SGLangEngine(HttpEngineDriver):
         self.capabilities: Capabilities | None = None
         self._label: Any = None  # the weight-version label this driver last read or set
         self._restarts = 0
+        self._unanswered: set[str] = set()  # adapter names whose unload (ours) has not answered yet
         self._unsure: str | None = None  # why which memory is released is not known (set_released clears it)
         self._restarted_since_attach = False
         self._server_tp: Any = None  # the server's tp_size, as its /server_info reports it
@@ -762,7 +763,7 @@ class SGLangEngine(HttpEngineDriver):
             raise EngineError("unsupported", f"engine {self.name}: LoRA is not enabled on the server at {self.url}: "
                               "launch it with --enable-lora --max-lora-rank R --lora-target-modules ...")  # fmt: skip
         listed = self._listed_versions(adapter, "probe", end - time.monotonic())
-        return {**self._adapter_probed(target, adapter, listed, end), "server_version": self._caps().version}
+        return {**self._adapter_probed(target, adapter, listed), "server_version": self._caps().version}
 
     def stage(
         self, plan: Sequence[BucketManifest], digest: str | None = None, adapter: dict[str, Any] | None = None,
@@ -785,8 +786,10 @@ class SGLangEngine(HttpEngineDriver):
         ]  # a failed run's, never published; one under this run's name (adopted from a crashed trainer's run)
         for v in leftovers:
             if not self._unload(name, v, "stage", timeout=end - time.monotonic(), reason="a failed run left it loaded"):
-                raise TimeoutError(f"engine {self.name}: unloading {version_name(name, v)} (loaded, never published, "
-                                   "left by a failed run) did not answer: requests still use it")  # fmt: skip
+                raise TimeoutError(
+                    f"engine {self.name}: unloading {version_name(name, v)} (loaded, never published, left by a "
+                    "failed run) did not answer (SGLang answers an unload once the requests on its version end)"
+                )
         self._lora.stage(name, version, max_live)
         self._adapter_run = {**adapter, "name": name, "version": version}
 
@@ -798,14 +801,30 @@ class SGLangEngine(HttpEngineDriver):
                               f"into it takes SGLangTensorTransport, not {payload.kind!r}")  # fmt: skip
         name = version_name(run["name"], run["version"])
         body = load_body(name, run, [_b64(p["serialized"]) for p in payload.parts])
-        self._lora_call("/load_lora_adapter_from_tensors", "load", body, timeout)
+        try:
+            self._lora_call("/load_lora_adapter_from_tensors", "load", body, timeout)
+        except EngineError as exc:  # refused: some TP ranks may hold it all the same (see `discard`)
+            run["refused"] = exc.message
+            raise
         self._lora.complete(run["name"], run["version"])
 
     def _lora_call(self, route: str, call: str, body: dict[str, Any], timeout: float) -> None:
         """One LoRA route: 200 {"success": true} or 400 {"success": false, "error_message"}
         (nothing changed: SGLang registers a name only on success, and unregisters it only when
-        its unload is under way)."""
-        status, data = self._request("POST", route, call, timeout=timeout, body=body)
+        its unload is under way). A call that times out while an unload this driver sent has not
+        answered says so: SGLang runs adapter loads and unloads one at a time, under one lock
+        (tokenizer_control_mixin.py: `lora_update_lock`), which that unload holds until the
+        requests on its version end."""
+        try:
+            status, data = self._request("POST", route, call, timeout=timeout, body=body)
+        except TimeoutError as exc:
+            waiting = sorted(self._unanswered - {body.get("lora_name")})
+            if not waiting:
+                raise
+            raise TimeoutError(
+                f"{exc} (behind SGLang's adapter lock, held by the unload of {', '.join(waiting)} this driver sent "
+                "earlier: it answers once the requests on that version end)"
+            ) from exc
         if status < 300 and isinstance(data, dict) and data.get("success") is True:
             return
         text = data.get("error_message") if isinstance(data, dict) and data.get("error_message") else message_of(data)
@@ -827,12 +846,15 @@ class SGLangEngine(HttpEngineDriver):
         try:
             self._lora_call("/unload_lora_adapter", call, {"lora_name": name}, timeout)
         except TimeoutError:
+            self._unanswered.add(name)  # it may hold SGLang's adapter lock until it answers (`_lora_call`)
             return False
         except EngineError as exc:  # "does not exist": an earlier unload of ours finished meanwhile
+            self._unanswered.discard(name)
             if exc.kind != "bad_request" or "does not exist" not in exc.message:
                 raise
             if version in self._listed_versions(adapter, call, max(timeout, 1.0)):
                 raise
+        self._unanswered.discard(name)
         if self._lora.state(adapter, version) in (Adapter.STAGING, Adapter.STAGED):
             self._lora.discard(adapter, version, reason=reason or "discarded")
         elif self._lora.state(adapter, version) is not None:
@@ -865,6 +887,14 @@ class SGLangEngine(HttpEngineDriver):
         end = time.monotonic() + timeout
         if self._lora.state(name, version) == Adapter.STAGING:
             if version not in self._listed_versions(name, "discard", timeout):
+                if run.get("refused"):  # a load SGLang refused after some TP ranks loaded it: it keeps
+                    # the name as an incomplete unload (tokenizer_control_mixin.py, load_lora_adapter_from_tensors:
+                    # pending_lora_unloads), the ranks' copies held until an unload of the name is retried
+                    if not self._unload(name, version, "discard", timeout=end - time.monotonic(),
+                                        reason="its load was refused"):  # fmt: skip
+                        raise TimeoutError(f"engine {self.name}: unloading {version_name(name, version)} after its "
+                                           "refused load did not answer")  # fmt: skip
+                    return {"discarded": True, "adapter_moves": self._lora.report()}
                 self._lora.discard(name, version, reason="its load did not complete")
                 return {"discarded": True, "adapter_moves": self._lora.report()}
             self._lora.complete(name, version)

@@ -665,8 +665,7 @@ class VLLMEngine(HttpEngineDriver):
         end = time.monotonic() + timeout
         info = self._call("GET", "/server_info", "probe", timeout=timeout, params={"config_format": "json"})
         self._lora_args = server_lora(info if isinstance(info, dict) else {})
-        listed = self._listed_versions(adapter, "probe", end - time.monotonic())
-        return self._adapter_probed(target, adapter, listed, end)
+        return self._adapter_probed(target, adapter, self._listed_versions(adapter, "probe", end - time.monotonic()))
 
     def stage(
         self, plan: Sequence[BucketManifest], digest: str | None = None, adapter: dict[str, Any] | None = None,
