@@ -459,3 +459,73 @@ def test_demo_atomic_in_a_colocated_run_is_refused_saying_why(capsys: pytest.Cap
     assert main([*FAST_DEMO, "--atomic"]) == 2
     err = capsys.readouterr().err
     assert "colocated refit gives the engines' memory to the trainer" in err and "Traceback" not in err
+
+
+def test_demo_refuses_a_trace_path_it_cannot_write_before_any_engine_starts(tmp_path: Path) -> None:
+    """`refit demo --trace` naming a directory, a folder that does not exist (nothing is created) or
+    a place that cannot be written: exit 2 at once, naming the path and why, no traceback."""
+    cases = [
+        (str(tmp_path), "it is a directory"),
+        (str(tmp_path / "missing" / "x.jsonl"), "does not exist (refit demo creates none)"),
+        ("/proc/refit-trace.jsonl", "cannot write there"),
+    ]
+    for path, why in cases:
+        proc = refit("demo", "--trace", path)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, (path, proc.stdout, proc.stderr)
+        assert proc.stderr.startswith(f"refit demo: --trace {path}: ") and why in proc.stderr, proc.stderr
+        assert proc.stdout == ""  # refused before any engine started (the demo reports each refit here)
+    assert not (tmp_path / "missing").exists()
+
+
+def test_replay_of_a_trace_cut_mid_run_says_so_first_and_counts_what_it_left_out(tmp_path: Path) -> None:
+    """`refit replay` on a trace cut off mid-run says so before anything else (as `refit check` does),
+    replays the complete runs before it, and never reports the cut as a divergence. Both commands
+    account for the same events: check counts every event, replay the ones it replayed and, by
+    why, the ones it did not."""
+    lines = fixture_lines()
+    whole = refit("replay", str(FIXTURE))
+    check = refit("check", str(FIXTURE))
+    counted = int(re.search(r"(\d+) events", check.stdout).group(1))
+    replayed = int(re.search(r"replayed 1 run\(s\), (\d+) events", whole.stdout).group(1))
+    assert whole.returncode == 0 and replayed + 1 == counted == len(lines) - 1  # the header is not an event
+    assert "(not replayed: 1 injected faults" in whole.stdout
+    for name, text in (("cut.jsonl", "".join(lines[:40])), ("torn.jsonl", "".join(lines[:40]) + lines[40][:25])):
+        path = write(tmp_path / name, text)
+        proc = refit("replay", str(path))
+        assert proc.returncode == 1 and "DIVERGED" not in proc.stdout and "Traceback" not in proc.stderr, proc.stdout
+        first = proc.stdout.splitlines()[0]
+        assert first.startswith("the trace was cut off mid-run: run ") and "has no end event" in first, first
+        assert ("the trace's last line is cut off" in first) == (name == "torn.jsonl")
+        assert "the cut-off run cannot be replayed" in proc.stdout
+        assert refit("check", str(path)).returncode == 1
+
+
+def test_a_fault_that_could_never_fire_is_refused_when_planned_naming_the_calls_that_exist() -> None:
+    """`FaultPlan.fail_at` refuses a (state, call) pair the runner never makes (a trainer call from
+    an older release, a call of another state), naming the calls that state has; the demo refuses
+    an empty --fail-at instead of taking it as no fault."""
+    from refit.protocol.faults import FaultPlan
+
+    with pytest.raises(ValueError, match=r"no 'metas' call is made in transferring, so a fault there could never "
+                       r"fire \(its calls: abandon, load, pack, release, send\)"):  # fmt: skip
+        FaultPlan().fail_at("transferring", call="metas")
+    with pytest.raises(ValueError, match="'resting' is not a state a fault can fire in"):
+        FaultPlan().fail_at("resting")
+    assert FaultPlan().fail_at("draining", call="drain").faults[0].call == "drain"
+    proc = refit("demo", "--fail-at", "")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and proc.stdout == ""
+    assert proc.stderr.startswith("refit demo: --fail-at: fault spec '': ") and "is not a state" in proc.stderr
+
+
+def test_diagram_outside_the_repository_writes_nothing_and_says_where_to_run_it(tmp_path: Path) -> None:
+    """`refit diagram` in a folder with no docs/diagrams/ (not the repository) writes nothing and
+    exits 2 saying so; with --out it writes there and prints the absolute path it wrote."""
+    proc = subprocess.run(
+        [str(REFIT), "diagram"], capture_output=True, text=True, timeout=60, cwd=tmp_path, check=False
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and list(tmp_path.iterdir()) == []
+    assert "no docs/diagrams/ here" in proc.stderr and "give --out DIR" in proc.stderr, proc.stderr
+    out = tmp_path / "diagrams"
+    proc = subprocess.run([str(REFIT), "diagram", "--out", str(out)], capture_output=True, text=True, timeout=60,
+                          cwd=tmp_path, check=False)  # fmt: skip
+    assert proc.returncode == 0 and proc.stdout == f"wrote {out / 'refit-states.md'}\n", proc.stdout + proc.stderr

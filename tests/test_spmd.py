@@ -130,3 +130,40 @@ def test_a_rank_that_never_calls_run_fails_the_leader_clearly_inside_the_deadlin
     assert leader["state"] == "FAILED" and leader["wall_s"] < 3.0 + 2.0 + 2.0  # deadline + cleanup grace + slack
     assert "trainer ranks [1] did not answer" in leader["error"] and "every rank must call" in leader["error"]
     assert {e["status"] for e in leader["engines"].values()} == {"unchanged"}
+
+
+def test_a_follower_whose_leaders_store_goes_away_says_so_not_that_it_waited_zero_seconds() -> None:
+    """A follower rank waits in a real TCPStore for rank 0's next command. When rank 0's store
+    goes away (its process exited), the wait ends at once: the error says the leader's store was
+    lost well inside the deadline, never that the leader 'sent no command for 0.0s'. A wait that
+    runs out says it waited the deadline."""
+    import datetime
+    import gc
+    import socket
+    import types
+
+    import torch.distributed as dist
+
+    from refit.errors import RefitError
+    from refit.protocol.ranks import SpmdRanks
+
+    def ranks() -> tuple[Any, SpmdRanks]:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        master = dist.TCPStore("127.0.0.1", port, 2, True, timeout=datetime.timedelta(seconds=5),
+                               wait_for_workers=False)  # fmt: skip
+        client = dist.TCPStore("127.0.0.1", port, 2, False, timeout=datetime.timedelta(seconds=5))
+        return master, SpmdRanks(types.SimpleNamespace(rank=1), client, 1, 2, "t")
+
+    master, follower = ranks()
+    del master  # rank 0's store is gone
+    gc.collect()
+    with pytest.raises(RefitError) as lost:
+        follower.follow(30.0)
+    assert "lost the leader's (rank 0) store after waiting 0." in str(lost.value)
+    assert "inside the 30.0s deadline" in str(lost.value) and "sent no command" not in str(lost.value)
+    master, follower = ranks()
+    with pytest.raises(RefitError, match=r"sent no command for 0\.[3-9]s \(the run's deadline\)"):
+        follower.follow(0.3)
+    del master

@@ -20,6 +20,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+DIAGRAMS = "docs/diagrams"  # where `refit diagram` writes, relative to the repository root
 # Trainer-side calls a --fail-at can name (`refit.protocol.ranks.Participant` steps); engine calls
 # are `refit.drivers.base.ENGINE_CALLS`.
 TRAINER_CALLS = (
@@ -122,9 +123,12 @@ def _replay(args: argparse.Namespace) -> int:
     except (OSError, ValueError, KeyError) as exc:
         print(f"refit replay: cannot replay {args.trace}: {exc}", file=sys.stderr)
         return 2
+    if report.cut is not None:  # said first, as `refit check` says it
+        print(f"the trace was cut off mid-run: {report.cut}; replaying the {report.runs} complete run(s) before it")
+    left_out = "; ".join(f"{n} {why}" for why, n in report.skipped.items())
     print(
-        f"replayed {report.runs} run(s), {report.events} events in {report.seconds:.3f}s (injected faults are not "
-        f"replayed: their effects are, as recorded outcomes): {report.path}"
+        f"replayed {report.runs} run(s), {report.events} events in {report.seconds:.3f}s"
+        f"{f' (not replayed: {left_out})' if left_out else ''}: {report.path}"
     )
     for i, (rec, rep) in enumerate(zip(report.recorded, report.replayed, strict=False)):
         same = "same" if rec == rep else "DIFFERENT"
@@ -133,6 +137,10 @@ def _replay(args: argparse.Namespace) -> int:
             print(f"    first failing call: {rec.failing_event}")
     if report.divergence is not None:
         print(f"DIVERGED at {report.divergence}")
+        return 1
+    if report.cut is not None:
+        print("reproduced the complete runs: same events, same final states, same failing calls; the cut-off run "
+              "cannot be replayed")  # fmt: skip
         return 1
     print("reproduced: same events, same final states, same failing calls")
     return 0
@@ -326,6 +334,15 @@ def _bench(args: argparse.Namespace) -> int:
 def _diagram(args: argparse.Namespace) -> int:
     from refit import diagram
 
+    given = args.out is not None
+    args.out = args.out or DIAGRAMS
+    if not given and not args.check and not Path(args.out).is_dir():  # not in the repository: write nothing
+        print(
+            f"refit diagram: no {DIAGRAMS}/ here ({Path.cwd()}): run it in the refit repository's root, or give "
+            "--out DIR to write the diagram there",
+            file=sys.stderr,
+        )
+        return 2
     target = Path(args.out) / diagram.DIAGRAM_FILE
     if args.check:
         if diagram.is_current(args.out, args.readme):
@@ -337,7 +354,7 @@ def _diagram(args: argparse.Namespace) -> int:
             print(f"{target} (or the README's copy) is stale: run `refit diagram`", file=sys.stderr)
         return 1
     for path in diagram.write(args.out, args.readme):
-        print(f"wrote {path}")
+        print(f"wrote {path.resolve()}")
     return 0
 
 
@@ -346,7 +363,7 @@ def _demo_problem(args: argparse.Namespace) -> str | None:
     from refit.drivers.base import ENGINE_CALLS
     from refit.protocol.faults import SILENT_KINDS, FaultPlan
 
-    if args.fail_at:
+    if args.fail_at is not None:  # ("" too: a spec that names nothing is refused, not taken as no fault)
         try:
             plan = FaultPlan.parse(args.fail_at, engines=args.engines)
         except ValueError as exc:
@@ -413,7 +430,33 @@ def _demo_problem(args: argparse.Namespace) -> str | None:
     return None
 
 
+def trace_problem(path: str) -> str | None:
+    """What keeps `refit demo --trace PATH` from writing its trace there, found before any engine
+    starts (None: it can): a directory, a folder that does not exist (the demo creates none), or a
+    file it cannot create or append to."""
+    target = Path(path)
+    if target.is_dir():
+        return f"--trace {path}: it is a directory; give a file to write, such as {target / 'refit-trace.jsonl'}"
+    folder = target.parent
+    if not folder.is_dir():
+        return f"--trace {path}: its folder {folder} does not exist (refit demo creates none)"
+    existed = target.exists()
+    try:
+        with open(target, "a"):
+            pass
+    except OSError as exc:
+        return f"--trace {path}: cannot write there: {exc.strerror or exc}"
+    if not existed:
+        target.unlink(missing_ok=True)
+    return None
+
+
 def _demo(args: argparse.Namespace) -> int:
+    if args.trace:
+        problem = trace_problem(args.trace)
+        if problem is not None:
+            print(f"refit demo: {problem}", file=sys.stderr)
+            return 2
     mode_given = args.mode is not None
     args.mode = args.mode or ("disaggregated" if args.lora else "colocated")
     if args.lora:
@@ -640,7 +683,7 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     doc.set_defaults(func=_doctor)
 
     diag = sub.add_parser("diagram", help="regenerate docs/diagrams from the state table")
-    diag.add_argument("--out", default="docs/diagrams", help="output directory (default docs/diagrams)")
+    diag.add_argument("--out", default=None, help=f"output directory (default {DIAGRAMS}, which must exist)")
     diag.add_argument("--readme", default="README.md", help="README whose diagram block to refresh (default README.md)")
     diag.add_argument("--check", action="store_true", help="exit 1 if the committed diagram is stale")
     diag.set_defaults(func=_diagram)

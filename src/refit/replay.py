@@ -103,12 +103,14 @@ class RunSummary:
 @dataclass
 class ReplayReport:
     path: str
-    runs: int
-    events: int
+    runs: int  # complete runs replayed
+    events: int  # events replayed (the trace's, less `skipped` and the cut-off run's)
     seconds: float
     divergence: Divergence | None
     recorded: list[RunSummary] = field(default_factory=list)
     replayed: list[RunSummary] = field(default_factory=list)
+    cut: str | None = None  # how the trace was cut off mid-run (`cut_off`): that run is not replayed
+    skipped: dict[str, int] = field(default_factory=dict)  # events not replayed, by why
 
     @property
     def same(self) -> bool:
@@ -491,14 +493,40 @@ class ReplayLock:
         return None
 
 
+def cut_off(events: Sequence[dict[str, Any]], torn: bool) -> tuple[str | None, int]:
+    """Whether the trace was cut off mid-run, as data: (why, or None; how many of its events come
+    before the run it cut, which replay takes). Pure: what `refit check` reports as `complete`."""
+    starts = [i for i, e in enumerate(events) if e.get("kind") == "run" and e.get("event") == "start"]
+    if not starts:
+        return None, len(events)
+    last = starts[-1]
+    run = events[last].get("run")
+    ended = any(e.get("kind") == "run" and e.get("event") == "end" and e.get("run") == run for e in events[last:])
+    if ended:  # every run ended (a torn last line after them loses nothing of a run)
+        return None, len(events)
+    why = f"run {run} (the {len(starts)}{_th(len(starts))}) has no end event"
+    return (f"{why}, and the trace's last line is cut off" if torn else why), last
+
+
+def _th(n: int) -> str:
+    return "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+
+
 def replay(path: str | Path, loaded: tuple[dict[str, Any], list[dict[str, Any]], bool] | None = None) -> ReplayReport:
-    """Replay every run of the trace at `path` through the real runner; see the module docstring."""
+    """Replay every run of the trace at `path` through the real runner; see the module docstring.
+    A trace cut off mid-run (`cut_off`) is replayed up to that run, which is reported as cut."""
     from refit import protocol
 
     t0 = time.perf_counter()
-    header, events, _torn = loaded if loaded is not None else load_trace(path)  # `loaded`: load_trace's answer
+    header, events, torn = loaded if loaded is not None else load_trace(path)  # `loaded`: load_trace's answer
     if not any(e.get("kind") == "run" and e.get("event") == "start" for e in events):
         raise NotATrace(f"{path}: no run in it (a trace has a run/start event for every run)")
+    cut, keep = cut_off(events, torn)
+    skipped = {"of the cut-off run": len(events) - keep} if cut else {}
+    events = events[:keep]
+    faults = sum(1 for e in events if e.get("kind") in SKIPPED_KINDS)
+    if faults:
+        skipped["injected faults (their effects are replayed, as recorded outcomes)"] = faults
     script = _Script(events)
     config = header.get("config", {})
     starts = script.run_starts
@@ -570,6 +598,8 @@ def replay(path: str | Path, loaded: tuple[dict[str, Any], list[dict[str, Any]],
         divergence=script.divergence,
         recorded=[RunSummary.of(r) for r in recorded_runs],
         replayed=[RunSummary.of(r) for r in replayed_runs],
+        cut=cut,
+        skipped=skipped,
     )
 
 

@@ -114,6 +114,15 @@ class FaultPlan:
         if kind not in FAULT_KINDS:
             raise ValueError(f"fault kind {kind!r}; known {FAULT_KINDS}")
         state = state.upper()
+        if state not in FAULT_CALLS:
+            raise ValueError(
+                f"{state.lower()!r} is not a state a fault can fire in ({', '.join(map(str.lower, FAULT_CALLS))})"
+            )
+        if call is not None and call not in FAULT_CALLS[state] and kind not in SILENT_KINDS:
+            raise ValueError(
+                f"no {call!r} call is made in {state.lower()}, so a fault there could never fire (its calls: "
+                f"{', '.join(sorted(FAULT_CALLS[state]))})"
+            )
         if kind in SILENT_KINDS:
             want = SILENT_CALLS.get(kind, "load")
             if call not in (None, want) or state != ("POST_PROCESSING" if want == "finalize" else "TRANSFERRING"):

@@ -405,6 +405,21 @@ def _td(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=max(seconds, 0.001))
 
 
+def follow_error(rank: int, waited: float, deadline_s: float, exc: BaseException) -> str:
+    """Why a follower's wait for the leader's next command ended (`waited` seconds in): the wait
+    ran out, or, well before it could, the leader's store went away (its process exited)."""
+    if waited >= 0.9 * deadline_s:
+        return (
+            f"rank {rank}: the leader (rank 0) sent no command for {waited:.1f}s (the run's deadline); "
+            "call protocol.run(ctx) on every rank"
+        )
+    return (
+        f"rank {rank}: lost the leader's (rank 0) store after waiting {waited:.1f}s for its next command, well "
+        f"inside the {deadline_s:.1f}s deadline ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}): the "
+        "leader's process exited or closed its context"
+    )
+
+
 class SpmdRanks(Ranks):
     """SPMD hosting: every rank runs `protocol.run(ctx)`; rank 0 leads through numbered commands in
     a TCPStore it hosts (rendezvous once, when every rank builds its context)."""
@@ -540,12 +555,8 @@ class SpmdRanks(Ranks):
             key = self._key("c", self._seq)
             try:
                 self.store.wait([key], _td(deadline_s))
-            except Exception:
-                waited = time.monotonic() - waited_since
-                raise RefitError(
-                    f"rank {self.rank}: the leader (rank 0) sent no command for {waited:.1f}s; "
-                    "call protocol.run(ctx) on every rank"
-                ) from None
+            except Exception as exc:
+                raise RefitError(follow_error(self.rank, time.monotonic() - waited_since, deadline_s, exc)) from None
             message = pickle.loads(self.store.get(key))
             seq = self._seq
             self._seq += 1
