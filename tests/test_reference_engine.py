@@ -417,3 +417,26 @@ def test_an_engine_processs_audit_spans_each_calls_whole_turn_on_its_thread() ->
     for r in records:  # (a batch of steps: each from the end of the one before; the last one's answer)
         assert r["received"] <= r["start"] <= r["t"] <= r.get("answered", r["t"]), r
     assert {"probe", "begin", "verify", "continue_generation"} <= {r["op"] for r in records if "answered" in r}
+
+
+def test_a_trainer_model_the_engine_was_not_started_with_is_refused_naming_from_hf() -> None:
+    """README's first snippet starts engines with no config (the reference TinyLlama). A trainer
+    whose model differs is refused before any byte, and the error says what the engine holds and
+    how to start it for the trainer's model (`ModelConfig.from_hf`)."""
+    from refit import protocol
+    from refit.drivers.reference import ReferenceEngine
+    from refit.drivers.shm import SharedMemoryTransport
+    from refit.drivers.torch_source import TorchSource
+
+    other = ModelConfig(hidden_size=32, num_heads=2, num_kv_heads=1, intermediate_size=64, num_layers=3)
+    engine = ReferenceEngine.in_thread("e0", CFG, seed=0)
+    ctx = protocol.RefitContext(TorchSource(TinyLlama(other, seed=0)), SharedMemoryTransport(), [engine])
+    try:
+        result = protocol.run(ctx)
+    finally:
+        ctx.close()
+        engine.close()
+    assert not result.ok and result.bytes_moved == 0
+    text = str(result.error)
+    assert "the trainer's model does not fit this engine's (llama: 2 layers, hidden 64, vocab" in text, text
+    assert "ModelConfig.from_hf(model.config)" in text and "shape" in text

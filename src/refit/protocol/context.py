@@ -79,6 +79,9 @@ class RefitResult:
     ranks: int = 1
     trainer_peak_bytes: int = 0  # the most trainer memory refit held at once on any rank
     rank_stats: list[Any] = field(default_factory=list)  # per trainer rank: peak bytes, steps run
+    # seconds the run went on past its deadline: the cleanup it owed (continue or quarantine each
+    # engine, release the lock and buffers, restore the trainer), bounded by `cleanup_grace_s`
+    past_deadline_s: float = 0.0
 
     def raise_for_error(self) -> RefitResult:
         if self.error is not None:
@@ -114,7 +117,9 @@ class RefitContext:
     bucket_bytes: target bucket size; a larger tensor travels alone, in a buffer of its own.
     deadline_s: the whole run's budget; cleanup_grace_s: extra time must-run cleanup may take
         after the deadline (lock release, continue-or-quarantine, restore); past both, owed
-        finalizes, continues and quarantines are still sent, each wave waiting a short floor.
+        finalizes, continues and quarantines are still sent, each wave waiting a short floor. A
+        run that hits its deadline so returns up to `deadline_s + cleanup_grace_s` (10 s by
+        default) after it started; `RefitResult.past_deadline_s` says how long its cleanup took.
     version: the version the engines hold now (the next successful run publishes a larger one).
     retries: how many more times an engine whose update failed is retried within the run.
     max_staleness: the fleet's version policy. 0 (default, synchronous RL: one version in

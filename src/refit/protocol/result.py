@@ -70,6 +70,7 @@ def assemble(r: Any, outcomes: dict[str, EngineOutcome], t0: float, now: float, 
         round_trips=r.waves.round_trips,
         ranks=ctx.ranks.world if ctx.ranks else 1,
         trainer_peak_bytes=max((getattr(s, "peak_bytes", 0) for s in stats or []), default=0),
+        past_deadline_s=round(max(0.0, now - t0 - ctx.deadline_s), 6),
     )
     result.rank_stats = stats or []  # type: ignore[attr-defined]
     return result

@@ -643,6 +643,13 @@ class EngineCore:
                 )
         if problems:
             shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+            if any(p.startswith("unknown tensor") or "shape" in p or "missing from the plan" in p for p in problems):
+                c = self.config  # the trainer's model is not the one this engine was started with: say which it is
+                shown = (
+                    f"the trainer's model does not fit this engine's ({c.model_type}: {c.num_layers} layers, hidden "
+                    f"{c.hidden_size}, vocab {c.vocab_size}); start the engines with the trainer's config, e.g. "
+                    f"ReferenceEngine.spawn_many(names, ModelConfig.from_hf(model.config)): {shown}"
+                )
             raise EngineError("bad_manifest", shown)
 
     def _begin_adapter(
