@@ -58,6 +58,14 @@ FAULT_CALLS: dict[str, frozenset[str]] = {
     ),
     "RESTORING": frozenset({"restore", "resume_memory", "quarantine", "detach", "disconnect"}),
 }
+# the trainer ranks' steps (`refit.protocol.ranks.Participant`), some in states the table above
+# does not list (IDLE: metas, predigest, prepare, logprobs; ABORTING: restore)
+TRAINER_STEPS = frozenset(
+    {"metas", "epoch", "predigest", "prepare", "logprobs", "offload", "restore", "connect", "join", "pack", "send",
+     "release", "abandon", "digests", "disconnect", "end_run", "materialize"}
+)  # fmt: skip
+FAULT_STATES = frozenset({"IDLE", "ABORTING", *FAULT_CALLS})  # where a planned fault can match a step
+FAULT_STATES_SHOWN = tuple(s.lower() for s in FAULT_CALLS)  # what a refusal names (IDLE, ABORTING: tests')
 HANG_SLACK_S = 0.6  # how far past its budget an injected hang answers (the runner waits budget + 0.5)
 
 
@@ -114,15 +122,17 @@ class FaultPlan:
         if kind not in FAULT_KINDS:
             raise ValueError(f"fault kind {kind!r}; known {FAULT_KINDS}")
         state = state.upper()
-        if state not in FAULT_CALLS:
-            raise ValueError(
-                f"{state.lower()!r} is not a state a fault can fire in ({', '.join(map(str.lower, FAULT_CALLS))})"
-            )
-        if call is not None and call not in FAULT_CALLS[state] and kind not in SILENT_KINDS:
-            raise ValueError(
-                f"no {call!r} call is made in {state.lower()}, so a fault there could never fire (its calls: "
-                f"{', '.join(sorted(FAULT_CALLS[state]))})"
-            )
+        if state not in FAULT_STATES:
+            raise ValueError(f"{state.lower()!r} is not a state a fault can fire in ({', '.join(FAULT_STATES_SHOWN)})")
+        if call is not None and kind not in SILENT_KINDS:
+            known = frozenset().union(*FAULT_CALLS.values(), TRAINER_STEPS)
+            listed = FAULT_CALLS.get(state)
+            if call not in known or (listed is not None and call not in listed):
+                calls = sorted(listed if listed is not None else known)
+                raise ValueError(
+                    f"no {call!r} call is made in {state.lower()}, so a fault there could never fire (its calls: "
+                    f"{', '.join(calls)})"
+                )
         if kind in SILENT_KINDS:
             want = SILENT_CALLS.get(kind, "load")
             if call not in (None, want) or state != ("POST_PROCESSING" if want == "finalize" else "TRANSFERRING"):
