@@ -88,12 +88,22 @@ class ReferenceEngine(EngineDriver):
         memory_limit: int | None = None,
         batch_decode: bool = False,
     ) -> ReferenceEngine:
-        """A reference engine in its own process(es). `serving=False` for a recovered engine: it
-        refuses requests until a refit completes (miles#1724: replacements served before getting
-        weights). `tp`: TP ranks (processes), each holding a shard. `device`: cpu, or a CUDA
-        device (one TP rank) for weights, KV and forward. `max_running`: requests decoded at once;
-        `memory_limit`: bytes its weights may take, staged copies included; `batch_decode`: one
-        forward per step for every running request (`EngineCore`)."""
+        """A reference engine in its own process(es).
+
+        config: the model it serves (default `ModelConfig()`, the reference TinyLlama); for a
+            trainer's HF model, `ModelConfig.from_hf(model.config)`: a refit from a model of
+            another shape is refused before any byte, naming both.
+        seed: its initial weights (`TinyLlama(config, seed)`'s), served as `version` until a refit.
+        version: the weight version it starts at (a context over it starts there too:
+            `RefitContext(version=...)`).
+        threads: torch threads per process.
+        serving: False for a recovered engine: it refuses requests until a refit completes
+            (miles#1724: replacements served before getting weights).
+        tp: TP ranks (processes), each holding a shard.
+        device: "cpu", or a CUDA device (one TP rank) for weights, KV and forward.
+        max_running: requests decoded at once (the rest wait).
+        memory_limit: bytes its weights may take, staged copies included (None: no limit).
+        batch_decode: one forward per step for every running request (`EngineCore`)."""
         return cls.spawn_many(
             [name],
             config,
@@ -318,8 +328,13 @@ class ReferenceEngine(EngineDriver):
         adapter: str | None = None,
         timeout: float = DEFAULT_TIMEOUT,
     ) -> dict[str, Any]:
-        """Submit and wait for the finished request (output tokens, versions, cache stats).
-        `adapter`: a loaded LoRA adapter's name: the request is pinned to its live version."""
+        """Greedy-decode `max_new_tokens` after `prompt` (token ids) and wait for the finished
+        request. Returns {"output": token ids, "finish_reason": "length" | "abort" | ...,
+        "weight_versions": the weight version each token was sampled under, "logprobs", and
+        "adapter", "adapter_version" (None without one), with the cache's and the engine's own
+        accounts ("cached_tokens", "num_retractions", "stale_kv_tokens", "token_seqs", ...)}.
+        `adapter`: a loaded LoRA adapter's name: the request is pinned to its live version to its
+        last token. `timeout`: seconds to wait for the answer (EngineError "deadline" past it)."""
         if adapter is None:
             return self.client.call("generate", list(prompt), max_new_tokens, timeout=timeout)
         return self.client.call("generate", list(prompt), max_new_tokens, adapter, timeout=timeout)
