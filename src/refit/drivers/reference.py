@@ -334,7 +334,7 @@ class ReferenceEngine(EngineDriver):
         "adapter", "adapter_version" (None without one), with the cache's and the engine's own
         accounts ("cached_tokens", "num_retractions", "stale_kv_tokens", "token_seqs", ...)}.
         `adapter`: a loaded LoRA adapter's name: the request is pinned to its live version to its
-        last token. `timeout`: seconds to wait for the answer (EngineError "deadline" past it)."""
+        last token. `timeout`: seconds to wait for the answer (TimeoutError past it)."""
         if adapter is None:
             return self.client.call("generate", list(prompt), max_new_tokens, timeout=timeout)
         return self.client.call("generate", list(prompt), max_new_tokens, adapter, timeout=timeout)
