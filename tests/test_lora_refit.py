@@ -330,6 +330,10 @@ def test_the_lora_bench_path_runs_on_the_cpu() -> None:
     assert row["bytes"] == row["adapter_bytes"] > 0 and row["adapter_tensors"] == 2 * 2 * 7
     assert 0 < row["ms_blocked_longest_call"] <= row["ms_blocked_calls_only"] <= row["ms_blocked"] < row["ms_refit"]
     assert row["ms_adapter_copy_gpu"] == 0  # no GPU: the copies are in the calls' time
+    assert len(row["per_refit"]) == 3 and all(
+        {"load", "verify", "stage"} <= set(r["calls_ms"]) for r in row["per_refit"]
+    )
+    assert sorted(r["ms_blocked"] for r in row["per_refit"])[1] == pytest.approx(row["ms_blocked"], abs=1e-3)
     assert row["requests_done_not_by_length"] == 0 and 1 <= row["versions_live_after"] <= 2
     # the client replaces each finished request: later ones get the later versions
     assert row["requests_done"] > 4 and row["versions_served"] >= 2

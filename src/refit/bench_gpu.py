@@ -590,6 +590,7 @@ def run_lora(
         bucket_bytes=max(bucket_mb << 20, nbytes), deadline_s=300.0, verify=verify,
     )  # fmt: skip
     blocked, calls_only, copy_gpu, longest, phases, seconds = [], [], [], [], [], []
+    each: list[dict[str, Any]] = []  # per timed refit: its calls' ms by call, the copy's GPU ms, the load's host parts
     per_call: dict[str, list[float]] = {}  # each engine call's time, by call, over the timed refits
     done: list[dict[str, Any]] = []
     stop = threading.Event()
@@ -631,8 +632,17 @@ def run_lora(
             # the adapter's copies run on the decode stream: a decode step queued behind them waits
             # for their GPU time, which no call's time need show. Counted in full (an upper bound:
             # finalize's sync may already have waited for part of it)
-            span = engine.info().get("copy_span_s") or 0.0
+            after = engine.info()
+            span = after.get("copy_span_s") or 0.0
             copy_gpu.append(span)
+            mine: dict[str, float] = {}
+            for rec, d in zip(calls, durations, strict=True):
+                mine[str(rec.get("op"))] = round(mine.get(str(rec.get("op")), 0.0) + d * 1e3, 3)
+            each.append({
+                "ms_blocked": round((sum(durations) + span) * 1e3, 3), "calls_ms": mine,
+                "copy_gpu_ms": round(span * 1e3, 3),
+                "load_host_ms": {k: round(v * 1e3, 3) for k, v in (after.get("load_host_s") or {}).items()},
+            })  # fmt: skip
             calls_only.append(sum(durations))
             blocked.append(sum(durations) + span)
             longest.append(max(durations, default=0.0))
@@ -670,6 +680,7 @@ def run_lora(
             for op, v in sorted(per_call.items())
         },
         "runner_phase_ms": {k: round(statistics.median(p.get(k, 0.0) for p in phases) * 1e3, 3) for k in phases[-1]},
+        "per_refit": each,  # in order: the first ones stage into fresh slabs, later ones into freed ones
     }
 
 
