@@ -468,3 +468,8 @@ def test_a_lora_session_hashes_what_it_writes_and_each_new_version_reuses_a_free
     assert info.value.kind == "incomplete" and list(core.info()["adapters"]["p"]) == ["4"]
     # digests from memory (no hashing session) equal the hashed ones
     assert _refit(core, plan, lists, {**adapter, "version": 6}, digest=None)["digests"] == want.results()
+    # the kept copy plans hold the receiver's views: a receiver going away (`forget_kept`) drops them all
+    slabs = [core.lora.live("p").slab, *[s for free in core.lora._free.values() for s in free]]
+    assert any(s.plans for s in slabs)
+    core.forget_kept()
+    assert not any(s.plans for s in slabs)

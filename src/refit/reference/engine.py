@@ -1117,8 +1117,10 @@ class EngineCore:
             self._copy_events[0].record()
 
     def forget_kept(self) -> None:
-        """Drop every kept bucket program (a receiver whose views they read is going away)."""
+        """Drop every kept bucket program and every adapter slab's kept copy plans (a receiver whose
+        views they read, and hold, is going away)."""
         self._programs = {}
+        self.lora.forget_plans()
 
     def _run_program(
         self, manifest: BucketManifest, program: _Program, srcs: list[torch.Tensor], *, stable: bool

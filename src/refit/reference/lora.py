@@ -436,6 +436,16 @@ class AdapterTable:
         if slab is not None and len(free) < SLABS_KEPT:
             free.append(slab)
 
+    def forget_plans(self) -> None:
+        """Drop the kept copy plans of every slab, in use or pooled (they hold a receiver's views)."""
+        for versions in self.versions.values():
+            for v in versions.values():
+                if v.slab is not None:
+                    v.slab.plans.clear()
+        for free in self._free.values():
+            for slab in free:
+                slab.plans.clear()
+
     def pooled_bytes(self) -> int:
         """Bytes held by freed versions' slabs kept for the next to stage into."""
         return sum(s.flat.numel() * s.flat.element_size() for free in self._free.values() for s in free)
