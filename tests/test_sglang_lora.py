@@ -313,11 +313,45 @@ def test_an_engine_the_run_cannot_reach_is_still_held_by_its_driver() -> None:
             out = e.generate(PROMPT, 6, adapter="policy")
             assert out["adapter_version"] == 4 and out["output"] == greedy(model, snap, PROMPT, 6)
         # out of reach again, but only one behind once v5 is out: its driver knows it serves v4, so no hold
+        # (and a driver that knows no live version answers `live_adapter` with an EngineError: no crash)
         train(model, 5)
         net.cut = True
         r5 = protocol.run(ctx)
         net.cut = False
         assert r5.engines["s1"].status == "failed" and "holds the adapter" not in (r5.engines["s1"].error or "")
+        assert s1.generate(PROMPT, 6, adapter="policy")["output"] == greedy(model, snap, PROMPT, 6)
+    finally:
+        ctx.close()
+        for e in engines:
+            e.close()
+
+
+def test_a_run_that_cannot_reach_an_engine_from_its_first_run_still_returns() -> None:
+    """An engine cut off from the first LoRA run on: its driver knows no live version (its
+    `live_adapter` refuses with an EngineError), and the run still returns (s0 updated, s1
+    failed) rather than raising while it settles. s1, one version behind (it has none), is within
+    max_staleness 1: not held, and requests naming the adapter there are refused for want of a
+    version until a refit reaches it."""
+    from refit.errors import EngineError
+
+    model = peft_model()
+    engines = [_engine("s0"), _engine("s1")]
+    net = _Partition()
+    s1 = engines[1]
+    s1._transport = net
+    s1._http, s1._serve_http = s1._new_client(), s1._new_client()
+    net.cut = True
+    ctx = _ctx(model, engines, retries=0)
+    try:
+        train(model, 1)
+        r1 = protocol.run(ctx)
+        assert (r1.engines["s0"].status, r1.engines["s1"].status) == ("updated", "failed")
+        net.cut = False
+        assert "holds the adapter" not in (r1.engines["s1"].error or "")
+        with pytest.raises(EngineError, match="no version of adapter 'policy' is live here"):
+            s1.generate(PROMPT, 3, adapter="policy")
+        snap = train(model, 2)
+        protocol.run(ctx).raise_for_error()
         assert s1.generate(PROMPT, 6, adapter="policy")["output"] == greedy(model, snap, PROMPT, 6)
     finally:
         ctx.close()

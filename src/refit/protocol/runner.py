@@ -828,7 +828,7 @@ class _Run(Recording):
         that holds adapters locally: no call), or None where it knows none."""
         try:
             return int(self.ctx.engines[e.index].live_adapter(adapter))  # type: ignore[attr-defined]
-        except (RefitError, AttributeError, TypeError, ValueError):
+        except (RefitError, EngineError, AttributeError, TypeError, ValueError):  # none known, or held
             return None
 
     def _settle_wave(self, plan: dict[Engine, list[Step]], cleanup: bool) -> None:

@@ -372,7 +372,10 @@ class EngineCore:
         self._backup: dict[str, torch.Tensor] | None = None
         self.cache = PrefixCache()
         # LoRA adapters, several versions live; each version keeps its own prefix cache
-        self.lora = lora.AdapterTable(config, self.device, self.record, lambda: self.tokens_sampled, self._shard_of)
+        self.lora = lora.AdapterTable(
+            config, self.device, self.record, lambda: self.tokens_sampled, self._shard_of,
+            (lambda held: bool(self.comm.gather_objects(held)[0])) if self.comm.size > 1 else (lambda held: held),
+        )  # fmt: skip
         self._adapter_ready: str | None = None  # a LoRA refit's adapter, finalized whole: publish serves it
         self._adapter_written: tuple[Any, str, int] | None = None  # its session's Written, adapter, version
         self.step_s = 0.0  # a step's time, averaged (`step`)
@@ -1889,6 +1892,7 @@ class EngineCore:
                 batch.add(tname, staged.slab.views[tname])
             return {**hashed, **batch.results()}, len(missed)
         views: dict[str, torch.Tensor] = staged.slab.views
+        differ: list[str] = []
         if self.comm.size > 1:  # every rank's shards, unsharded into the HF tensors (one rank per KV head)
             ranks = self.comm.gather_objects({n: t.clone() for n, t in views.items() if self.lora.slice_of(n)})
             rep, full = self.layout.kv_replicas, {}
@@ -1900,11 +1904,19 @@ class EngineCore:
                 kv = lora.parse_name(tname)[1] in ("k_proj", "v_proj")
                 holders = ranks[rep - 1 :: rep] if rep > 1 and kv else ranks
                 full[tname] = torch.cat([r[tname] for r in holders], dim=part[0])
+                if (
+                    rep > 1
+                    and kv
+                    and any(not torch.equal(r[tname], ranks[i - i % rep + rep - 1][tname]) for i, r in enumerate(ranks))
+                ):
+                    differ.append(tname)  # the ranks sharing a KV head hold different rows: none is served whole
             views = full
         batch = Digests(kind)
         for tname, t in views.items():
             batch.add(tname, t)
-        return batch.results(), len(views)
+        out = batch.results()
+        out.update(dict.fromkeys(differ, REPLICAS_DIFFER))  # (as `_digests` reports the weights')
+        return out, len(views)
 
     def _digests(self, kind: str) -> tuple[dict[str, str], int]:
         """Each served tensor's digest, and how many were read back from memory (the rest were

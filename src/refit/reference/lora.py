@@ -255,12 +255,16 @@ class AdapterTable:
     def __init__(
         self, config: ModelConfig, device: torch.device, record: Callable[..., None], clock: Callable[[], int],
         shard: Callable[[str], tuple[int, int, int] | None] = lambda name: None,
+        agree: Callable[[bool], bool] = lambda held: held,
     ) -> None:  # fmt: skip
         """`shard`: a TP rank's slice of an adapter tensor, by its base weight's HF name: (dim,
         start, length) of the base weight's shard on this rank, or None where it keeps it whole.
         A column-parallel projection's B keeps the rows of its output shard (A whole); a
-        row-parallel one's A keeps the columns of its input shard (B whole)."""
+        row-parallel one's A keeps the columns of its input shard (B whole). `agree`: TP ranks'
+        one answer to a time-based question (a draining hold still on), every rank asking it at the
+        same point of their replicated scheduling: rank 0's, so their batches stay the same."""
         self.config = config
+        self._agree = agree
         self.device = device
         self._shard = shard
         self._record = record
@@ -487,7 +491,7 @@ class AdapterTable:
         until = self.draining.get(name)
         if until is None:
             return True
-        if time.monotonic() < until:
+        if self._agree(time.monotonic() < until):  # TP ranks: the head's clock decides for all
             return False
         del self.draining[name]
         return True
