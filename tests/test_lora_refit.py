@@ -14,6 +14,7 @@ import json
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -417,6 +418,34 @@ def test_lora_refits_into_a_tp2_engine_serve_peft_tokens_and_verify_its_shards(k
                 out = engine.generate(prompt, 8, adapter="policy")
                 assert out["adapter_version"] == result.version and out["output"] == _peft_greedy(pm, prompt, 8)
         assert len(engine.info()["adapters"]["policy"]) <= 2
+    finally:
+        ctx.close()
+        engine.close()
+
+
+def test_a_tp2_engines_draining_hold_lapses_on_every_rank_at_once() -> None:
+    """A TP=2 engine, max_staleness 0: a run whose publish and discard never arrive leaves v2
+    staged, and a drain puts new requests naming the adapter on hold (2 s). A request arriving
+    then waits, unpinned, and is served by v1 once the hold lapses: the ranks take rank 0's clock
+    for the lapse, inside their replicated scheduling only (the head's own look at its work
+    meets no other rank), so neither their batches part nor their collectives hang."""
+    pm = _peft_model()
+    engine = ReferenceEngine.spawn("tp2", CFG, seed=0, tp=2)
+    ctx = protocol.RefitContext(LoraSource(pm, name="policy"), SharedMemoryTransport(), [engine], verify="off")
+    try:
+        protocol.run(ctx).raise_for_error()
+        _train_step(pm, 1)
+        ctx.faults = FaultPlan().fail_at("continuing", call="publish").fail_at("aborting", call="discard")
+        assert not protocol.run(ctx).ok
+        ctx.faults = None
+        assert engine.info()["adapters"]["policy"]["2"]["state"] == "STAGED"
+        engine.client.call("drain", 2.0, timeout=10)
+        held = engine.submit([3, 1, 4], 3, adapter="policy")
+        time.sleep(1.0)
+        assert not held.done()  # held while the drain's hold is on
+        out = held.result(timeout=30)
+        assert out["adapter_version"] == 1 and out["finish_reason"] == "length"
+        assert engine.generate([3, 1, 4], 3, adapter="policy", timeout=10)["adapter_version"] == 1
     finally:
         ctx.close()
         engine.close()

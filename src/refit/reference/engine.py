@@ -1560,7 +1560,7 @@ class EngineCore:
             not self.paused
             and not self.weights_released
             and not self.kv_released
-            and bool(self.running or any(self._admissible(r) for r in self.waiting))
+            and bool(self.running or any(self._admissible(r, decide=False) for r in self.waiting))
         )
 
     def wake_in(self) -> float | None:
@@ -1570,9 +1570,9 @@ class EngineCore:
             return None
         return self.lora.next_lapse()
 
-    def _admissible(self, req: Request) -> bool:
+    def _admissible(self, req: Request, *, decide: bool = True) -> bool:
         """Not waiting for a publish: no adapter, pinned already (retracted), or its adapter admits."""
-        return req.adapter_name is None or req.adapter is not None or self.lora.admits(req.adapter_name)
+        return req.adapter_name is None or req.adapter is not None or self.lora.admits(req.adapter_name, decide=decide)
 
     def _admit(self) -> None:
         """Waiting requests into the running set, in order, up to `max_running`; a request naming an

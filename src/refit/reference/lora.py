@@ -483,14 +483,19 @@ class AdapterTable:
         lapse, until a version of it is published here (a discard does not lift it)."""
         self.stale[name] = reason
 
-    def admits(self, name: str) -> bool:
+    def admits(self, name: str, *, decide: bool = True) -> bool:
         """Whether a new request naming `name` may be pinned now: not held by the version policy,
-        and not draining (or that hold lapsed)."""
+        and not draining (or that hold lapsed). `decide`: the admission itself (on TP ranks a
+        collective, called by every rank at the same point of their replicated scheduling: rank
+        0's clock decides, and a lapsed hold is dropped); without it, this rank's own look, which
+        changes nothing and meets no other rank (the head's `has_work`)."""
         if name in self.stale:
             return False
         until = self.draining.get(name)
         if until is None:
             return True
+        if not decide:
+            return time.monotonic() >= until
         if self._agree(time.monotonic() < until):  # TP ranks: the head's clock decides for all
             return False
         del self.draining[name]
