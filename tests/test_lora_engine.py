@@ -380,9 +380,9 @@ def test_a_draining_hold_nothing_follows_up_lapses_by_itself() -> None:
     from refit.reference.model import TinyLlama
 
     class Slow(EngineCore):  # 10 ms a decode step: the long requests outlast the run's deadline
-        def step(self) -> None:
+        def step(self, go: bool | None = None) -> None:
             time.sleep(0.01)
-            super().step()
+            super().step(go)
 
     engine = ReferenceEngine(start_thread("e0", ModelConfig(), 0, core=Slow, max_running=2))
     pm = _peft(TinyLlama(ModelConfig(), seed=0))

@@ -828,7 +828,7 @@ class _Run(Recording):
         that holds adapters locally: no call), or None where it knows none."""
         try:
             return int(self.ctx.engines[e.index].live_adapter(adapter))  # type: ignore[attr-defined]
-        except (RefitError, EngineError, AttributeError, TypeError, ValueError):  # none known, or held
+        except Exception:  # none known, held, or a driver that fails to say: no version known
             return None
 
     def _settle_wave(self, plan: dict[Engine, list[Step]], cleanup: bool) -> None:

@@ -1592,10 +1592,12 @@ class EngineCore:
             self.running.append(req)
         self.waiting.extendleft(reversed(held))
 
-    def step(self) -> None:
+    def step(self, go: bool | None = None) -> None:
         """Admit waiting requests, then advance every running request by one token (its time kept
-        as a moving average, `step_s`: how long a drain still has to wait, `drain`)."""
-        if not self.has_work():
+        as a moving average, `step_s`: how long a drain still has to wait, `drain`). `go`: whether
+        there is work, as the TP head found it (its followers step on its answer: their own clocks
+        may differ on whether a draining hold lapsed); None: this engine looks itself."""
+        if not (self.has_work() if go is None else go):
             return
         t0 = time.perf_counter()
         try:

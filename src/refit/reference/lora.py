@@ -530,6 +530,8 @@ class AdapterTable:
         v = self.staged(name)
         if v is None:
             return False
+        if self.device.type == "cuda":  # copies still queued into its slab (a receiver's side stream, a
+            torch.cuda.synchronize(self.device)  # failed run's) land before the slab is pooled for the next
         self._release(v)
         self.draining.pop(name, None)
         self._move(v, AdapterEvent.DISCARD, reason=reason)

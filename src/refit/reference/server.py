@@ -588,8 +588,11 @@ def serve(channel: Channel, server: EngineServer) -> None:
                     raise
                 except Exception as exc:  # the engine survives a bad request and says why
                     channel.send((call_id, False, _error_value(exc)))
+            elif server.followers:  # TP: the followers step on the head's answer, not on their own clocks
+                go = core.has_work()
+                server.forward("__step__", b"1" if go else b"")
+                core.step(go)
             else:
-                server.forward("__step__", b"")
                 core.step()
             for rid in core.pop_finished():
                 for call_id in waiters.pop(rid, []):
@@ -721,7 +724,7 @@ def follow(channel: Channel, server: EngineServer) -> None:
         while True:
             method, body = channel.recv()
             if method == "__step__":
-                core.step()
+                core.step(body == b"1")
                 continue
             try:
                 args, kwargs = safe_decode(body)
