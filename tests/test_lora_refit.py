@@ -449,3 +449,19 @@ def test_a_tp2_engines_draining_hold_lapses_on_every_rank_at_once() -> None:
     finally:
         ctx.close()
         engine.close()
+
+
+def test_a_silent_fault_planned_on_a_lora_refit_is_refused_not_a_no_op(engines: list[ReferenceEngine]) -> None:
+    """A silent fault (the engine mangles what it loads and says nothing) cannot act on a LoRA
+    refit's loads, which go into a staged adapter version: the engine refuses to arm it, so the
+    load fails loudly and the engine is not reported updated by a run whose verify proved nothing."""
+    pm = _peft_model()
+    ctx = protocol.RefitContext(LoraSource(pm, name="policy"), SharedMemoryTransport(), engines[:1], retries=0)
+    try:
+        ctx.faults = FaultPlan().fail_at("transferring", kind="flip")
+        result = protocol.run(ctx)
+        outcome = result.engines[engines[0].name]
+        assert not result.ok and outcome.status != "updated"
+        assert "cannot host a silent flip fault" in (outcome.error or ""), outcome.error
+    finally:
+        ctx.close()

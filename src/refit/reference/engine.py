@@ -521,6 +521,8 @@ class EngineCore:
 
     def cannot_fault(self, kind: str) -> str | None:
         """Why a silent fault of `kind` would change nothing on this engine (None: it can act)."""
+        if self.session is not None and self.session.adapter is not None:  # the loads go to `lora.load`
+            return "a LoRA refit's loads into a staged adapter version take no silent fault (they mangle base weights)"
         if kind == "swap_tp" and self.comm.size == 1:
             return "it needs TP ranks (this engine has one)"
         if kind == "kv_replica" and (self.layout.kv_replicas == 1 or self.config.num_kv_heads == 1):
