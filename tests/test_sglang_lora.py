@@ -259,6 +259,12 @@ def test_a_new_driver_never_serves_a_version_no_run_published() -> None:
         e.close()
 
 
+def _through(e: EmulatedSGLangEngine, transport: httpx.BaseTransport) -> None:
+    """The driver's HTTP clients (protocol and generation) go through `transport` from now on."""
+    e._transport = transport
+    e._http, e._serve_http = e._new_client(), e._new_client()
+
+
 class _Partition(httpx.BaseTransport):
     """A network between a driver and its server that can be cut: while cut, every request fails
     to connect (httpx's ConnectError, as for a host that cannot be reached)."""
@@ -286,8 +292,7 @@ def test_an_engine_the_run_cannot_reach_is_still_held_by_its_driver() -> None:
     engines = [_engine("s0"), _engine("s1")]
     net = _Partition()
     s1 = engines[1]
-    s1._transport = net  # the driver's clients go through the cuttable network
-    s1._http, s1._serve_http = s1._new_client(), s1._new_client()
+    _through(s1, net)
     ctx = _ctx(model, engines, retries=0)
     try:
         train(model, 1)
@@ -338,8 +343,7 @@ def test_a_run_that_cannot_reach_an_engine_from_its_first_run_still_returns() ->
     engines = [_engine("s0"), _engine("s1")]
     net = _Partition()
     s1 = engines[1]
-    s1._transport = net
-    s1._http, s1._serve_http = s1._new_client(), s1._new_client()
+    _through(s1, net)
     net.cut = True
     ctx = _ctx(model, engines, retries=0)
     try:
@@ -386,8 +390,7 @@ def test_a_listing_that_leaves_versions_out_does_not_make_them_count_as_gone() -
     model = peft_model()
     e = _engine()
     proxy = _OmitAdapters()
-    e._transport = proxy
-    e._http, e._serve_http = e._new_client(), e._new_client()
+    _through(e, proxy)
     ctx = _ctx(model, [e])
     try:
         for step in (1, 2):

@@ -115,29 +115,24 @@ class AdapterMirror:
             del self.versions[adapter][version]
             self.gave_up.setdefault(adapter, set()).add(version)
 
-    def unlisted(self, adapter: str, on_server: Iterable[int]) -> list[int]:
-        """The versions this mirror holds loaded (staged or servable) that the server's listing
-        leaves out."""
-        found = set(on_server)
-        return [v for v in self.loaded(adapter) if v not in found]
-
-    def sync(self, adapter: str, on_server: Iterable[int], keep: Iterable[int] = ()) -> None:
-        """Fold in the versions the server lists: one it lost is unloaded (a restart, another
-        client's unload), one never seen here is adopted as retired (a new driver over a running
-        server: the server cannot say which one was published, and a loaded one may never have
-        been, so none is taken as live: requests naming the adapter wait for the next refit's
-        publish; the adopted ones serve only requests already on them and go in DRAINING).
-        Adoption makes no move record (the first record of an adopted version starts there).
-        `keep`: versions not listed that are kept all the same (`unlisted`: the driver unloads
-        them by name rather than take the listing's word), a live one retired (requests naming the
-        adapter wait for the next publish)."""
+    def sync(self, adapter: str, on_server: Iterable[int]) -> None:
+        """Fold in the versions the server lists. One never seen here is adopted as retired (a new
+        driver over a running server: the server cannot say which one was published, and a loaded
+        one may never have been, so none is taken as live: requests naming the adapter wait for
+        the next refit's publish; the adopted ones serve only requests already on them and go in
+        DRAINING); adoption makes no move record (the first record of an adopted version starts
+        there). One this mirror holds loaded that the listing leaves out is not taken as gone on
+        its word (a server lists none it is still unloading; a proxy or a partial answer may leave
+        any out): it is kept, a live one retired (requests naming the adapter wait for the next
+        publish), and the driver unloads it by name when a publish pushes it out."""
         with self._lock:
             found = set(on_server)
             mine = self.versions.setdefault(adapter, {})
-            for v in keep:
-                if v in mine and mine[v].state == Adapter.LIVE:
+            unlisted = [v for v in self.loaded(adapter) if v not in found]
+            for v in unlisted:
+                if mine[v].state == Adapter.LIVE:
                     self._move(adapter, v, AdapterEvent.SUPERSEDE, reason="not listed by the server")
-            found |= {v for v in keep if v in mine}
+            found |= set(unlisted)
             for v in [v for v, m in mine.items() if v in found and m.state == Adapter.STAGING]:
                 self.complete(adapter, v)  # a load whose answer was lost went in: STAGED, unloaded at the next stage
             for v in sorted(found & self.gave_up.get(adapter, set()) - set(mine)):
@@ -146,11 +141,6 @@ class AdapterMirror:
                 self.stage(adapter, v, self.max_live.get(adapter))
                 self.complete(adapter, v)
                 self.moves[-1]["reason"] = "its load landed after its run gave up on it"
-            for v in [v for v, m in mine.items() if v not in found and m.state != Adapter.STAGING]:
-                if mine[v].state == Adapter.STAGED:
-                    self.discard(adapter, v, reason="gone from the server")
-                else:
-                    self.unload(adapter, v, reason="gone from the server")
             for v in sorted(found - set(mine)):
                 mine[v] = FactMachine("adapter", Adapter.RETIRED)
 

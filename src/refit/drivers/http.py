@@ -204,7 +204,7 @@ class HttpEngineDriver(EngineDriver):
         unloading, and a proxy or a partial answer may leave any out): it is kept, a live one
         retired, so it counts against max_staleness + 1 and DRAINING unloads it by name (the
         server's answer to that unload, "does not exist" included, settles it)."""
-        self._lora.sync(adapter, listed, keep=self._lora.unlisted(adapter, listed))
+        self._lora.sync(adapter, listed)
         held = self._lora.live(adapter) or 0
         if held >= target:
             raise EngineError(

@@ -794,13 +794,7 @@ class _Run(Recording):
             if not e.reachable and e.holds_adapters_locally and e.held is None
         }  # fmt: skip
         plan = {e: [hold_step(e, state, r, self.ledger.adapter)] for e, r in why.items() if r is not None}
-        if not plan:
-            return
-        w = self.waves.start(plan, cleanup=True)
-        for e, pairs in self.waves.wait(w).items():
-            for step, res in pairs:
-                self.record(e, step, res, w.batch, state=state)  # recorded; it stays reported as it was
-            e.error = f"{e.error}; the run could not reach it, so its driver holds the adapter until a refit does"
+        self._send_holds(plan, state, "the run could not reach it, so its driver holds the adapter until a refit does")
 
     def hold_hung(self, state: str) -> None:
         """Atomic runs: an engine that stopped answering while it generated serves its old weights
@@ -812,16 +806,19 @@ class _Run(Recording):
             e: [Step("discard", state), hold_step(e, state, r, self.ledger.adapter)]
             for e, r in why.items() if r is not None
         }  # fmt: skip
+        note = "it stopped answering while it generated, so its discard and hold were sent to run once it answers"
+        self._send_holds(plan, state, note)
+
+    def _send_holds(self, plan: dict[Engine, list[Step]], state: str, note: str) -> None:
+        """Send holds to engines the run lost, within the cleanup budget: each call is recorded, and
+        each engine stays reported as it was, its error saying what was sent (`note`)."""
         if not plan:
             return
         w = self.waves.start(plan, cleanup=True)
         for e, pairs in self.waves.wait(w).items():
             for step, res in pairs:
-                self.record(e, step, res, w.batch, state=state)  # recorded; it stays reported as it was
-            e.error = (
-                f"{e.error}; it stopped answering while it generated, so its discard and hold were sent to run once "
-                "it answers"
-            )
+                self.record(e, step, res, w.batch, state=state)
+            e.error = f"{e.error}; {note}"
 
     def _driver_live(self, e: Engine, adapter: str) -> int | None:
         """The live version of `adapter` on `e` as its driver knows it (`live_adapter`, a driver
