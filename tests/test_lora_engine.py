@@ -409,6 +409,19 @@ def test_a_draining_hold_nothing_follows_up_lapses_by_itself() -> None:
         engine.close()
 
 
+def _session_parts() -> tuple[Any, EngineCore, Any, list[tuple[str, torch.Tensor]], Any, dict[int, Any]]:
+    """An engine serving a tiny llama, a PEFT adapter of it (spec, tensors), its plan in 16 KiB
+    buckets and the trainer's tensors as one list per bucket (a receiver's stable views)."""
+    model = hf_model("llama", torch.float32, seed=7)
+    core = _engine(model)
+    pm = _peft(model, seed=2)
+    weights = _adapter(pm)
+    plan = plan_buckets([TensorMeta.of(n, t) for n, t in weights], 16 << 10)
+    by_name = dict(weights)
+    lists = {m.index: [(n, by_name[n]) for n in m.names] for m in plan}
+    return model, core, pm.peft_config["default"], weights, plan, lists
+
+
 def _refit(core: EngineCore, plan: Any, tensors: dict[str, list[tuple[str, torch.Tensor]]], adapter: dict[str, Any],
            digest: str | None = "wsum") -> dict[str, Any]:  # fmt: skip
     """A LoRA refit's engine calls (what the reference driver sends): stage, load each bucket (the
@@ -425,15 +438,8 @@ def _refit(core: EngineCore, plan: Any, tensors: dict[str, list[tuple[str, torch
 def test_a_lora_session_hashes_what_it_writes_and_each_new_version_reuses_a_freed_versions_memory() -> None:
     from refit.verify import Digests
 
-    model = hf_model("llama", torch.float32, seed=7)
-    core = _engine(model)
-    pm = _peft(model, seed=2)
-    spec = pm.peft_config["default"]
-    weights = _adapter(pm)
-    plan = plan_buckets([TensorMeta.of(n, t) for n, t in weights], 16 << 10)
+    model, core, spec, weights, plan, lists = _session_parts()
     assert len(plan) > 1
-    by_name = dict(weights)
-    lists = {m.index: [(n, by_name[n]) for n in m.names] for m in plan}  # the trainer's tensors, one list per bucket
     adapter = {"name": "p", **LoraSpec.from_dict(spec).to_dict(), "max_live": 1}
     slabs = []
     for version in range(1, 5):
@@ -473,3 +479,49 @@ def test_a_lora_session_hashes_what_it_writes_and_each_new_version_reuses_a_free
     assert any(s.plans for s in slabs)
     core.forget_kept()
     assert not any(s.plans for s in slabs)
+
+
+def test_a_bounded_adapter_reserves_its_versions_memory_once_and_a_kept_plan_is_checked_once() -> None:
+    """The first version of a spec with max_live = 2 reserves two more slabs: every later version
+    stages into one of those three (no allocation on the serving thread after the first refit).
+    A plan is checked whole once: the same manifest objects again (what the wire's memo hands
+    back) are not re-checked, but another plan, or the same plan for another spec, is."""
+    from refit.verify import Digests
+
+    model, core, spec, weights, plan, lists = _session_parts()
+    by_name = dict(weights)
+    adapter = {"name": "p", **LoraSpec.from_dict(spec).to_dict(), "max_live": 2}
+    checks = []
+    real = core._check_adapter_plan
+    core._check_adapter_plan = lambda p, staged: (checks.append(len(p)), real(p, staged))[1]  # counts its calls
+    slabs = set()
+    for version in range(1, 7):
+        with torch.no_grad():
+            for _, t in weights:  # a training step, in place
+                t.mul_(-1.5)
+        report = _refit(core, plan, lists, {**adapter, "version": version})
+        want = Digests("wsum")
+        for n, t in weights:
+            want.add(n, t)
+        assert report["digests"] == want.results() and report["read_back"] == 0  # hashed as copied, right
+        slabs.add(id(core.lora.live("p").slab))
+        if version == 1:  # two more reserved, written once (zeros) so first copies into them cost no more
+            pooled = core.lora._free[next(iter(core.lora._free))]
+            assert core.lora.pooled_bytes() == 2 * core.lora.live("p").nbytes
+            assert all(not s.flat.any() for s in pooled)
+            # and the copies of these very bucket lists into them already checked and planned
+            assert all(id(lists[m.index]) in s.plans for s in pooled for m in plan)
+    assert len(slabs) == 3  # max_live + 1 slabs in all
+    assert checks == [len(plan)]  # the same manifests: checked the first time only
+    again = plan_buckets([TensorMeta.of(n, t) for n, t in weights], 16 << 10)  # equal, but other objects
+    _refit(core, again, {m.index: [(n, by_name[n]) for n in m.names] for m in again}, {**adapter, "version": 7})
+    assert checks == [len(plan), len(again)]
+    # the same manifests for a spec of another rank: checked, and refused naming a tensor
+    other = {**adapter, "version": 8, "r": 4}
+    with pytest.raises(EngineError, match="lora_A") as info:
+        core.begin(again, "wsum", adapter=other)
+    assert info.value.kind == "bad_manifest" and len(checks) == 3 and core.lora.staged("p") is None
+    # no bound: nothing reserved
+    fresh = _engine(model)
+    fresh.begin(plan, "wsum", adapter={**adapter, "version": 1, "max_live": None})
+    assert fresh.lora.pooled_bytes() == 0

@@ -67,3 +67,43 @@ def test_lora_refits_on_cuda_verify_what_they_copied_and_serve_each_version(tran
         ctx.close()
         engine.close()
     assert len({tuple(o) for o in outputs}) > 1  # the versions differ in what they serve
+
+
+def test_a_discarded_cuda_version_gives_its_slab_to_the_next_one_which_verifies_and_serves() -> None:
+    """A version staged and loaded (its copies queued on the GPU) then discarded, as a failed run's
+    cleanup does: its slab is pooled only once those copies landed, and the next version stages into
+    that very memory, hashes what it writes and serves the same tokens as a by-hand engine."""
+    from refit.buckets import TensorMeta, plan_buckets
+    from refit.verify import Digests
+
+    spec, adapter = lora_state(CFG, r=8, device="cuda")
+    core = EngineCore(CFG, seed=0, device="cuda")
+    plan = plan_buckets([TensorMeta.of(n, t) for n, t in adapter.items()], 64 << 10)
+    lists = {m.index: [(n, adapter[n]) for n in m.names] for m in plan}
+    head = {"name": "policy", **spec.to_dict(), "max_live": 1}
+    for version in (1, 2, 3):
+        with torch.no_grad():
+            for t in adapter.values():
+                t.mul_(-1.25)
+        torch.cuda.synchronize()
+        core.begin(plan, "wsum", adapter={**head, "version": version})
+        slab = core.lora.staged("policy").slab
+        for m in plan:
+            core.load(m, lists[m.index], keep=True)
+        if version == 2:  # the failed run: its queued copies into the slab, then the discard
+            core.discard()
+            assert core.lora.staged("policy") is None
+            discarded = slab
+            continue
+        if version == 3:
+            assert slab is discarded  # the discarded version's memory, reused
+        core.finalize()
+        want = Digests("wsum")
+        for n, t in adapter.items():
+            want.add(n, t)
+        assert core.verify("wsum")["digests"] == want.results()
+        core.publish(version)
+        rid = core.submit(PROMPT, 12, adapter="policy")
+        while core.has_work():
+            core.step()
+        assert core.result(rid)["output"] == _by_hand(version, spec, adapter)

@@ -395,6 +395,43 @@ class Regions:
             if start < end:  # a write must be credited to one place only
                 raise ValueError(f"regions {self.names[a]!r} and {self.names[b]!r} overlap")
 
+    def place(self, dst: torch.Tensor) -> tuple[int, int] | None:
+        """(slot, index of the first word) of the region `dst` lies wholly in, or None."""
+        import bisect
+
+        ptr = dst.data_ptr()
+        k = bisect.bisect_right(self.starts, ptr) - 1
+        if k < 0:
+            return None
+        start, end, slot = self.spans[k]
+        nbytes = dst.numel() * dst.element_size()
+        if ptr + nbytes > end or (ptr - start) % 4:
+            return None
+        return slot, (ptr - start) // 4
+
+    def plan(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> CopyPlan:
+        """A `Written`'s copy of `pairs` ((dst, src), same shape and dtype), as data: valid for any
+        `Written` over these regions while the pairs' tensors stay where they are (a caller copying
+        the same pairs again keeps it). On CUDA the kernel's tables are built here (`prepare`: the
+        host work a kept plan does not pay again)."""
+        hashed: list[tuple[torch.Tensor, torch.Tensor, int, int]] = []
+        plain: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for dst, src in pairs:
+            place = self.place(dst) if dst.is_contiguous() else None
+            if place is None:
+                plain.append((dst, src))
+            else:
+                hashed.append((dst, src, *place))
+        launches = None
+        if self.device.type == "cuda" and hashed:
+            pieces, left = copy_pieces(hashed)
+            plain += [hashed[k][:2] for k in left]
+            skip = set(left)
+            hashed = [h for k, h in enumerate(hashed) if k not in skip]
+            launches = prepare(pieces, self.device) if pieces else []
+        credits = [(slot, first * 4, dst.numel() * dst.element_size()) for dst, _s, slot, first in hashed]
+        return CopyPlan(self, hashed, plain, credits, launches)
+
 
 @dataclass
 class CopyPlan:
@@ -439,18 +476,6 @@ class Written:
         self.pieces: list[list[tuple[int, int]] | None] = [[] for _ in self.names]
         self._host: Any = None  # CUDA: the lanes staged in pinned host memory (`stage`), while current
 
-    def _place(self, dst: torch.Tensor) -> tuple[int, int] | None:
-        """(slot, index of the first word) of the region `dst` lies wholly in, or None."""
-        ptr = dst.data_ptr()
-        k = self._bisect(self._starts, ptr) - 1
-        if k < 0:
-            return None
-        start, end, slot = self._spans[k]
-        nbytes = dst.numel() * dst.element_size()
-        if ptr + nbytes > end or (ptr - start) % 4:
-            return None
-        return slot, (ptr - start) // 4
-
     def touched(self, dst: torch.Tensor) -> None:
         """A write not hashed: every region its bytes (strided or not) reach must be read back."""
         if not dst.numel():
@@ -481,25 +506,8 @@ class Written:
         self.run(self.plan(pairs))
 
     def plan(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> CopyPlan:
-        """`copy`'s work for `pairs`, as data: valid for any `Written` over the same `Regions` while
-        the pairs' tensors stay where they are (a caller copying the same pairs again keeps it)."""
-        hashed: list[tuple[torch.Tensor, torch.Tensor, int, int]] = []
-        plain: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for dst, src in pairs:
-            place = self._place(dst) if dst.is_contiguous() else None
-            if place is None:
-                plain.append((dst, src))
-            else:
-                hashed.append((dst, src, *place))
-        launches = None
-        if self.cuda and hashed:
-            pieces, left = copy_pieces(hashed)
-            plain += [hashed[k][:2] for k in left]
-            skip = set(left)
-            hashed = [h for k, h in enumerate(hashed) if k not in skip]
-            launches = prepare(pieces, self.lanes.device) if pieces else []
-        credits = [(slot, first * 4, dst.numel() * dst.element_size()) for dst, _s, slot, first in hashed]
-        return CopyPlan(self.index, hashed, plain, credits, launches)
+        """`copy`'s work for `pairs` (`Regions.plan`)."""
+        return self.index.plan(pairs)
 
     def run(self, plan: CopyPlan) -> None:
         """Do `plan`'s copies (one kernel pass on CUDA), crediting each hashed write to its region."""
@@ -550,9 +558,10 @@ class Written:
         """(`results`, `missed`) in one pass over the regions."""
         import numpy as np
 
-        whole, missed = [], []
-        for k in range(len(self.names)):
-            (whole if self._whole(k) else missed).append(k)
+        sizes, whole, missed = self.sizes, [], []
+        for k, pieces in enumerate(self.pieces):  # (the common case, one write of the whole region, inline)
+            ok = pieces is not None and (pieces == [(0, sizes[k])] if len(pieces) == 1 else self._whole(k))
+            (whole if ok else missed).append(k)
         if not whole:
             return {}, [self.names[k] for k in missed]
         if self.cuda:

@@ -697,8 +697,8 @@ class _Run(Recording):
         """DRAINING (a LoRA refit under a version policy): each engine says whether its staged
         version may go live within max_staleness + 1 versions (`drain`: the versions it pushes out
         have no request left; while the live one is among them, its new requests wait). Engines not
-        ready are asked again when they said those requests will have ended (`eta_s`, most of the
-        way), else after a pause (2 ms, doubling to 50 ms), while generation goes on,
+        ready are asked again when they said those requests will have ended (`eta_s`, an upper
+        bound), else after a pause (2 ms, doubling to 50 ms), while generation goes on,
         until every one is or the run's time is spent: one still not ready then leaves the attempt
         (its staged version is discarded, the versions it has serve on)."""
         self.enter(T.DRAIN)
@@ -728,10 +728,10 @@ class _Run(Recording):
             waiting = [e for e, _, _ in still]
             if waiting:
                 # an engine that says when its going versions' requests end (`eta_s`) is asked again
-                # then (most of the way: the estimate bounds it from above), not polled meanwhile
+                # then (the estimate bounds it from above), not polled meanwhile
                 etas = [v.get("eta_s") for _, _, v in still if isinstance(v, dict)]
                 eta = min((x for x in etas if isinstance(x, int | float) and x > 0), default=0.0)
-                wait = max(pause, min(0.9 * eta, self.deadline.remaining() - reserve))
+                wait = max(pause, min(eta, self.deadline.remaining() - reserve))
                 time.sleep(wait)
                 pause = min(2 * pause, 0.05)
 

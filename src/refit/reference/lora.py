@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +50,10 @@ ROW_PARALLEL = frozenset({"o_proj", "down_proj"})  # sharded by input columns on
 PEFT_PREFIX = "base_model.model."  # what PEFT's saved state dict puts before the model's own names
 MOVES_KEPT = 4096  # adapter moves kept for `AdapterTable.report` between two reports
 SLABS_KEPT = 1  # freed versions' memory kept per (spec, dtype) for the next version to stage into
+# the first version of a spec with a bound (`max_live`) also reserves the memory of min(max_live, this)
+# more versions: the versions that come while the bound's live ones serve stage into it, not into fresh
+# allocations on the serving thread (a steady stream of refits under max_live needs max_live + 1 slabs)
+SLABS_RESERVED = 2
 PLANS_KEPT = 64  # per slab: the checked copies kept for receivers' stable bucket views
 # PEFT LoraConfig fields whose non-default values change the math this engine computes: refused by name
 _REFUSED: dict[str, Any] = {
@@ -174,10 +178,15 @@ class Slab:
     plans: dict[int, tuple[Any, ...]] = field(default_factory=dict)  # id(bucket views) -> kept checks
 
     @classmethod
-    def allocate(cls, shapes: Mapping[str, tuple[int, ...]], dtype: torch.dtype, device: torch.device) -> Slab:
-        """`shapes`: each tensor's shape as this rank keeps it (its shard on a TP rank)."""
+    def allocate(
+        cls, shapes: Mapping[str, tuple[int, ...]], dtype: torch.dtype, device: torch.device, *, touch: bool = False
+    ) -> Slab:
+        """`shapes`: each tensor's shape as this rank keeps it (its shard on a TP rank). `touch`:
+        written once now (zeros), so the first copies into it do not pay for its first use."""
         total = sum(math.prod(shape) for shape in shapes.values())
-        flat = torch.empty(total, dtype=dtype, device=device)
+        flat = (
+            torch.zeros(total, dtype=dtype, device=device) if touch else torch.empty(total, dtype=dtype, device=device)
+        )
         views: dict[str, torch.Tensor] = {}
         pairs: dict[tuple[int, str], list[torch.Tensor | None]] = {}
         at = 0
@@ -343,8 +352,17 @@ class AdapterTable:
         shapes = self._shapes.get(spec)
         if shapes is None:
             shapes = self._shapes[spec] = spec.shapes(self.config)
-        free = self._free.get((spec, dtype))
-        slab = free.pop() if free else Slab.allocate(self._local_shapes(shapes), dtype, self.device)
+        free = self._free.setdefault((spec, dtype), [])
+        if free:
+            slab = free.pop()
+        else:
+            local = self._local_shapes(shapes)
+            first = not any(v.slab is not None and (v.spec, v.dtype) == (spec, dtype) for v in self._all())
+            slab = Slab.allocate(local, dtype, self.device)
+            if first and max_live is not None:  # the memory its bound takes, reserved now (`SLABS_RESERVED`)
+                free.extend(
+                    Slab.allocate(local, dtype, self.device, touch=True) for _ in range(min(max_live, SLABS_RESERVED))
+                )
         v = AdapterVersion(name, version, spec, shapes, dtype, weights=slab.pairs, slab=slab)
         self.max_live[name] = max_live
         self.versions.setdefault(name, {})[version] = v
@@ -386,9 +404,18 @@ class AdapterTable:
                 n += t.numel() * t.element_size()
             plan = None if written is None else written.plan(pairs)
             if keep:
-                if len(slab.plans) >= PLANS_KEPT:
-                    slab.plans.clear()
-                slab.plans[id(tensors)] = (tensors, index, pairs, plan, n)
+                self._keep(slab, tensors, index, pairs, plan, n)
+                # the pooled slabs of this spec get the same checked copies, planned now: the next
+                # versions staged into them pay no host work for these views at their first load
+                for other in self._free.get((v.spec, v.dtype), ()):
+                    if id(tensors) not in other.plans:
+                        theirs = [
+                            (other.views[tname], src) for (tname, _), (_, src) in zip(tensors, pairs, strict=True)
+                        ]
+                        regions = None if index is None else other.written_regions()
+                        self._keep(
+                            other, tensors, regions, theirs, None if regions is None else regions.plan(theirs), n
+                        )
         with torch.no_grad():
             if written is not None:
                 written.run(plan)
@@ -396,6 +423,12 @@ class AdapterTable:
                 torch._foreach_copy_([d for d, _ in pairs], [t for _, t in pairs])
         v.landed.update(tname for tname, _ in tensors)
         return n
+
+    @staticmethod
+    def _keep(slab: Slab, tensors: Any, index: Any, pairs: list[Any], plan: Any, n: int) -> None:
+        if len(slab.plans) >= PLANS_KEPT:
+            slab.plans.clear()
+        slab.plans[id(tensors)] = (tensors, index, pairs, plan, n)
 
     def complete(self, name: str) -> AdapterVersion:
         """STAGING -> STAGED once every tensor of the spec landed (EngineError naming what is missing)."""
@@ -439,6 +472,10 @@ class AdapterTable:
         free = self._free.setdefault((v.spec, v.dtype), [])
         if slab is not None and len(free) < SLABS_KEPT:
             free.append(slab)
+
+    def _all(self) -> Iterator[AdapterVersion]:
+        for versions in self.versions.values():
+            yield from versions.values()
 
     def forget_plans(self) -> None:
         """Drop the kept copy plans of every slab, in use or pooled (they hold a receiver's views)."""

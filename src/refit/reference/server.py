@@ -188,33 +188,43 @@ class LocalChannel:
         self._inbox.close()
 
 
+_WIRE_ATOMS = frozenset({str, int, float, bool, bytes, type(None)})  # cross as they are (no walk)
+
+
 def _to_wire(obj: Any) -> Any:
     """Tensors cross the socket as (dtype, shape, raw bytes), pickled by value: no shared fds to
-    leak, and any dtype (bfloat16 has no numpy form)."""
+    leak, and any dtype (bfloat16 has no numpy form). Atoms are passed over, not walked (a
+    verify's hundreds of digests cost no call each)."""
     import torch
 
+    kind = type(obj)
+    if kind in _WIRE_ATOMS:
+        return obj
     if isinstance(obj, torch.Tensor):
         t = obj.detach().cpu().contiguous()
         raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
         return ("__tensor__", str(t.dtype).removeprefix("torch."), tuple(t.shape), raw)
     if isinstance(obj, dict):
-        return {k: _to_wire(v) for k, v in obj.items()}
+        return {k: v if type(v) in _WIRE_ATOMS else _to_wire(v) for k, v in obj.items()}
     if isinstance(obj, list | tuple):
-        return type(obj)(_to_wire(v) for v in obj)
+        return type(obj)(v if type(v) in _WIRE_ATOMS else _to_wire(v) for v in obj)
     return obj
 
 
 def _from_wire(obj: Any) -> Any:
     import torch
 
-    if isinstance(obj, tuple) and len(obj) == 4 and obj[0] == "__tensor__":
+    kind = type(obj)
+    if kind in _WIRE_ATOMS:
+        return obj
+    if kind is tuple and len(obj) == 4 and obj[0] == "__tensor__":
         _, dtype, shape, raw = obj
         flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
         return flat.view(getattr(torch, dtype)).reshape(shape)
     if isinstance(obj, dict):
-        return {k: _from_wire(v) for k, v in obj.items()}
+        return {k: v if type(v) in _WIRE_ATOMS else _from_wire(v) for k, v in obj.items()}
     if isinstance(obj, list | tuple):
-        return type(obj)(_from_wire(v) for v in obj)
+        return type(obj)(v if type(v) in _WIRE_ATOMS else _from_wire(v) for v in obj)
     return obj
 
 
@@ -269,6 +279,7 @@ class EngineServer:
     ) -> None:
         self.core = core
         self.name = name
+        self.profiles = _CallProfiles(os.environ.get("REFIT_PROFILE_CALLS"), name)  # off unless asked
         self.in_process = in_process  # False: this is the engine's own process
         self.followers = followers or []  # TP ranks 1.. (this is the head)
         self.receivers: dict[str, Receiver] = {}  # transport kind -> this rank's receiver
@@ -322,11 +333,13 @@ class EngineServer:
         fault = self._armed_for(method, body)
         if fault is not None and self._fire(fault, method) == "corrupt" and method != "load":
             body = body[: len(body) // 2]  # the request arrives truncated
-        args, kwargs = safe_decode(body, self.manifests)
+        with self.profiles.call("decode." + method):
+            args, kwargs = safe_decode(body, self.manifests)
         if method == "steps":
             return self._steps(*args)
         self.forward(method, encode(args, kwargs) if self.followers else body)  # followers keep no memo
-        return self.handle(method, args, kwargs)
+        with self.profiles.call(method):
+            return self.handle(method, args, kwargs)
 
     def forward(self, method: str, body: bytes) -> None:
         """Send a request to every TP follower first. A follower that is gone (its socket reads
@@ -377,7 +390,8 @@ class EngineServer:
                     raise EngineError("bad_payload", f"{call}: request arrived damaged and could not be decoded")
                 if self.followers:
                     self.forward("steps", encode(([(call, args)],), {}))
-                value = self.handle(call, tuple(args), {})
+                with self.profiles.call(call):
+                    value = self.handle(call, tuple(args), {})
             except _Killed:
                 raise
             except Exception as exc:
@@ -562,6 +576,44 @@ def _error_value(exc: BaseException) -> tuple[Any, ...]:
     return "internal", f"{type(exc).__name__}: {exc}"
 
 
+class _CallProfiles:
+    """`REFIT_PROFILE_CALLS=DIR` (a measurement aid, off by default): each engine call's handling
+    under cProfile, by call name (`decode.<method>` and `send.<method>`: the request's decoding and
+    the answer's send); written at exit to DIR/<engine>-<pid>-calls.txt, per call the 25 costliest
+    functions by own time."""
+
+    def __init__(self, where: str | None, name: str) -> None:
+        self.where, self.name = where, name
+        self.by_call: dict[str, Any] = {}
+
+    @contextlib.contextmanager
+    def call(self, method: str) -> Any:
+        if not self.where:
+            yield
+            return
+        import cProfile
+
+        prof = self.by_call.setdefault(method, cProfile.Profile())
+        prof.enable()
+        try:
+            yield
+        finally:
+            prof.disable()
+
+    def write(self) -> None:
+        if not self.by_call:
+            return
+        import pstats
+
+        out = io.StringIO()
+        for method, prof in sorted(self.by_call.items()):
+            out.write(f"==== {method}\n")
+            pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(25)
+        path = os.path.join(str(self.where), f"{self.name}-{os.getpid()}-calls.txt")
+        with contextlib.suppress(OSError), open(path, "w") as f:
+            f.write(out.getvalue())
+
+
 def serve(channel: Channel, server: EngineServer) -> None:
     """Run the engine until SHUTDOWN or until the other side goes away."""
     core = server.core
@@ -582,7 +634,9 @@ def serve(channel: Channel, server: EngineServer) -> None:
                         waiters.setdefault(rid, []).append(call_id)
                     else:
                         server.received_at = received
-                        channel.send((call_id, True, server.dispatch(method, body)))
+                        value = server.dispatch(method, body)
+                        with server.profiles.call("send." + method):
+                            channel.send((call_id, True, value))
                         server.answered(time.monotonic())
                 except _Killed:
                     raise
@@ -600,6 +654,7 @@ def serve(channel: Channel, server: EngineServer) -> None:
     except (EOFError, BrokenPipeError, ConnectionResetError, _Killed):
         pass
     finally:
+        server.profiles.write()
         server._detach()
         channel.close()
 
