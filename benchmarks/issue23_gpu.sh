@@ -14,7 +14,7 @@ mkdir -p "$OUT"
 for w in .whl/*.whl; do
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$w" >/dev/null 2>&1 || true
 done
-export PYTHONPATH="$PWD/src:/tmp/site" PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD/src:/tmp/site" PYTHONUNBUFFERED=1 REFIT_PROGRESS=lines  # progress lines in the logs
 {
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
     python3 -c 'import torch, sglang; print("torch", torch.__version__, "sglang", sglang.__version__)'

@@ -12,6 +12,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from importlib import metadata
 from pathlib import Path
@@ -20,6 +21,7 @@ import pytest
 
 from refit import cli, demo, protocol
 from refit.cli import main
+from refit.progress import Progress
 from refit.protocol.ranks import Participant
 from refit.reference.model import TinyLlama
 
@@ -304,7 +306,10 @@ def test_a_failed_demo_through_the_real_command(tmp_path: Path) -> None:
 # ---- progress of long commands ----------------------------------------------------------------------------
 
 
-def test_soak_reports_progress_on_stderr_and_json_on_stdout(capsys: pytest.CaptureFixture[str]) -> None:
+def test_soak_reports_progress_lines_on_stderr_and_json_on_stdout(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("REFIT_PROGRESS", "lines")  # as in a log file asked for them
     assert main(["soak", "--refits", "5", "--in-thread", "--json"]) == 0
     out, err = capsys.readouterr()
     report = json.loads(out)  # stdout is the JSON and nothing else
@@ -315,19 +320,66 @@ def test_soak_reports_progress_on_stderr_and_json_on_stdout(capsys: pytest.Captu
 
 
 def test_progress_lines_every_tenth_or_every_interval(capsys: pytest.CaptureFixture[str]) -> None:
-    progress = cli.Progress("soak", every_s=3600)
+    progress = Progress("soak", every_s=3600, how="lines")
     for i in range(1001):
         progress(i, 1000)
     counts = [int(m) for m in re.findall(r"^soak: (\d+)/1000 refits", capsys.readouterr().err, re.M)]
     assert counts == list(range(100, 1001, 100))
-    progress = cli.Progress("bench control", every_s=0)
+    progress = Progress("bench control", every_s=0, how="lines")
     for i in range(31):
         progress(i, 30)
     assert len(capsys.readouterr().err.splitlines()) == 30
+    with progress.waiting("waiting for ray.init"):  # a wait of unknown length, as a line: said once
+        pass
+    assert capsys.readouterr().err == "waiting for ray.init ...\n"
+
+
+def test_progress_is_quiet_when_stderr_is_not_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Piped (a CI log, `2>file`): no bar, no lines, no notes; the results and the JSON unchanged."""
+    monkeypatch.delenv("REFIT_PROGRESS", raising=False)
+    proc = subprocess.run(
+        [str(REFIT), "soak", "--refits", "3", "--in-thread", "--json"], capture_output=True, text=True, timeout=120,
+        check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["ok"] == 3
+    assert "soak" not in proc.stderr and "refits" not in proc.stderr and "\r" not in proc.stderr, proc.stderr
+
+
+def test_progress_on_a_terminal_is_a_live_bar(monkeypatch: pytest.MonkeyPatch) -> None:
+    """stderr a real pseudo-terminal: tqdm's bar, redrawn in place, ending at 3/3; stdout (a pipe)
+    keeps the report alone."""
+    import os
+    import pty
+
+    monkeypatch.delenv("REFIT_PROGRESS", raising=False)
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(
+        [str(REFIT), "soak", "--refits", "3", "--in-thread"], stdout=subprocess.PIPE, stderr=slave, text=True
+    )
+    os.close(slave)
+    seen = b""
+    while True:
+        try:
+            chunk = os.read(master, 4096)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not chunk:
+            break
+        seen += chunk
+    out = proc.communicate(timeout=120)[0]
+    os.close(master)
+    assert proc.returncode == 0
+    text = seen.decode(errors="replace")
+    assert "soak: starting 2 engine threads" in text  # the note, above the bar
+    assert re.search(r"soak: 100%.*\| 3/3 \[", text), text  # tqdm's bar, complete
+    assert "\r" in text  # redrawn in place
+    assert "3 refits into 2 engine threads" in out and "soak:" not in out
 
 
 @pytest.mark.e2e
-def test_bench_control_reports_progress(capsys: pytest.CaptureFixture[str]) -> None:
+def test_bench_control_reports_progress(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("REFIT_PROGRESS", "lines")
     assert main(["bench", "control", "--engines", "1", "--refits", "2"]) == 0
     out, err = capsys.readouterr()
     assert "round trips per refit" in out and "bench control" not in out
@@ -532,3 +584,51 @@ def test_diagram_outside_the_repository_writes_nothing_and_says_where_to_run_it(
     proc = subprocess.run([str(REFIT), "diagram", "--out", str(out)], capture_output=True, text=True, timeout=60,
                           cwd=tmp_path, check=False)  # fmt: skip
     assert proc.returncode == 0 and proc.stdout == f"wrote {out / 'refit-states.md'}\n", proc.stdout + proc.stderr
+
+
+def test_help_shows_every_options_default() -> None:
+    """Each option of each command with a default (not None, not off) says it in `--help`; the
+    real console script's `refit soak --help` shows them (it showed none before)."""
+    import argparse
+
+    _, subs = cli._parser()
+    for name, parser in subs.items():
+        formatter = parser._get_formatter()
+        for action in parser._actions:
+            if not action.option_strings or action.default in (None, False, argparse.SUPPRESS):
+                continue
+            shown = formatter._get_help_string(action) or ""
+            assert "default" in shown, (name, action.option_strings, shown)
+    proc = refit("soak", "--help")
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr
+    flat = " ".join(proc.stdout.split())
+    for text in ("consecutive refits (default: 1000)", "reference engines (default: 2)", "(default: disaggregated)"):
+        assert text in flat, proc.stdout
+    demo_help = " ".join(refit("demo", "--help").stdout.split())
+    assert "in_place keeping it (--engine reference only, with --kv keep and --mode disaggregated" in demo_help
+
+
+def test_a_wait_of_unknown_length_ticks_on_a_terminal_then_clears() -> None:
+    """`Progress.waiting` on a real pseudo-terminal: its text with the elapsed time, redrawn while
+    the wait lasts (tqdm is told to redraw every half second), and gone when the wait ends."""
+    import os
+    import pty
+
+    master, slave = pty.openpty()
+    with os.fdopen(slave, "w") as tty:
+        progress = Progress("ray", how="bar", stream=tty)
+        with progress.waiting("waiting for ray.init"):
+            time.sleep(1.3)
+    seen = b""
+    while True:
+        try:
+            chunk = os.read(master, 4096)
+        except OSError:
+            break
+        if not chunk:
+            break
+        seen += chunk
+    os.close(master)
+    text = seen.decode(errors="replace")
+    assert "waiting for ray.init: 00:00" in text and "waiting for ray.init: 00:01" in text, text
+    assert not [t for t in threading.enumerate() if t.name == "refit-progress"]  # its ticker ended

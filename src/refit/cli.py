@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import logging
 import math
 import os
 import sys
-import time
 from collections.abc import Iterator
 from importlib import metadata
 from pathlib import Path
@@ -146,43 +146,21 @@ def _replay(args: argparse.Namespace) -> int:
     return 0
 
 
-class Progress:
-    """Progress of a long command on stderr (stdout keeps the results and any --json): a line every
-    tenth of the refits or every `every_s` seconds, whichever comes first, and one at the end.
-    Called as `progress(done, total)`; `done == 0` starts the clock (the work proper begins)."""
-
-    def __init__(self, label: str, *, every_s: float = 2.0) -> None:
-        self.label = label
-        self.every_s = every_s
-        self.t0 = self.last = time.monotonic()
-        self.step = 1
-
-    def __call__(self, done: int, total: int) -> None:
-        now = time.monotonic()
-        if done == 0:
-            self.t0 = self.last = now
-            self.step = max(1, math.ceil(total / 10))
-            return
-        if done == total or done % self.step == 0 or now - self.last >= self.every_s:
-            self.last = now
-            elapsed = now - self.t0
-            rate = done / elapsed if elapsed > 0 else float("inf")
-            print(f"{self.label}: {done}/{total} refits, {rate:.3g}/s, {elapsed:.1f}s", file=sys.stderr, flush=True)
-
-
 def _soak(args: argparse.Namespace) -> int:
+    from refit.progress import Progress
     from refit.soak import soak
 
     kind = "threads" if args.in_thread else "processes"
-    print(
-        f"soak: starting {args.engines} engine {kind}, one warm-up refit, then {args.refits} refits ...",
-        file=sys.stderr, flush=True,
-    )  # fmt: skip
-    report = soak(
-        args.refits, engines=args.engines, mode=args.mode, bucket_bytes=args.bucket_bytes,
-        fault_every=args.fault_every, verify_every=args.verify_every, in_thread=args.in_thread,
-        progress=Progress("soak"),
-    )  # fmt: skip
+    progress = Progress("soak")
+    progress.note(f"soak: starting {args.engines} engine {kind}, one warm-up refit, then {args.refits} refits ...")
+    try:
+        report = soak(
+            args.refits, engines=args.engines, mode=args.mode, bucket_bytes=args.bucket_bytes,
+            fault_every=args.fault_every, verify_every=args.verify_every, in_thread=args.in_thread,
+            progress=progress,
+        )  # fmt: skip
+    finally:
+        progress.close()
     if args.json:
         print(json.dumps(report.as_dict()))
     else:
@@ -229,8 +207,11 @@ def _bench_gpu(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    tick = lambda s: print(f"  {s}", file=sys.stderr, flush=True)  # noqa: E731
-    print(f"bench {what}: shapes {', '.join(shapes)}; {args.refits} timed refits per path ...", file=sys.stderr)
+    from refit.progress import Progress
+
+    progress = Progress(f"bench {what}")
+    tick = lambda s: progress.note(f"  {s}")  # noqa: E731
+    progress.note(f"bench {what}: shapes {', '.join(shapes)}; {args.refits} timed refits per path ...")
     if what == "gpu":
         paths = tuple(p for p in (args.paths or ",".join(bench_gpu.PATHS)).split(",") if p)
         known = (*bench_gpu.PATHS, *bench_gpu.EXTRA_PATHS)
@@ -269,62 +250,64 @@ def _bench(args: argparse.Namespace) -> int:
         except ImportError:
             print("refit bench control --ray needs Ray: pip install -e '.[ray]'", file=sys.stderr)
             return 2
-    progress = Progress(f"bench {args.what}")
-    if args.what == "control":
-        print(
-            f"bench control: starting {args.engines} engine {'Ray actors' if args.ray else 'processes'}, 3 warm-up "
-            f"refits, then {args.refits} refits ...",
-            file=sys.stderr, flush=True,
-        )  # fmt: skip
-        from refit.demo import ray_cluster
+    from refit.progress import Progress
 
-        with ray_cluster(args.ray):
-            report = bench.control(
-                engines=args.engines,
-                refits=args.refits,
-                mode=args.mode,
+    progress = Progress(f"bench {args.what}")
+    with progress:
+        if args.what == "control":
+            progress.note(
+                f"bench control: starting {args.engines} engine {'Ray actors' if args.ray else 'processes'}, 3 warm-up "
+                f"refits, then {args.refits} refits ..."
+            )
+            from refit.demo import ray_cluster
+
+            with ray_cluster(args.ray):
+                report = bench.control(
+                    engines=args.engines,
+                    refits=args.refits,
+                    mode=args.mode,
+                    progress=progress,
+                    ray=args.ray,
+                    verify=args.verify or "digest",
+                )
+            print(
+                f"control plane: {report['engines']} engine {report['hosting']}, {report['refits']} refits "
+                f"({report['mode']}), {report['buckets_per_refit']} bucket each"
+            )
+            print(f"  round trips per refit: {report['round_trips_per_refit']:g} (goal <= 2)")
+            print(
+                f"  stall minus transfer: median {report['control_ms_median']:.2f} ms, "
+                f"p99 {report['control_ms_p99']:.2f} ms (goal: median <= 10 ms); "
+                f"stall {report['stall_ms_median']:.2f} ms, transfer {report['transfer_ms_median']:.2f} ms"
+            )
+            if "verified_stall_ratio" in report:
+                print(
+                    f"  verify off / digest (alternate refits): stall {report['stall_ms_median_verify_off']:.2f} / "
+                    f"{report['stall_ms_median_verify_digest']:.2f} ms, stall minus transfer "
+                    f"{report['control_ms_median_verify_off']:.2f} / "
+                    f"{report['control_ms_median_verify_digest']:.2f} ms; "
+                    f"verified stall ratio {report['verified_stall_ratio']:.3f}"
+                )
+        else:
+            progress.note(
+                f"bench transport: 3 variants, each one engine process, a connecting refit and {args.refits} timed "
+                f"refits of a {'small' if args.small else '0.67 GB'} state ..."
+            )
+            report = bench.transport(
+                refits=args.refits, bucket_mb=args.bucket_mb or 64, checksums=not args.no_checksums, small=args.small,
                 progress=progress,
-                ray=args.ray,
-                verify=args.verify or "digest",
-            )
-        print(
-            f"control plane: {report['engines']} engine {report['hosting']}, {report['refits']} refits "
-            f"({report['mode']}), {report['buckets_per_refit']} bucket each"
-        )
-        print(f"  round trips per refit: {report['round_trips_per_refit']:g} (goal <= 2)")
-        print(
-            f"  stall minus transfer: median {report['control_ms_median']:.2f} ms, "
-            f"p99 {report['control_ms_p99']:.2f} ms (goal: median <= 10 ms); "
-            f"stall {report['stall_ms_median']:.2f} ms, transfer {report['transfer_ms_median']:.2f} ms"
-        )
-        if "verified_stall_ratio" in report:
+            )  # fmt: skip
             print(
-                f"  verify off / digest (alternate refits): stall {report['stall_ms_median_verify_off']:.2f} / "
-                f"{report['stall_ms_median_verify_digest']:.2f} ms, stall minus transfer "
-                f"{report['control_ms_median_verify_off']:.2f} / {report['control_ms_median_verify_digest']:.2f} ms; "
-                f"verified stall ratio {report['verified_stall_ratio']:.3f}"
+                f"shm transport: {report['bytes'] / 1e9:.2f} GB in {report['buckets']} buckets of "
+                f"{report['bucket_bytes'] >> 20} MiB into one engine process; memcpy {report['memcpy_gbps']:.2f} GB/s; "
+                f"bit-exact {report['bit_exact']}"
             )
-    else:
-        print(
-            f"bench transport: 3 variants, each one engine process, a connecting refit and {args.refits} timed "
-            f"refits of a {'small' if args.small else '0.67 GB'} state ...",
-            file=sys.stderr, flush=True,
-        )  # fmt: skip
-        report = bench.transport(
-            refits=args.refits, bucket_mb=args.bucket_mb or 64, checksums=not args.no_checksums, small=args.small,
-            progress=progress,
-        )  # fmt: skip
-        print(
-            f"shm transport: {report['bytes'] / 1e9:.2f} GB in {report['buckets']} buckets of "
-            f"{report['bucket_bytes'] >> 20} MiB into one engine process; memcpy {report['memcpy_gbps']:.2f} GB/s; "
-            f"bit-exact {report['bit_exact']}"
-        )
-        for name, v in report["variants"].items():
-            print(
-                f"  {name:<24} checksums {'on ' if v['checksums'] else 'off'} {v['gbps']:6.2f} GB/s "
-                f"({v['seconds'] * 1e3:6.1f} ms)  ratio {v['ratio']:.2f}"
-            )
-        print(f"  goal (zero_copy, checksums on): ratio >= 0.7; measured {report['ratio']:.2f}")
+            for name, v in report["variants"].items():
+                print(
+                    f"  {name:<24} checksums {'on ' if v['checksums'] else 'off'} {v['gbps']:6.2f} GB/s "
+                    f"({v['seconds'] * 1e3:6.1f} ms)  ratio {v['ratio']:.2f}"
+                )
+            print(f"  goal (zero_copy, checksums on): ratio >= 0.7; measured {report['ratio']:.2f}")
     bench.write_json(report, args.json)
     if args.json:
         print(f"wrote {args.json}")
@@ -518,8 +501,8 @@ def _demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--pause-mode", choices=("abort", "retract", "in_place"), default="retract",
         help="what happens to requests in flight: abort them, or hold them and continue after the update, "
-        "retract recomputing their KV, in_place keeping it (with --kv keep and --mode disaggregated) "
-        "(default retract)",
+        "retract recomputing their KV, in_place keeping it (--engine reference only, with --kv keep and --mode "
+        "disaggregated; SGLang and vLLM cannot serve it safely) (default retract)",
     )  # fmt: skip
     p.add_argument(
         "--kv", choices=("recompute", "keep"), default="recompute",
@@ -535,7 +518,7 @@ def _demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--deadline", type=_seconds, default=60.0, help="seconds each refit may take (default 60)")
     p.add_argument("--retries", type=_count(0), default=1, help="retries for an engine whose update failed (default 1)")
     p.add_argument("--call-timeout", type=_seconds, default=5.0, help="cap on one engine call in seconds (default 5)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the trainer's data and the engines' sampling")
     p.add_argument("--trace", metavar="PATH", help="write the JSONL trace of every refit here")
     p.add_argument(
         "--fail-at",
@@ -597,39 +580,53 @@ def _doctor(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+class _Help(argparse.HelpFormatter):
+    """Each option's default at the end of its help, unless it has none (None, off) or the help
+    already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if not action.option_strings or action.default in (None, False, argparse.SUPPRESS) or "default" in text:
+            return text
+        return f"{text} (default: %(default)s)" if text else "(default: %(default)s)"
+
+
 def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     """The top-level parser and each subcommand's own (for its usage line in errors)."""
-    parser = argparse.ArgumentParser(prog="refit", description="Refit trainer weights into rollout engines, checked.")
+    parser = argparse.ArgumentParser(
+        prog="refit", description="Refit trainer weights into rollout engines, checked.", formatter_class=_Help
+    )
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
+    sub_parser = functools.partial(sub.add_parser, formatter_class=_Help)
 
-    demo = sub.add_parser("demo", help="a real CPU refit into reference-engine processes")
+    demo = sub_parser("demo", help="a real CPU refit into reference-engine processes")
     _demo_arguments(demo)
     demo.set_defaults(func=_demo)
 
-    check = sub.add_parser("check", help="check a recorded trace against the refit invariants")
+    check = sub_parser("check", help="check a recorded trace against the refit invariants")
     check.add_argument("trace", help="a JSONL trace (refit demo --trace PATH writes one)")
     check.add_argument("--json", action="store_true", help="print a JSON summary")
     check.set_defaults(func=_check)
 
-    rep = sub.add_parser("replay", help="re-run a recorded trace through the real runner, report divergence")
+    rep = sub_parser("replay", help="re-run a recorded trace through the real runner, report divergence")
     rep.add_argument("trace", help="a JSONL trace (refit demo --trace PATH writes one)")
     rep.set_defaults(func=_replay)
 
-    soak_p = sub.add_parser("soak", help="many consecutive refits, then count leaked segments, fds, threads, processes")
-    soak_p.add_argument("--refits", type=_count(1), default=1000)
-    soak_p.add_argument("--engines", type=_count(1), default=2)
-    soak_p.add_argument("--mode", choices=("colocated", "disaggregated"), default="disaggregated")
-    soak_p.add_argument("--bucket-bytes", type=_count(1), default=64 << 10)
+    soak_p = sub_parser("soak", help="many consecutive refits, then count leaked segments, fds, threads, processes")
+    soak_p.add_argument("--refits", type=_count(1), default=1000, help="consecutive refits")
+    soak_p.add_argument("--engines", type=_count(1), default=2, help="reference engines")
+    soak_p.add_argument("--mode", choices=("colocated", "disaggregated"), default="disaggregated", help="refit mode")
+    soak_p.add_argument("--bucket-bytes", type=_count(1), default=64 << 10, help="bucket size in bytes")
     soak_p.add_argument(
         "--fault-every", type=int, default=10, help="inject a raise/corrupt fault every N refits (0: none)"
     )
     soak_p.add_argument("--verify-every", type=int, default=100, help="compare engine weights with the trainer every N")
     soak_p.add_argument("--in-thread", action="store_true", help="engines on threads instead of processes")
-    soak_p.add_argument("--json", action="store_true")
+    soak_p.add_argument("--json", action="store_true", help="print the report as JSON")
     soak_p.set_defaults(func=_soak)
 
-    bench_p = sub.add_parser(
+    bench_p = sub_parser(
         "bench", help="measured figures against a floor: control plane, transport, gpu (one GPU), broadcast (two)"
     )
     bench_p.add_argument(
@@ -645,7 +642,9 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
         default=None,
         help="refits to measure (control 100, transport 6, gpu 5, broadcast 5)",
     )
-    bench_p.add_argument("--mode", choices=("colocated", "disaggregated"), default="disaggregated")
+    bench_p.add_argument(
+        "--mode", choices=("colocated", "disaggregated"), default="disaggregated", help="control, transport: refit mode"
+    )
     bench_p.add_argument(
         "--bucket-mb", type=_count(1), default=None,
         help="bucket size in MiB (transport: default 64, gpu and broadcast: 512)",
@@ -671,7 +670,7 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     bench_p.add_argument("--json", metavar="PATH", help="also write the figures as JSON here")
     bench_p.set_defaults(func=_bench)
 
-    doc = sub.add_parser(
+    doc = sub_parser(
         "doctor", help="read-only check of a live SGLang or vLLM server: what refit can do with it, and the fixes"
     )
     doc.add_argument("url", help="the server's base URL, e.g. http://127.0.0.1:30000")
@@ -682,7 +681,7 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     doc.add_argument("--json", action="store_true", help="print the report as JSON")
     doc.set_defaults(func=_doctor)
 
-    diag = sub.add_parser("diagram", help="regenerate docs/diagrams from the state table")
+    diag = sub_parser("diagram", help="regenerate docs/diagrams from the state table")
     diag.add_argument("--out", default=None, help=f"output directory (default {DIAGRAMS}, which must exist)")
     diag.add_argument("--readme", default="README.md", help="README whose diagram block to refresh (default README.md)")
     diag.add_argument("--check", action="store_true", help="exit 1 if the committed diagram is stale")

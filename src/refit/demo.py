@@ -47,6 +47,7 @@ from refit.loop import (  # noqa: F401 - re-exported: the loop lived here
     summary,
     train,
 )
+from refit.progress import Progress
 from refit.reference.model import ModelConfig, TinyLlama
 
 
@@ -92,11 +93,13 @@ def ray_cluster(enabled: bool) -> Iterator[None]:
         return
     if os.environ.get("RAY_ADDRESS"):  # inside a Ray job: join its cluster
         print(f"connecting to the Ray cluster at {os.environ['RAY_ADDRESS']} ...", flush=True)
-        ray.init(log_to_driver=False)
+        with Progress("ray").waiting("  waiting for ray.init"):
+            ray.init(log_to_driver=False)
     else:
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a local, single-user cluster
         print("starting a local Ray cluster (2 CPUs, no dashboard) ...", flush=True)
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        with Progress("ray").waiting("  waiting for ray.init"):
+            ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         yield
     finally:
@@ -184,11 +187,13 @@ def _run_ray(args: argparse.Namespace) -> int:
         flush=True,
     )
     t0 = time.perf_counter()
-    trainer = start_ranks(args.ranks, {"seed": args.seed, "transport": args.transport})
+    with Progress("ray").waiting("  waiting for the trainer actors"):
+        trainer = start_ranks(args.ranks, {"seed": args.seed, "transport": args.transport})
     engines: list[Any] = []
     trace, temporary = _trace_path(args)
     try:
-        engines = start_engines(args, names, config)
+        with Progress("ray").waiting("  waiting for the engine actors"):
+            engines = start_engines(args, names, config)
         print(f"actors ready in {time.perf_counter() - t0:.1f}s", flush=True)
         ctx = protocol.RefitContext(
             source=None, transport=make_transport(args.transport), engines=engines, ranks=trainer.ranks,
