@@ -71,6 +71,9 @@ class ReferenceEngine(EngineDriver):
     def __init__(self, client: EngineClient) -> None:
         self.client = client
         self.name = client.name
+        # the last adapter move an answer handed to the run (epoch, n): sent with each call, so the
+        # engine reports again what an answer that came too late (or never) carried
+        self._moves_ack: tuple[str, int] | None = None
 
     @classmethod
     def spawn(
@@ -213,7 +216,7 @@ class ReferenceEngine(EngineDriver):
             return super().run_steps_async(steps, timeout=timeout, executor=executor)
         out: Future[list[StepResult]] = Future()
         end = time.monotonic() + timeout
-        reply = self.client.call_async("steps", [(s.call, tuple(s.args)) for s in steps], timeout)
+        reply = self.client.call_async("steps", [(s.call, tuple(s.args)) for s in steps], timeout, self._moves_ack)
         calls = [s.call for s in steps]
 
         def expire() -> None:  # its budget is spent: the call returns now, whatever the engine does later
@@ -234,6 +237,7 @@ class ReferenceEngine(EngineDriver):
             results = []
             for ok, value, seconds in f.result():
                 if ok:
+                    self._handed(value)
                     results.append(StepResult("ok", value, seconds=seconds, done_at=now))
                 else:
                     err = EngineError(*value)
@@ -245,7 +249,15 @@ class ReferenceEngine(EngineDriver):
         return out
 
     def probe(self, target_version: int, adapter: str | None = None, *, timeout: float) -> dict[str, Any]:
-        return self.client.call("probe", target_version, adapter, timeout=timeout)
+        return self._handed(self.client.call("probe", target_version, adapter, self._moves_ack, timeout=timeout))
+
+    def _handed(self, value: Any) -> Any:
+        """An answer the run gets in time: the last adapter move it carries is acknowledged with
+        the next call (`EngineCore.ack_moves`)."""
+        moves = value.get("adapter_moves") if isinstance(value, dict) else None
+        if moves and isinstance(moves[-1], dict) and "n" in moves[-1]:
+            self._moves_ack = (str(moves[-1].get("epoch")), int(moves[-1]["n"]))
+        return value
 
     def resume_memory(self, tags: Sequence[str], *, timeout: float) -> dict[str, Any]:
         return self.client.call("resume_memory", list(tags), timeout=timeout)

@@ -11,9 +11,11 @@ state, seq = the engine's token counter at the move) and over the requests it se
   adapter_served   every token a request got under an adapter version was sampled while that
                    version was servable: after its publish, before its unload.
 
-In a refit trace the engines' answers to probe, drain and publish carry their adapter moves since
-the last answer (`adapter_moves`), so the trace records every version's loads and unloads and
-`refit check` runs adapter_moves and adapter_live on them (`check_trace_adapters`).
+In a refit trace the engines' answers to probe, drain and publish carry the adapter moves no
+answer carried yet (`adapter_moves`, numbered), and an engine carries again those of an answer
+its caller never got in time (the caller acknowledges the last one it recorded with each call),
+so the trace records every version's loads and unloads and `refit check` runs adapter_moves and
+adapter_live on them (`check_trace_adapters`).
 """
 
 from __future__ import annotations
@@ -116,13 +118,26 @@ def check_adapter_records(records: Iterable[Mapping[str, Any]], *, engine: str =
 
 def trace_adapter_moves(events: Iterable[Mapping[str, Any]]) -> dict[str, list[Mapping[str, Any]]]:
     """Per engine, the adapter moves its answers carried in a refit trace (`result.adapter_moves`
-    of its probe, drain and publish calls), in trace order."""
+    of its probe, drain and publish calls), in trace order. A move an engine numbered (its table's
+    `epoch` and `n`) counts once: an engine reports again what an answer that came too late
+    carried, and a caller that did get it may record it twice."""
     out: dict[str, list[Mapping[str, Any]]] = {}
+    seen: set[tuple[str, Any, Any]] = set()
     for e in events:
         result = e.get("result")
         moves = result.get("adapter_moves") if isinstance(result, Mapping) else None
-        if e.get("kind") == "call" and isinstance(moves, list):
-            out.setdefault(str(e.get("engine")), []).extend(m for m in moves if isinstance(m, Mapping))
+        if e.get("kind") != "call" or not isinstance(moves, list):
+            continue
+        engine = str(e.get("engine"))
+        for m in moves:
+            if not isinstance(m, Mapping):
+                continue
+            key = (engine, m.get("epoch"), m.get("n"))
+            if key[2] is not None:
+                if key in seen:
+                    continue
+                seen.add(key)
+            out.setdefault(engine, []).append(m)
     return out
 
 

@@ -728,12 +728,17 @@ class EngineCore:
         with `adapter`, a LoRA refit's into a new version of that adapter)."""
         self.begin(plan, digest, staged=True, adapter=adapter)
 
-    def probe(self, target_version: int, adapter: str | None = None) -> dict[str, Any]:
+    def probe(
+        self, target_version: int, adapter: str | None = None, moves_ack: tuple[str, int] | None = None
+    ) -> dict[str, Any]:
         """The engine's own account before a refit: its version, whether it serves, and any update
         session a crashed run left open (voided here: its weights are then unnamed until a refit
         completes). Refuses, changing nothing, when it already holds `target_version` or newer.
         `adapter` (a LoRA refit): the version is that adapter's live one (0: none is loaded), and a
-        staged version a crashed run left is discarded."""
+        staged version a crashed run left is discarded. `moves_ack`: (epoch, n), the last adapter
+        move the caller recorded (`lora.AdapterTable.ack`)."""
+        if moves_ack is not None:
+            self.ack_moves(moves_ack)
         if adapter is not None:
             live = self.lora.live(adapter)
             held = 0 if live is None else live.version
@@ -1340,6 +1345,16 @@ class EngineCore:
         self.version = version
 
     # ---- LoRA adapters (`refit.reference.lora`) ----------------------------------------------
+
+    def ack_moves(self, ack: Sequence[Any] | None) -> None:
+        """The caller recorded the adapter moves up to (epoch, n): the rest are reported again."""
+        if ack is None:
+            return
+        try:
+            epoch, n = str(ack[0]), int(ack[1])
+        except (IndexError, TypeError, ValueError) as exc:
+            raise EngineError("bad_request", f"moves_ack {ack!r}: (epoch, move number)") from exc
+        self.lora.ack(epoch, n)
 
     def stage_adapter(
         self, name: str, version: int, spec: Any, dtype: str | None = None, *, max_live: int | None = None

@@ -23,6 +23,7 @@ adapter is never read under another). It records each move as an engine audit re
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -48,7 +49,7 @@ LORA_TARGETS: dict[str, str] = {
 }
 ROW_PARALLEL = frozenset({"o_proj", "down_proj"})  # sharded by input columns on TP ranks: A's columns split
 PEFT_PREFIX = "base_model.model."  # what PEFT's saved state dict puts before the model's own names
-MOVES_KEPT = 4096  # adapter moves kept for `AdapterTable.report` between two reports
+MOVES_KEPT = 4096  # adapter moves kept for `AdapterTable.report` until the caller acknowledges them
 SLABS_KEPT = 1  # freed versions' memory kept per (spec, dtype) for the next version to stage into
 # the first version of a spec with a bound (`max_live`) also reserves the memory of min(max_live, this)
 # more versions: the versions that come while the bound's live ones serve stage into it, not into fresh
@@ -286,7 +287,11 @@ class AdapterTable:
         self.stale: dict[str, str] = {}  # adapters the version policy holds here until a publish, and why (`hold`)
         self.loads = 0  # adapter versions published so far
         self.unloads = 0
-        self.moves: deque[dict[str, Any]] = deque(maxlen=MOVES_KEPT)  # not yet reported (`report`)
+        # moves not yet acknowledged (`report`, `ack`), numbered 1.. ("n") in this table's `epoch`
+        self.moves: deque[dict[str, Any]] = deque(maxlen=MOVES_KEPT)
+        self.epoch = os.urandom(4).hex()  # a restarted engine's numbering is another one's
+        self._numbered = 0
+        self._reported = 0  # the last move number an answer carried
         self._free: dict[tuple[LoraSpec, torch.dtype], list[Slab]] = {}  # freed versions' memory (`SLABS_KEPT`)
         self._shapes: dict[LoraSpec, dict[str, tuple[int, ...]]] = {}
 
@@ -301,6 +306,8 @@ class AdapterTable:
             "servable": len(self.servable(v.name)), "max_live": self.max_live.get(v.name), "seq": self._clock(),
             **fields,
         }  # fmt: skip
+        self._numbered += 1
+        move["n"], move["epoch"] = self._numbered, self.epoch
         self._record("adapter", True, **move)
         self.moves.append(move)
 
@@ -310,12 +317,24 @@ class AdapterTable:
         self._log(v, str(event), src, **fields)
 
     def report(self) -> list[dict[str, Any]]:
-        """The moves since the last report (oldest first; at most `MOVES_KEPT`): what the engine's
-        answers to probe, drain and publish carry, so the refit trace records every version's
-        loads and unloads."""
-        out = list(self.moves)
-        self.moves.clear()
+        """The moves no answer carried yet (oldest first; at most `MOVES_KEPT`): what the engine's
+        answers to probe, drain, publish and discard carry, so the refit trace records every
+        version's loads and unloads. They are kept until the caller acknowledges them (`ack`)."""
+        out = [m for m in self.moves if m["n"] > self._reported]
+        if out:
+            self._reported = out[-1]["n"]
         return out
+
+    def ack(self, epoch: str | None, n: int) -> None:
+        """The caller recorded every move of `epoch` up to number `n`: they are dropped. Moves
+        reported after `n` never reached it (their answer came after its call gave up, or not
+        at all): the next report carries them again. An ack of another epoch (the caller knew an
+        engine this one replaced) changes nothing."""
+        if epoch != self.epoch:
+            return
+        while self.moves and self.moves[0]["n"] <= n:
+            self.moves.popleft()
+        self._reported = min(self._reported, max(n, 0))
 
     def live(self, name: str) -> AdapterVersion | None:
         return next((v for v in self.versions.get(name, {}).values() if v.state == Adapter.LIVE), None)

@@ -369,11 +369,13 @@ class EngineServer:
         return kind
 
     def _steps(
-        self, steps: list[tuple[str, tuple[Any, ...]]], budget: float | None = None
+        self, steps: list[tuple[str, tuple[Any, ...]]], budget: float | None = None, moves_ack: Any = None
     ) -> list[tuple[bool, Any, float]]:
         """Run consecutive protocol calls, stopping at the first that fails. `budget`: seconds the
         caller gave the whole call, from when the engine takes it up; a step that would start after
-        it is not run (an earlier one overran: the caller has given up on the call)."""
+        it is not run (an earlier one overran: the caller has given up on the call). `moves_ack`:
+        (epoch, n), the last adapter move the caller recorded (`EngineCore.ack_moves`)."""
+        self.core.ack_moves(moves_ack)
         out: list[tuple[bool, Any, float]] = []
         end = None if budget is None else time.monotonic() + budget
         for call, args in steps:
@@ -421,8 +423,8 @@ class EngineServer:
             raise EngineError("bad_request", f"fault kind {kind!r} cannot act on this engine: {why}")
         self.armed[(call, bucket)] = (kind, float(seconds))
 
-    def _probe(self, target_version: int, adapter: str | None = None) -> dict[str, Any]:
-        return {**self.core.probe(target_version, adapter), "pid": os.getpid()}
+    def _probe(self, target_version: int, adapter: str | None = None, moves_ack: Any = None) -> dict[str, Any]:
+        return {**self.core.probe(target_version, adapter, moves_ack), "pid": os.getpid()}
 
     def _ping(self) -> dict[str, Any]:
         return {"pid": os.getpid(), "name": self.name}
