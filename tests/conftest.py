@@ -119,7 +119,7 @@ def _summary_lines(request: pytest.FixtureRequest) -> Iterator[None]:
 LONGEST_FIRST = (
     "test_sglang_driver.py", "test_ray.py", "test_fault_matrix_broadcast.py", "test_conformance_kit_broadcast.py",
     "test_conformance_kit.py", "test_vllm.py", "test_sglang_kit.py", "test_fault_matrix.py", "test_vllm_kit.py",
-    "test_spmd.py", "test_e2e.py", "test_broadcast_ops.py", "test_model_families.py",
+    "test_docs.py", "test_spmd.py", "test_e2e.py", "test_broadcast_ops.py", "test_model_families.py",
 )  # fmt: skip
 
 
