@@ -440,13 +440,14 @@ def test_a_hung_trainer_side_gather_is_bounded_too(trainer, thread_engines, make
 def test_a_planned_fault_that_never_fires_is_reported(
     trainer: TinyLlama, thread_engines, make_ctx, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A fault no step matched tested nothing: the run says so instead of passing silently."""
-    faults = protocol.FaultPlan().fail_at("transferring", bucket=99, call="pack")
+    """A fault no step matched tested nothing: the run says so instead of passing silently (here a
+    swap's fault in a run that does not swap: not atomic)."""
+    faults = protocol.FaultPlan().fail_at("swapping", engine=1, call="swap")
     ctx = make_ctx(trainer, thread_engines(2), faults=faults)
     with caplog.at_level("WARNING", logger="refit.protocol.runner"):
         result = protocol.run(ctx)
     assert result.ok and faults.unfired()
-    assert any("never fired" in r.getMessage() and "'bucket': 99" in r.getMessage() for r in caplog.records)
+    assert any("never fired" in r.getMessage() and "'SWAPPING'" in r.getMessage() for r in caplog.records)
 
 
 def test_steps_after_one_that_overran_its_budget_are_never_started() -> None:
@@ -492,3 +493,27 @@ def test_a_run_that_hits_its_deadline_says_how_long_its_cleanup_took_past_it(
     ctx.deadline_s = 60.0
     on_time = protocol.run(ctx)
     assert on_time.ok and on_time.past_deadline_s == 0.0
+
+
+def test_a_fault_its_run_can_never_fire_fails_the_run_before_anything_moves(
+    trainer: TinyLlama, thread_engines, make_ctx
+) -> None:
+    """A planned fault whose bucket the run's plan does not have (known once it plans), or whose
+    engine it does not drive, would fire nowhere: the run fails in IDLE naming it and the plan's
+    size, every engine unchanged, instead of passing with a warning afterwards."""
+    engines = thread_engines(2)
+    ctx = make_ctx(trainer, engines, bucket_bytes=1 << 30)  # one bucket for the whole model
+    for plan, why in (
+        (protocol.FaultPlan().fail_at("transferring", engine=0, bucket=1, kind="swap_qk"), "targets bucket 1, but "
+         "this refit's plan has 1 bucket(s), 0 to 0 (a smaller bucket_bytes makes more)"),
+        (protocol.FaultPlan().fail_at("pausing", engine=2, kind="raise"), "targets engine 2, but the run drives 2"),
+    ):  # fmt: skip
+        ctx.faults = plan
+        result = protocol.run(ctx)
+        assert not result.ok and result.error.state == "IDLE"
+        assert "planned fault can never fire" in str(result.error) and why in str(result.error), result.error
+        assert {o.status for o in result.engines.values()} == {"unchanged"}
+        assert [e.info()["version"] for e in engines] == [0, 0]
+    ctx.faults = protocol.FaultPlan().fail_at("transferring", engine=0, bucket=0, kind="raise")  # one it can fire
+    protocol.run(ctx)
+    assert not ctx.faults.unfired()

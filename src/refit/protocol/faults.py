@@ -194,6 +194,20 @@ class FaultPlan:
     def unfired(self) -> list[Fault]:
         return [f for f in self.faults if not f.fired]
 
+    def out_of_reach(self, buckets: int, engines: int) -> list[str]:
+        """The unfired faults this run can never fire: a bucket its plan does not have, or an
+        engine it does not drive (known once the run has planned its buckets)."""
+        out = []
+        for f in self.unfired():
+            if f.bucket is not None and not 0 <= f.bucket < buckets:
+                out.append(
+                    f"{f.describe()} targets bucket {f.bucket}, but this refit's plan has {buckets} bucket(s), "
+                    f"0 to {buckets - 1} (a smaller bucket_bytes makes more)"
+                )
+            elif f.engine is not None and not 0 <= f.engine < engines:
+                out.append(f"{f.describe()} targets engine {f.engine}, but the run drives {engines} engine(s)")
+        return out
+
 
 OnFire = Callable[[Fault, str], None]
 

@@ -283,6 +283,9 @@ class _Run(Recording):
             "plan", "buckets", buckets=len(self.plan), nbytes=sum(m.nbytes for m in self.plan), tensors=len(metas),
             manifests=[m.summary() for m in self.plan],
         )  # fmt: skip
+        unreachable = self.ctx.faults.out_of_reach(len(self.plan), len(self.engines)) if self.ctx.faults else []
+        if unreachable:  # a fault that cannot fire tests nothing: refused before anything moves
+            raise RefitError("planned fault can never fire: " + "; ".join(unreachable), state="IDLE")
         if self.digest_kind is not None:
             heads = {m.name: m.heads for m in metas if m.heads is not None}
             gaps = unmappable(self.digest_kind, {m.name: tuple(m.shape) for m in metas}, heads)
