@@ -821,3 +821,43 @@ def test_a_relaunch_under_another_tp_size_is_refused_at_the_next_probe(trainer, 
     result = protocol.run(ctx)
     assert not result.ok and "misconfigured" in str(result.engines["sg0"].error), result.engines["sg0"]
     assert engine.server.crashed is None
+
+
+def test_a_driver_on_the_callers_own_transport_works_after_a_call_overran() -> None:
+    """With `transport=` (the caller's own, shared by its clients), an overrun must not close it:
+    the driver moves to a fresh client over the same transport, and its next call is answered (it
+    stopped working after one overrun: closing the stuck client closed the caller's transport)."""
+    import socketserver
+    import threading
+
+    import httpx
+
+    delay = [0.2]  # the first answer trickles its status line; later ones come at once
+
+    class Server(socketserver.BaseRequestHandler):
+        def handle(self) -> None:
+            self.request.recv(65536)
+            head, tail = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\n", b"{}"
+            try:
+                for b in head:
+                    self.request.sendall(bytes([b]))
+                    time.sleep(delay[0])
+                self.request.sendall(tail)
+            except OSError:
+                pass
+
+    server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Server)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    transport = httpx.HTTPTransport()
+    driver = SGLangEngine("own", f"http://127.0.0.1:{server.server_address[1]}", transport=transport)
+    try:
+        with pytest.raises(TimeoutError, match=r"own.*no complete answer"):
+            driver.continue_generation(timeout=0.5)
+        delay[0] = 0.0
+        driver.continue_generation(timeout=5)  # answered, over the caller's transport
+        with httpx.Client(transport=transport) as other:  # and the caller's transport is still open for it
+            assert other.post(f"http://127.0.0.1:{server.server_address[1]}/x").status_code == 200
+    finally:
+        driver.close()
+        server.shutdown()

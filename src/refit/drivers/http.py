@@ -261,10 +261,14 @@ class HttpEngineDriver(EngineDriver):
     def _abandon(self, client: httpx.Client) -> None:
         """A call overran its budget inside the HTTP exchange (a server that trickles its headers
         passes httpx's per-read timeouts): later calls get a fresh client, and the old one is closed
-        so the stuck exchange fails and frees this engine's call lane."""
+        so the stuck exchange fails and frees this engine's call lane. Over a caller's own transport
+        the old client is left open (closing it would close that transport for every client): the
+        stuck exchange ends when the server answers or the transport's own timeouts end it."""
         with self._swap:
-            if self._http is client and self._transport is None:
+            if self._http is client:
                 self._http = self._new_client()
+        if self._transport is not None:
+            return
 
         def close() -> None:
             with contextlib.suppress(Exception):
