@@ -221,7 +221,7 @@ def test_the_sglang_and_vllm_demos_need_no_extra() -> None:
         "        pass\n"
         "sys.meta_path.insert(0, Block())\n"
         "from refit.cli import main\n"
-        "sys.exit(main(['demo', '--engine', sys.argv[1], '--refits', '1']))\n"
+        "sys.exit(main(['demo', '--engine', sys.argv[1], '--refits', '1', '--steps', '2']))\n"
     )
     for engine in ("sglang", "vllm"):
         proc = subprocess.run([sys.executable, "-c", code, engine], capture_output=True, text=True, timeout=240,
