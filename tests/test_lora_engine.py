@@ -525,3 +525,33 @@ def test_a_bounded_adapter_reserves_its_versions_memory_once_and_a_kept_plan_is_
     fresh = _engine(model)
     fresh.begin(plan, "wsum", adapter={**adapter, "version": 1, "max_live": None})
     assert fresh.lora.pooled_bytes() == 0
+
+
+def test_adapter_moves_are_kept_until_acknowledged_and_acks_cannot_drop_unreported_ones() -> None:
+    """`AdapterTable.ack` (the driver's acknowledgement of the last move it handed to the run): the
+    moves after it are reported again; an ack of another epoch (nothing recorded of this table
+    yet, or a replaced engine's) has every kept move reported again; an ack past the last move
+    reported drops none that no answer carried; a malformed ack is a bad request."""
+    model = hf_model("llama", torch.float32, seed=7)
+    core = _engine(model)
+    pm = _peft(model, seed=2)
+
+    def numbers(moves: list[dict[str, Any]]) -> list[int]:
+        return [m["n"] for m in moves]
+
+    _load(core, "p", 1, pm)  # stage, complete, publish: moves 1..3
+    epoch = core.lora.epoch
+    assert numbers(core.lora.report()) == [1, 2, 3] and core.lora.report() == []
+    core.ack_moves(("", 0))  # a caller that has recorded nothing of this table: all again
+    assert numbers(core.lora.report()) == [1, 2, 3]
+    core.ack_moves((epoch, 1))  # it recorded move 1: 2 and 3 again
+    assert numbers(core.lora.report()) == [2, 3]
+    _load(core, "p", 2, pm)  # moves 4.. not reported yet
+    core.ack_moves((epoch, 10**6))  # it cannot have recorded more than was reported (3)
+    assert numbers(core.lora.report())[0] == 4
+    core.ack_moves(("another-engine", 99))
+    assert numbers(core.lora.report())[0] == 4  # 1..3 were dropped by the ack of 3 above
+    for bad in (("x", float("inf")), ("x", "nope"), ("x",), 7):
+        with pytest.raises(EngineError) as info:
+            core.ack_moves(bad)
+        assert info.value.kind == "bad_request"

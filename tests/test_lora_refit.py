@@ -467,15 +467,19 @@ def test_a_silent_fault_planned_on_a_lora_refit_is_refused_not_a_no_op(engines: 
         ctx.close()
 
 
-@pytest.mark.parametrize("call", ["publish", "continue_generation"])
+@pytest.mark.parametrize(
+    ("state", "call", "first"),
+    [("continuing", "publish", False), ("continuing", "continue_generation", False), ("draining", "drain", True)],
+)
 def test_moves_an_answer_carried_too_late_are_reported_again_and_the_trace_checks(
-    engines: list[ReferenceEngine], tmp_path: Path, call: str
+    engines: list[ReferenceEngine], tmp_path: Path, state: str, call: str, first: bool
 ) -> None:
-    """A LoRA run whose publish (or the continue in the same call) answers after its call gave up:
-    the engine did publish, and the moves went into an answer nobody read. The engine keeps its
-    moves until the driver acknowledges the last it handed to the run, so the next answers carry
-    them again: the trace holds every move once and passes `refit check` (it flagged a version
-    LIVE twice before)."""
+    """A LoRA run whose publish (or the continue in the same call, or a drain) answers after its
+    call gave up: the moves it carried went into an answer nobody read. The engine keeps its moves
+    until the driver acknowledges the last it handed to the run, so later answers carry them
+    again, also when that run is the driver's first (it had acknowledged nothing yet): the trace
+    holds every move the engine made, once, and passes `refit check` (it flagged a version LIVE
+    twice, or silently lacked the first run's moves, before)."""
     from refit.invariants import check_trace
 
     pm = _peft_model()
@@ -485,19 +489,21 @@ def test_moves_an_answer_carried_too_late_are_reported_again_and_the_trace_check
         call_timeout_s=1.0, trace=str(trace),
     )  # fmt: skip
     try:
-        protocol.run(ctx).raise_for_error()
-        _train_step(pm, 2)
-        ctx.faults = FaultPlan().fail_at("continuing", engine=1, call=call, kind="hang")
+        if not first:
+            protocol.run(ctx).raise_for_error()
+            _train_step(pm, 2)
+        ctx.faults = FaultPlan().fail_at(state, engine=1, call=call, kind="hang")
         late = protocol.run(ctx)
         assert late.engines["e1"].status == "failed"  # its answer came after the call gave up
         ctx.faults = None
-        time.sleep(2.0)  # the hung call ends: the engine published version 2 meanwhile
+        time.sleep(2.0)  # the hung call ends: the engine carried on meanwhile
         for step in (3, 4):
             _train_step(pm, step)
             assert {o.status for o in protocol.run(ctx).raise_for_error().engines.values()} == {"updated"}
+        audit = [(r["n"], r["event"], r["adapter_version"]) for r in engines[1].audit() if r.get("op") == "adapter"]
     finally:
         ctx.close()
     header, events, torn = load_trace(str(trace))
     assert check_trace(events, torn=torn, header=header, whole=True) == []
-    published = [m["adapter_version"] for m in trace_adapter_moves(events)["e1"] if m["event"] == "publish"]
-    assert published == [1, 2, 3, 4]  # version 2's publish too, reported by a later answer, once
+    moves = [(m["n"], m["event"], m["adapter_version"]) for m in trace_adapter_moves(events)["e1"]]
+    assert moves == audit  # every move the engine made, in the trace once, in order

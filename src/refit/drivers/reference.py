@@ -72,8 +72,8 @@ class ReferenceEngine(EngineDriver):
         self.client = client
         self.name = client.name
         # the last adapter move an answer handed to the run (epoch, n): sent with each call, so the
-        # engine reports again what an answer that came too late (or never) carried
-        self._moves_ack: tuple[str, int] | None = None
+        # engine reports again what an answer that came too late (or never) carried ("": none yet)
+        self._moves_ack: tuple[str, int] = ("", 0)
 
     @classmethod
     def spawn(

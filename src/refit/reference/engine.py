@@ -1352,7 +1352,7 @@ class EngineCore:
             return
         try:
             epoch, n = str(ack[0]), int(ack[1])
-        except (IndexError, TypeError, ValueError) as exc:
+        except (IndexError, TypeError, ValueError, OverflowError) as exc:
             raise EngineError("bad_request", f"moves_ack {ack!r}: (epoch, move number)") from exc
         self.lora.ack(epoch, n)
 

@@ -326,15 +326,16 @@ class AdapterTable:
         return out
 
     def ack(self, epoch: str | None, n: int) -> None:
-        """The caller recorded every move of `epoch` up to number `n`: they are dropped. Moves
-        reported after `n` never reached it (their answer came after its call gave up, or not
-        at all): the next report carries them again. An ack of another epoch (the caller knew an
-        engine this one replaced) changes nothing."""
-        if epoch != self.epoch:
-            return
+        """The caller recorded every move of `epoch` up to number `n` (at most the last one
+        reported: it cannot have recorded more): they are dropped. Moves reported after `n` never
+        reached it (their answer came after its call gave up, or not at all): the next report
+        carries them again. An ack of another epoch (the caller has recorded nothing of this table
+        yet, or knew an engine this one replaced) drops nothing and has every kept move reported
+        again."""
+        n = min(n, self._reported) if epoch == self.epoch else 0
         while self.moves and self.moves[0]["n"] <= n:
             self.moves.popleft()
-        self._reported = min(self._reported, max(n, 0))
+        self._reported = max(min(self._reported, n), 0)
 
     def live(self, name: str) -> AdapterVersion | None:
         return next((v for v in self.versions.get(name, {}).values() if v.state == Adapter.LIVE), None)
