@@ -653,6 +653,13 @@ class EngineDriver(ABC):
         injection). Return False when unsupported: the fault is then simulated at the boundary."""
         return False
 
+    def recorded_moves(self, moves: Sequence[Mapping[str, Any]]) -> None:
+        """LoRA refits: the run recorded these adapter moves (an answer's `adapter_moves`) in its
+        trace. A driver whose engine reports each move until acknowledged acknowledges them (the
+        reference driver: with its next call); an answer the run did not record (it came past its
+        budget) is then reported again. Default: nothing."""
+        return None
+
     def audit(self, *, timeout: float) -> list[dict[str, Any]] | None:
         """What the engine itself did (see refit.invariants.check_engine_audit), or None when the
         engine keeps no such record. The conformance kit checks it against what the driver said."""

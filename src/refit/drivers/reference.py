@@ -41,7 +41,7 @@ import heapq
 import itertools
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor, Future
 from typing import TYPE_CHECKING, Any
 
@@ -237,7 +237,6 @@ class ReferenceEngine(EngineDriver):
             results = []
             for ok, value, seconds in f.result():
                 if ok:
-                    self._handed(value)
                     results.append(StepResult("ok", value, seconds=seconds, done_at=now))
                 else:
                     err = EngineError(*value)
@@ -249,15 +248,14 @@ class ReferenceEngine(EngineDriver):
         return out
 
     def probe(self, target_version: int, adapter: str | None = None, *, timeout: float) -> dict[str, Any]:
-        return self._handed(self.client.call("probe", target_version, adapter, self._moves_ack, timeout=timeout))
+        return self.client.call("probe", target_version, adapter, self._moves_ack, timeout=timeout)
 
-    def _handed(self, value: Any) -> Any:
-        """An answer the run gets in time: the last adapter move it carries is acknowledged with
-        the next call (`EngineCore.ack_moves`)."""
-        moves = value.get("adapter_moves") if isinstance(value, dict) else None
-        if moves and isinstance(moves[-1], dict) and "n" in moves[-1]:
-            self._moves_ack = (str(moves[-1].get("epoch")), int(moves[-1]["n"]))
-        return value
+    def recorded_moves(self, moves: Sequence[Mapping[str, Any]]) -> None:
+        """The run recorded these moves in its trace: the last one is acknowledged with the next
+        call (`EngineCore.ack_moves`); what an answer the run did not record carried comes again."""
+        last = moves[-1] if moves else None
+        if isinstance(last, Mapping) and isinstance(last.get("n"), int):
+            self._moves_ack = (str(last.get("epoch")), int(last["n"]))
 
     def resume_memory(self, tags: Sequence[str], *, timeout: float) -> dict[str, Any]:
         return self.client.call("resume_memory", list(tags), timeout=timeout)

@@ -82,6 +82,9 @@ class Recording:
             "call", step.call, state=state or step.state, side="engine", engine=e.name,
             attempt=max(e.attempt, 0), batch=batch, **fields,
         )  # fmt: skip
+        moves = res.value.get("adapter_moves") if res.ok and isinstance(res.value, dict) else None
+        if moves:  # in the trace now: its driver may acknowledge them (`EngineDriver.recorded_moves`)
+            self.waves.drivers[e.index].recorded_moves(moves)
 
     def apply(self, e: Engine, step: Step, res: StepResult, batch: int, state: str | None = None) -> None:
         """Record one engine step and hand its result to the ledger."""
