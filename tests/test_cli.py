@@ -513,7 +513,8 @@ def test_demo_atomic_stages_while_generating_and_stops_only_to_swap(capsys: pyte
 def test_demo_atomic_in_a_colocated_run_is_refused_saying_why(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([*FAST_DEMO, "--atomic"]) == 2
     err = capsys.readouterr().err
-    assert "colocated refit gives the engines' memory to the trainer" in err and "Traceback" not in err
+    assert "needs --mode disaggregated (colocated engines give their memory to the trainer)" in err
+    assert "Traceback" not in err
 
 
 def test_demo_refuses_a_trace_path_it_cannot_write_before_any_engine_starts(tmp_path: Path) -> None:
@@ -595,7 +596,12 @@ def test_help_shows_every_options_default() -> None:
     for name, parser in subs.items():
         formatter = parser._get_formatter()
         for action in parser._actions:
-            if not action.option_strings or action.default in (None, False, argparse.SUPPRESS):
+            if (
+                not action.option_strings
+                or action.default is None
+                or action.default is False
+                or action.default == argparse.SUPPRESS
+            ):
                 continue
             shown = formatter._get_help_string(action) or ""
             assert "default" in shown, (name, action.option_strings, shown)
@@ -632,3 +638,30 @@ def test_a_wait_of_unknown_length_ticks_on_a_terminal_then_clears() -> None:
     text = seen.decode(errors="replace")
     assert "waiting for ray.init: 00:00" in text and "waiting for ray.init: 00:01" in text, text
     assert not [t for t in threading.enumerate() if t.name == "refit-progress"]  # its ticker ended
+
+
+def test_a_tp_fault_the_demos_engines_cannot_take_is_refused_before_they_start(thread_engines, make_ctx) -> None:
+    """`--fail-at ...kind=swap_tp` with TP=1 engines (or kv_replica where no KV head is shared) was
+    turned into a loud fault named 'no arm_fault', and the demo passed: it is refused up front,
+    naming the --engine-tp it needs; in a user's own run, the error says why the engine refused."""
+    for spec, need in (("kind=swap_tp", "--engine-tp 2 or more"), ("kind=kv_replica", "--engine-tp 4 or more")):
+        proc = refit("demo", "--fail-at", f"transferring:engine=0:bucket=1:{spec}", "--engine-tp", "2"
+                     if spec == "kind=kv_replica" else "1", "--refits", "1")  # fmt: skip
+        assert proc.returncode == 2 and need in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+        assert "engines ready" not in proc.stdout
+    model = perturbed(TinyLlama(CONFIG, seed=0), seed=3)
+    faults = protocol.FaultPlan().fail_at("transferring", engine=0, bucket=0, kind="swap_tp")
+    result = protocol.run(make_ctx(model, thread_engines(1), faults=faults, retries=0))
+    assert not result.ok and "it refused" in str(result.error) and "it needs TP ranks" in str(result.error)
+
+
+def test_demo_atomic_without_a_mode_that_stages_is_refused_before_any_engine_starts() -> None:
+    """`refit demo --atomic` (the default mode is colocated) was refused only after the engines
+    started, in the library's words (mode='disaggregated'); now up front, in the CLI's."""
+    for args, want in (
+        (["--atomic"], "needs --mode disaggregated"),
+        (["--atomic", "--mode", "disaggregated", "--engine", "vllm"], "vllm driver cannot stage"),
+    ):
+        proc = refit("demo", *args, "--refits", "1")
+        assert proc.returncode == 2 and want in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+        assert "engines ready" not in proc.stdout and "starting" not in proc.stdout

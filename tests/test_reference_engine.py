@@ -440,3 +440,31 @@ def test_a_trainer_model_the_engine_was_not_started_with_is_refused_naming_from_
     text = str(result.error)
     assert "the trainer's model does not fit this engine's (llama: 2 layers, hidden 64, vocab" in text, text
     assert "ModelConfig.from_hf(model.config)" in text and "shape" in text
+
+
+def test_a_trainer_in_another_dtype_is_refused_naming_the_cast_that_fixes_it() -> None:
+    """fp32 master weights into engines started from a bf16 config (`from_hf` takes the config's
+    dtype, not the parameters'): refused before any byte, naming `TorchSource(dtype=...)`; with
+    that cast the same refit goes through."""
+    import dataclasses
+
+    from refit import protocol
+    from refit.drivers.reference import ReferenceEngine
+    from refit.drivers.shm import SharedMemoryTransport
+    from refit.drivers.torch_source import TorchSource
+
+    engine = ReferenceEngine.in_thread("e0", dataclasses.replace(CFG, dtype="bfloat16"), seed=0)
+    model = TinyLlama(CFG, seed=0)  # float32
+    try:
+        ctx = protocol.RefitContext(TorchSource(model), SharedMemoryTransport(), [engine])
+        result = protocol.run(ctx)
+        ctx.close()
+        assert not result.ok and result.bytes_moved == 0
+        text = str(result.error)
+        assert "the trainer sends another dtype than this engine serves (bfloat16)" in text, text
+        assert "TorchSource(model, dtype=torch.bfloat16)" in text and "dtype float32 != model bfloat16" in text
+        ctx = protocol.RefitContext(TorchSource(model, dtype=torch.bfloat16), SharedMemoryTransport(), [engine])
+        assert protocol.run(ctx).ok
+        ctx.close()
+    finally:
+        engine.close()

@@ -344,7 +344,7 @@ def _diagram(args: argparse.Namespace) -> int:
 def _demo_problem(args: argparse.Namespace) -> str | None:
     """What is wrong with the demo's options, found before any engine starts (None: nothing)."""
     from refit.drivers.base import ENGINE_CALLS
-    from refit.protocol.faults import SILENT_KINDS, FaultPlan
+    from refit.protocol.faults import SILENT_KINDS, TP_KINDS, FaultPlan
 
     if args.fail_at is not None:  # ("" too: a spec that names nothing is refused, not taken as no fault)
         try:
@@ -357,6 +357,17 @@ def _demo_problem(args: argparse.Namespace) -> str | None:
                 f"--fail-at: kind={kind} is a silent fault, injected inside the reference engine; refit's "
                 f"{args.engine} driver cannot host one (its engine's weights are the server's): use --engine reference"
             )
+        if kind in TP_KINDS:
+            from refit.reference.model import ModelConfig
+
+            tp, kv = getattr(args, "engine_tp", 1), ModelConfig().num_kv_heads
+            if tp < 2:
+                return f"--fail-at: kind={kind} corrupts what TP ranks hold: it needs --engine-tp 2 or more"
+            if kind == "kv_replica" and tp <= kv:
+                return (
+                    f"--fail-at: kind=kv_replica corrupts one of the copies of a KV head that TP ranks share: the "
+                    f"demo's model has {kv} KV heads, so it needs --engine-tp {2 * kv} or more"
+                )
         if call is not None and call not in (*ENGINE_CALLS, *TRAINER_CALLS):
             return (
                 f"--fail-at: fault spec {args.fail_at!r}: call={call} is not a driver call (engine calls: "
@@ -364,6 +375,17 @@ def _demo_problem(args: argparse.Namespace) -> str | None:
             )
     from refit.protocol.context import in_place_refusal, kv_problem
 
+    if getattr(args, "atomic", False):
+        mode = args.mode or ("disaggregated" if getattr(args, "lora", False) else "colocated")
+        if mode != "disaggregated":
+            return (
+                "--atomic: engines write the new weights into a second copy while they keep generating, which needs "
+                "--mode disaggregated (colocated engines give their memory to the trainer)"
+            )
+        from refit.demo import driver_class
+
+        if not getattr(driver_class(args), "stages", False):
+            return f"--atomic: refit's {args.engine} driver cannot stage a second copy (see docs/async.md)"
     problem = kv_problem(args.kv, args.pause_mode, args.mode)
     if problem:
         return f"--kv {args.kv}, --pause-mode {args.pause_mode}, --mode {args.mode}: {problem}"
@@ -525,7 +547,8 @@ def _demo_arguments(p: argparse.ArgumentParser) -> None:
         metavar="SPEC",
         help="inject one fault, e.g. transferring:engine=1:bucket=2:kind=kill "
         "(keys: engine, bucket, call, kind = raise | hang | kill | corrupt, or a silent one the engine does not "
-        "notice: flip | swap_qk | downcast | skip | swap_tp | late_copy on a load, stale_head on a finalize)",
+        "notice: flip | swap_qk | downcast | skip | late_copy on a load, swap_tp (--engine-tp 2 or more) and "
+        "kv_replica (--engine-tp 4 or more) on a load, stale_head on a finalize)",
     )
     p.add_argument(
         "--verify",
@@ -586,7 +609,10 @@ class _Help(argparse.HelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
-        if not action.option_strings or action.default in (None, False, argparse.SUPPRESS) or "default" in text:
+        default = action.default
+        if not action.option_strings or default is None or default is False or default == argparse.SUPPRESS:
+            return text
+        if "default" in text:
             return text
         return f"{text} (default: %(default)s)" if text else "(default: %(default)s)"
 
@@ -619,9 +645,14 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     soak_p.add_argument("--mode", choices=("colocated", "disaggregated"), default="disaggregated", help="refit mode")
     soak_p.add_argument("--bucket-bytes", type=_count(1), default=64 << 10, help="bucket size in bytes")
     soak_p.add_argument(
-        "--fault-every", type=int, default=10, help="inject a raise/corrupt fault every N refits (0: none)"
+        "--fault-every", type=_count(0), default=10, help="inject a raise/corrupt fault every N refits (0: none)"
     )
-    soak_p.add_argument("--verify-every", type=int, default=100, help="compare engine weights with the trainer every N")
+    soak_p.add_argument(
+        "--verify-every",
+        type=_count(0),
+        default=100,
+        help="compare engine weights with the trainer every N refits (0: never)",
+    )
     soak_p.add_argument("--in-thread", action="store_true", help="engines on threads instead of processes")
     soak_p.add_argument("--json", action="store_true", help="print the report as JSON")
     soak_p.set_defaults(func=_soak)

@@ -206,7 +206,8 @@ class RefitContext:
         if self.source is None and not remote:
             raise ConfigError("source is required (only trainer ranks hosted elsewhere, e.g. RayRanks, need none here)")
         if self.source is not None and not isinstance(self.source, Source):
-            raise ConfigError(f"source must implement refit.drivers.Source, got {type(self.source).__name__}")
+            hint = " (wrap a torch model: TorchSource(model))" if hasattr(self.source, "state_dict") else ""
+            raise ConfigError(f"source must implement refit.drivers.Source, got {type(self.source).__name__}{hint}")
         if not isinstance(self.transport, Transport):
             raise ConfigError(f"transport must implement refit.drivers.Transport, got {type(self.transport).__name__}")
         if self.mode not in ("colocated", "disaggregated"):

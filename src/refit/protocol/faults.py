@@ -249,8 +249,11 @@ class FaultyEngine:
         else:
             return self.driver.run_steps_async(steps, timeout=timeout, executor=executor)
         self.on_fire(fault, step.call)
-        if fault.kind != "raise" and self._arm(fault, step, timeout):
-            return self.driver.run_steps_async(steps, timeout=timeout, executor=executor)  # it misbehaves for real
+        refused = None
+        if fault.kind != "raise":
+            armed, refused = self._arm(fault, step, timeout)
+            if armed:
+                return self.driver.run_steps_async(steps, timeout=timeout, executor=executor)  # it misbehaves for real
         if fault.kind == "hang":
             out: Future[list[StepResult]] = Future()
             _timeout_later(out, timeout + HANG_SLACK_S, f"engine {self.driver.name} did not answer (simulated hang)")
@@ -262,7 +265,8 @@ class FaultyEngine:
         if fault.kind == "raise":
             err = InjectedFault(f"injected raise fault at {step.state}/{step.call}")
         elif fault.kind in SILENT_KINDS:  # wrong weights cannot be faked from outside the engine
-            err = InjectedFault(f"engine {self.driver.name} cannot host a silent {fault.kind} fault (no arm_fault)")
+            why = f"it refused: {refused}" if refused else "its driver has no arm_fault"
+            err = InjectedFault(f"engine {self.driver.name} cannot host a silent {fault.kind} fault ({why})")
         else:
             err = EngineError("bad_payload", f"{step.call}: payload corrupted in transit (simulated)")
         prefix = list(steps[:i])
@@ -270,16 +274,15 @@ class FaultyEngine:
             return _done([StepResult("error", error=err)])
         return _then(self.driver.run_steps_async(prefix, timeout=timeout, executor=executor), len(prefix), err)
 
-    def _arm(self, fault: Fault, step: Step, timeout: float) -> bool:
-        """Ask the engine to misbehave for real on this step; False if its driver cannot."""
+    def _arm(self, fault: Fault, step: Step, timeout: float) -> tuple[bool, str | None]:
+        """Ask the engine to misbehave for real on this step: (armed, why the engine refused)."""
         try:
-            return bool(
-                self.driver.arm_fault(
-                    fault.kind, step.call, bucket=step.bucket, seconds=timeout + HANG_SLACK_S + 0.5, timeout=5.0
-                )
+            armed = self.driver.arm_fault(
+                fault.kind, step.call, bucket=step.bucket, seconds=timeout + HANG_SLACK_S + 0.5, timeout=5.0
             )
-        except Exception:
-            return False
+        except Exception as exc:
+            return False, str(getattr(exc, "message", None) or exc)
+        return bool(armed), None
 
 
 def _done(results: list[StepResult]) -> Future[list[StepResult]]:

@@ -343,7 +343,9 @@ class _Run(Recording):
         if self.ledger.ahead:
             raise RefitError(
                 f"engines {self.ledger.ahead} already hold version {self.version} or newer; the trainer's "
-                f"version counter ({self.previous_version}) is behind: nothing was moved",
+                f"version counter ({self.previous_version}) is behind: nothing was moved (a trainer resuming from a "
+                f"checkpoint starts its context where the engines are: RefitContext(..., version=<the version they "
+                f"hold>))",
                 state=str(self.machine.state),
             )
 

@@ -657,6 +657,13 @@ class EngineCore:
                     f"{c.hidden_size}, vocab {c.vocab_size}); start the engines with the trainer's config, e.g. "
                     f"ReferenceEngine.spawn_many(names, ModelConfig.from_hf(model.config)): {shown}"
                 )
+            elif any(": dtype " in p for p in problems):  # the right model in another dtype (fp32 master weights)
+                shown = (
+                    f"the trainer sends another dtype than this engine serves ({self.config.dtype}): cast as it sends "
+                    f"with TorchSource(model, dtype=torch.{self.config.dtype}), or start the engines with "
+                    f"ModelConfig(..., dtype=...) (ModelConfig.from_hf takes the dtype from the config, not from the "
+                    f"model's parameters): {shown}"
+                )
             raise EngineError("bad_manifest", shown)
 
     def _begin_adapter(
