@@ -468,3 +468,30 @@ def test_a_trainer_in_another_dtype_is_refused_naming_the_cast_that_fixes_it() -
         ctx.close()
     finally:
         engine.close()
+
+
+def test_a_wrapped_models_prefixed_names_are_refused_naming_the_rename_that_fixes_them() -> None:
+    """A trainer module holding the model under an attribute ("policy.model.layers...") sends the
+    right tensors under prefixed names: the error says so and names `TorchSource(rename=...)`
+    (it pointed at ModelConfig.from_hf, which does not help); with the rename the refit goes through."""
+    from refit import protocol
+    from refit.drivers.reference import ReferenceEngine
+    from refit.drivers.shm import SharedMemoryTransport
+    from refit.drivers.torch_source import TorchSource
+
+    wrapper = torch.nn.Module()
+    wrapper.policy = TinyLlama(CFG, seed=0)
+    engine = ReferenceEngine.in_thread("e0", CFG, seed=0)
+    try:
+        ctx = protocol.RefitContext(TorchSource(wrapper), SharedMemoryTransport(), [engine])
+        result = protocol.run(ctx)
+        ctx.close()
+        assert not result.ok and result.bytes_moved == 0
+        text = str(result.error)
+        assert "carry a prefix ('policy.')" in text and "rename=lambda n: n.removeprefix('policy.')" in text, text
+        source = TorchSource(wrapper, rename=lambda n: n.removeprefix("policy."))
+        ctx = protocol.RefitContext(source, SharedMemoryTransport(), [engine])
+        assert protocol.run(ctx).ok
+        ctx.close()
+    finally:
+        engine.close()

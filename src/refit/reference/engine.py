@@ -650,7 +650,14 @@ class EngineCore:
                 )
         if problems:
             shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
-            if any(p.startswith("unknown tensor") or "shape" in p or "missing from the plan" in p for p in problems):
+            prefix = self._name_prefix(plan)
+            if prefix:  # the engine's names behind a wrapper's prefix: the model fits, its names do not
+                shown = (
+                    f"the trainer's tensor names carry a prefix ({prefix!r}) before the engine's (HF) names: pass "
+                    f"TorchSource(model, rename=lambda n: n.removeprefix({prefix!r})), or the wrapped model itself: "
+                    f"{shown}"
+                )
+            elif any(p.startswith("unknown tensor") or "shape" in p or "missing from the plan" in p for p in problems):
                 c = self.config  # the trainer's model is not the one this engine was started with: say which it is
                 shown = (
                     f"the trainer's model does not fit this engine's ({c.model_type}: {c.num_layers} layers, hidden "
@@ -665,6 +672,15 @@ class EngineCore:
                     f"model's parameters): {shown}"
                 )
             raise EngineError("bad_manifest", shown)
+
+    def _name_prefix(self, plan: Sequence[BucketManifest]) -> str | None:
+        """The prefix every sent name has before one of this engine's names (a wrapper module's
+        attribute path, e.g. "policy."), where there is one; None otherwise."""
+        known = self.layout.hf_shapes
+        names = [e.meta.name for m in plan for e in m.entries]
+        prefixes = {n[: len(n) - len(k)] for n in names for k in known if n.endswith("." + k) and n != k}
+        prefixes = {p for p in prefixes if all(n.startswith(p) and n[len(p) :] in known for n in names)}
+        return min(prefixes, key=len) if prefixes else None
 
     def _begin_adapter(
         self, plan: Sequence[BucketManifest] | None, adapter: dict[str, Any], digest: str | None = None
