@@ -553,6 +553,8 @@ def test_replay_of_a_trace_cut_mid_run_says_so_first_and_counts_what_it_left_out
         assert first.startswith("the trace was cut off mid-run: run ") and "has no end event" in first, first
         assert ("the trace's last line is cut off" in first) == (name == "torn.jsonl")
         assert "the cut-off run cannot be replayed" in proc.stdout
+        assert "nothing reproduced: the trace holds no complete run" in proc.stdout  # its only run was cut
+        assert "reproduced the complete runs" not in proc.stdout
         assert refit("check", str(path)).returncode == 1
 
 

@@ -139,8 +139,11 @@ def _replay(args: argparse.Namespace) -> int:
         print(f"DIVERGED at {report.divergence}")
         return 1
     if report.cut is not None:
-        print("reproduced the complete runs: same events, same final states, same failing calls; the cut-off run "
-              "cannot be replayed")  # fmt: skip
+        if report.runs == 0:
+            print("nothing reproduced: the trace holds no complete run, and the cut-off run cannot be replayed")
+        else:
+            print("reproduced the complete runs: same events, same final states, same failing calls; the cut-off "
+                  "run cannot be replayed")  # fmt: skip
         return 1
     print("reproduced: same events, same final states, same failing calls")
     return 0
