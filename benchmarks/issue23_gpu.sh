@@ -8,6 +8,7 @@
 #           engine's, about 62 GB at the peak, so an 80 GB card holds it)
 #   PATHS   the bench's --paths (default floor,flattened,sglang,ipc,sglang_resident,sglang_resident_one)
 #   REFITS  timed refits per path (default 5); TESTS  pytest arguments for tests_gpu (default none)
+#   LORA_TOKENS  the lora path's tokens per request (default 128; fewer: shorter drains, more refits)
 set -uo pipefail
 OUT=${OUT:-/tmp/refit-gpu}
 mkdir -p "$OUT"
@@ -32,6 +33,6 @@ fi
 for shape in ${SHAPES:-7b 1.5b}; do
     timeout "${BENCH_TIMEOUT:-300}" python3 -m refit.cli bench gpu --shapes "$shape" \
         --paths "${PATHS:-floor,flattened,sglang,ipc,sglang_resident,sglang_resident_one}" --refits "${REFITS:-5}" \
-        --json "$OUT/bench_$shape.json" > "$OUT/bench_$shape.log" 2>&1 || rc=1
+        --lora-tokens "${LORA_TOKENS:-128}" --json "$OUT/bench_$shape.json" > "$OUT/bench_$shape.log" 2>&1 || rc=1
 done
 exit $rc

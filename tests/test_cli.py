@@ -667,3 +667,17 @@ def test_demo_atomic_without_a_mode_that_stages_is_refused_before_any_engine_sta
         proc = refit("demo", *args, "--refits", "1")
         assert proc.returncode == 2 and want in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
         assert "engines ready" not in proc.stdout and "starting" not in proc.stdout
+
+
+def test_bench_gpu_passes_the_lora_tokens_through(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`refit bench gpu --paths lora --lora-tokens N` hands N to the lora path (the GPU itself is
+    not needed to see the argument arrive: the bench is stubbed past the device check)."""
+    from refit import bench_gpu
+
+    seen: dict[str, object] = {}
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 1)
+    monkeypatch.setattr(bench_gpu, "gpu", lambda *a, **kw: seen.update(kw) or {"shapes": {}})
+    monkeypatch.setattr(bench_gpu, "table", lambda report: "")
+    assert main(["bench", "gpu", "--shapes", "7b", "--paths", "lora", "--lora-tokens", "24"]) == 0
+    assert seen["lora_tokens"] == 24 and seen["paths"] == ("lora",)
+    assert main(["bench", "gpu", "--lora-tokens", "0"]) == 2  # a count: refused

@@ -363,9 +363,11 @@ def run_path(
 def gpu(
     shapes: tuple[str, ...] = ("7b", "1.5b"), *, refits: int = 5, bucket_mb: int = 512,
     paths: tuple[str, ...] = PATHS, tick: Callable[[str], None] = lambda s: None, verify: str = "off",
+    lora_tokens: int = 128,
 ) -> dict[str, Any]:  # fmt: skip
     """`verify` applies to path (b) ("ipc": its digests are computed on the GPU, `refit.wsum`); the
-    other paths run unverified (their digests would be read to the host)."""
+    other paths run unverified (their digests would be read to the host). `lora_tokens`: the
+    "lora" path's tokens per request (fewer: shorter drains, so more refits per minute)."""
     if not torch.cuda.is_available():
         raise RuntimeError("refit bench gpu needs a CUDA device (torch.cuda.is_available() is False)")
     report: dict[str, Any] = {
@@ -398,7 +400,7 @@ def gpu(
                 elif path == "lora":  # its own engine and adapter; reported apart (no stall/floor ratio)
                     _sync()
                     torch.cuda.empty_cache()
-                    rows[path] = run_lora(config, refits=refits, bucket_mb=bucket_mb, tick=tick)
+                    rows[path] = run_lora(config, refits=refits, bucket_mb=bucket_mb, tick=tick, tokens=lora_tokens)
                     tick(f"{shape} lora: blocked {rows[path]['ms_blocked']} ms per refit (goal <= 5)")
                     continue
                 else:

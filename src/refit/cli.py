@@ -224,7 +224,7 @@ def _bench_gpu(args: argparse.Namespace) -> int:
             return 2
         report = bench_gpu.gpu(
             shapes, refits=args.refits, bucket_mb=args.bucket_mb or 512, tick=tick, verify=args.verify or "off",
-            paths=paths,
+            paths=paths, lora_tokens=args.lora_tokens,
         )  # fmt: skip
         print(bench_gpu.table(report))
     else:
@@ -691,6 +691,10 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
         help="gpu: which paths, comma-separated (default floor,seed,flattened,ipc,ipc_512; also atomic: path (b) "
         "in atomic refits, decoding throughout)",
     )
+    bench_p.add_argument(
+        "--lora-tokens", type=_count(1), default=128,
+        help="gpu, path lora: tokens per request in flight (fewer: shorter drains, more refits per minute)",
+    )  # fmt: skip
     bench_p.add_argument("--no-checksums", action="store_true", help="transport: turn corruption detection off")
     bench_p.add_argument(
         "--verify",
