@@ -237,20 +237,27 @@ def test_a_correct_driver_without_version_labels_passes() -> None:
 
 
 @pytest.mark.parametrize(
-    ("invariant", "factory"),
+    ("invariants", "factory"),
     [
-        ("served", ContinuesMidTransferNoAudit.in_thread),
-        ("served", _on_core(_DropsRetracted)),
-        ("kv_fresh", _on_core(_KeepsLongPrefixes)),
+        # a token sampled between two buckets breaks both checks of what was served: which one reads
+        # it first depends on when the kit reads the request (seen both ways on a loaded machine)
+        (("served", "token_version"), ContinuesMidTransferNoAudit.in_thread),
+        (("served",), _on_core(_DropsRetracted)),
+        (("kv_fresh",), _on_core(_KeepsLongPrefixes)),
     ],
     ids=["ContinuesMidTransferNoAudit", "DropsRetractedRequests", "KeepsLongPrefixesOnFlush"],
 )
-def test_the_kit_checks_what_requests_get(invariant: str, factory: Callable[[str], ReferenceEngine]) -> None:
+def test_the_kit_checks_what_requests_get(
+    invariants: tuple[str, ...], factory: Callable[[str], ReferenceEngine]
+) -> None:
     """Engine-side harm behind a driver that reports success: requests served from half-updated
     weights, requests lost on pause, long prefixes served from stale KV."""
     with pytest.raises(AssertionError) as info:
         check_engine_driver(factory, max_examples=10, shrink=False)
-    assert f"{invariant}:" in str(info.value).splitlines()[0], str(info.value)
+    first = str(info.value).splitlines()[0]
+    assert any(first.startswith(f"{name}:") or f" {name}:" in first for name in invariants), str(info.value)
+    if first.startswith("token_version:"):
+        assert "sampled after a bucket landed (between buckets)" in first  # the harm this engine does
 
 
 class AttachIsNoop(_NoAudit):
