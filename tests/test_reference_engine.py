@@ -442,56 +442,49 @@ def test_a_trainer_model_the_engine_was_not_started_with_is_refused_naming_from_
     assert "ModelConfig.from_hf(model.config)" in text and "shape" in text
 
 
+def _one_refit(config: ModelConfig, source: object) -> object:
+    """One shared-memory refit from `source` into a fresh in-thread engine serving `config`."""
+    from refit import protocol
+    from refit.drivers.reference import ReferenceEngine
+    from refit.drivers.shm import SharedMemoryTransport
+
+    engine = ReferenceEngine.in_thread("e0", config, seed=0)
+    ctx = protocol.RefitContext(source, SharedMemoryTransport(), [engine])
+    try:
+        return protocol.run(ctx)
+    finally:
+        ctx.close()
+        engine.close()
+
+
 def test_a_trainer_in_another_dtype_is_refused_naming_the_cast_that_fixes_it() -> None:
     """fp32 master weights into engines started from a bf16 config (`from_hf` takes the config's
     dtype, not the parameters'): refused before any byte, naming `TorchSource(dtype=...)`; with
     that cast the same refit goes through."""
     import dataclasses
 
-    from refit import protocol
-    from refit.drivers.reference import ReferenceEngine
-    from refit.drivers.shm import SharedMemoryTransport
     from refit.drivers.torch_source import TorchSource
 
-    engine = ReferenceEngine.in_thread("e0", dataclasses.replace(CFG, dtype="bfloat16"), seed=0)
+    bf16 = dataclasses.replace(CFG, dtype="bfloat16")
     model = TinyLlama(CFG, seed=0)  # float32
-    try:
-        ctx = protocol.RefitContext(TorchSource(model), SharedMemoryTransport(), [engine])
-        result = protocol.run(ctx)
-        ctx.close()
-        assert not result.ok and result.bytes_moved == 0
-        text = str(result.error)
-        assert "the trainer sends another dtype than this engine serves (bfloat16)" in text, text
-        assert "TorchSource(model, dtype=torch.bfloat16)" in text and "dtype float32 != model bfloat16" in text
-        ctx = protocol.RefitContext(TorchSource(model, dtype=torch.bfloat16), SharedMemoryTransport(), [engine])
-        assert protocol.run(ctx).ok
-        ctx.close()
-    finally:
-        engine.close()
+    result = _one_refit(bf16, TorchSource(model))
+    assert not result.ok and result.bytes_moved == 0
+    text = str(result.error)
+    assert "the trainer sends another dtype than this engine serves (bfloat16)" in text, text
+    assert "TorchSource(model, dtype=torch.bfloat16)" in text and "dtype float32 != model bfloat16" in text
+    assert _one_refit(bf16, TorchSource(model, dtype=torch.bfloat16)).ok
 
 
 def test_a_wrapped_models_prefixed_names_are_refused_naming_the_rename_that_fixes_them() -> None:
     """A trainer module holding the model under an attribute ("policy.model.layers...") sends the
     right tensors under prefixed names: the error says so and names `TorchSource(rename=...)`
     (it pointed at ModelConfig.from_hf, which does not help); with the rename the refit goes through."""
-    from refit import protocol
-    from refit.drivers.reference import ReferenceEngine
-    from refit.drivers.shm import SharedMemoryTransport
     from refit.drivers.torch_source import TorchSource
 
     wrapper = torch.nn.Module()
     wrapper.policy = TinyLlama(CFG, seed=0)
-    engine = ReferenceEngine.in_thread("e0", CFG, seed=0)
-    try:
-        ctx = protocol.RefitContext(TorchSource(wrapper), SharedMemoryTransport(), [engine])
-        result = protocol.run(ctx)
-        ctx.close()
-        assert not result.ok and result.bytes_moved == 0
-        text = str(result.error)
-        assert "carry a prefix ('policy.')" in text and "rename=lambda n: n.removeprefix('policy.')" in text, text
-        source = TorchSource(wrapper, rename=lambda n: n.removeprefix("policy."))
-        ctx = protocol.RefitContext(source, SharedMemoryTransport(), [engine])
-        assert protocol.run(ctx).ok
-        ctx.close()
-    finally:
-        engine.close()
+    result = _one_refit(CFG, TorchSource(wrapper))
+    assert not result.ok and result.bytes_moved == 0
+    text = str(result.error)
+    assert "carry a prefix ('policy.')" in text and "rename=lambda n: n.removeprefix('policy.')" in text, text
+    assert _one_refit(CFG, TorchSource(wrapper, rename=lambda n: n.removeprefix("policy."))).ok

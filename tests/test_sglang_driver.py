@@ -516,8 +516,9 @@ def test_a_broadcast_member_killed_mid_bucket_is_dropped_and_the_group_rebuilt(
 # ---- servers that misbehave (from an adversarial review) ---------------------------------------
 
 
-def _slow_server(head: bytes, tail: bytes, delay: float) -> tuple[object, str]:
-    """A server that sends `head` one byte every `delay` seconds, then `tail`."""
+def _slow_server(head: bytes, tail: bytes, delay: float | list[float]) -> tuple[object, str]:
+    """A server that sends `head` one byte every `delay` seconds, then `tail` (`delay` a list: its
+    first item, read as each byte goes, so a test can change it)."""
     import socketserver
     import threading
 
@@ -527,7 +528,7 @@ def _slow_server(head: bytes, tail: bytes, delay: float) -> tuple[object, str]:
             try:
                 for b in head:
                     self.request.sendall(bytes([b]))
-                    time.sleep(delay)
+                    time.sleep(delay[0] if isinstance(delay, list) else delay)
                 self.request.sendall(tail)
             except OSError:
                 pass
@@ -827,37 +828,20 @@ def test_a_driver_on_the_callers_own_transport_works_after_a_call_overran() -> N
     """With `transport=` (the caller's own, shared by its clients), an overrun must not close it:
     the driver moves to a fresh client over the same transport, and its next call is answered (it
     stopped working after one overrun: closing the stuck client closed the caller's transport)."""
-    import socketserver
-    import threading
-
     import httpx
 
     delay = [0.2]  # the first answer trickles its status line; later ones come at once
-
-    class Server(socketserver.BaseRequestHandler):
-        def handle(self) -> None:
-            self.request.recv(65536)
-            head, tail = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\n", b"{}"
-            try:
-                for b in head:
-                    self.request.sendall(bytes([b]))
-                    time.sleep(delay[0])
-                self.request.sendall(tail)
-            except OSError:
-                pass
-
-    server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Server)
-    server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    head = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\n"
+    server, url = _slow_server(head, b"{}", delay)
     transport = httpx.HTTPTransport()
-    driver = SGLangEngine("own", f"http://127.0.0.1:{server.server_address[1]}", transport=transport)
+    driver = SGLangEngine("own", url, transport=transport)
     try:
         with pytest.raises(TimeoutError, match=r"own.*no complete answer"):
             driver.continue_generation(timeout=0.5)
         delay[0] = 0.0
         driver.continue_generation(timeout=5)  # answered, over the caller's transport
         with httpx.Client(transport=transport) as other:  # and the caller's transport is still open for it
-            assert other.post(f"http://127.0.0.1:{server.server_address[1]}/x").status_code == 200
+            assert other.post(f"{url}/x").status_code == 200
     finally:
         driver.close()
         server.shutdown()

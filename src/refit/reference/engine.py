@@ -760,8 +760,7 @@ class EngineCore:
         `adapter` (a LoRA refit): the version is that adapter's live one (0: none is loaded), and a
         staged version a crashed run left is discarded. `moves_ack`: (epoch, n), the last adapter
         move the caller recorded (`lora.AdapterTable.ack`)."""
-        if moves_ack is not None:
-            self.ack_moves(moves_ack)
+        self.ack_moves(moves_ack)
         if adapter is not None:
             live = self.lora.live(adapter)
             held = 0 if live is None else live.version
