@@ -22,6 +22,7 @@ to, so pieces of one tensor can be hashed apart (at their offsets) and their lan
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -397,8 +398,6 @@ class Regions:
 
     def place(self, dst: torch.Tensor) -> tuple[int, int] | None:
         """(slot, index of the first word) of the region `dst` lies wholly in, or None."""
-        import bisect
-
         ptr = dst.data_ptr()
         k = bisect.bisect_right(self.starts, ptr) - 1
         if k < 0:
@@ -456,8 +455,6 @@ class Written:
     copy and the hash are one kernel pass (`copy_lanes`); on the host, a copy then `host_lanes`."""
 
     def __init__(self, regions: Regions | dict[str, torch.Tensor]) -> None:
-        import bisect
-
         import torch
 
         index = regions if isinstance(regions, Regions) else Regions(regions)
