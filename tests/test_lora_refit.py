@@ -507,3 +507,170 @@ def test_moves_an_answer_carried_too_late_are_reported_again_and_the_trace_check
     assert check_trace(events, torn=torn, header=header, whole=True) == []
     moves = [(m["n"], m["event"], m["adapter_version"]) for m in trace_adapter_moves(events)["e1"]]
     assert moves == audit  # every move the engine made, in the trace once, in order
+
+
+def _drain_calls(events: list[dict[str, Any]], run: int) -> list[dict[str, Any]]:
+    runs = list(dict.fromkeys(e["run"] for e in events if e.get("run") is not None))  # in order
+    return [e for e in events if e.get("run") == runs[run] and e.get("kind") == "call" and e.get("event") == "drain"]
+
+
+def test_a_steady_lora_refit_is_one_request_to_the_engine_then_one_drain_and_the_publish(
+    engines: list[ReferenceEngine], tmp_path: Path
+) -> None:
+    """Steady state (the connection kept, no other run since, each engine the one last seen): the
+    probe, the stage, the load and the finalize and verify of the one bucket go to each engine in
+    one request (one batch); a refit that connects sends its probe alone first. The trace checks."""
+    from refit.invariants import check_trace
+
+    pm = _peft_model()
+    trace = tmp_path / "ride.jsonl"
+    ctx = protocol.RefitContext(
+        LoraSource(pm, name="policy"), SharedMemoryTransport(), engines, max_staleness=1, deadline_s=30, trace=trace
+    )
+    try:
+        for step in (1, 2, 3):
+            _train_step(pm, step)
+            assert {o.status for o in protocol.run(ctx).raise_for_error().engines.values()} == {"updated"}
+    finally:
+        ctx.close()
+    header, events, torn = load_trace(trace)
+    assert check_trace(events, torn=torn, header=header, whole=True) == []
+    runs = list(dict.fromkeys(e["run"] for e in events if e.get("run") is not None))
+    head = ("probe", "stage", "load", "finalize", "verify")
+    for i, run in enumerate(runs):
+        for name in ("e0", "e1"):
+            calls = [e for e in events if e.get("run") == run and e.get("engine") == name and e.get("kind") == "call"]
+            batches = {e["event"]: e["batch"] for e in calls if e["event"] in head}
+            assert set(batches) == set(head)
+            if i == 0:  # the first connects: the probe alone, then the rest
+                assert batches["probe"] != batches["stage"]
+            else:
+                assert len(set(batches.values())) == 1, (i, name, batches)
+
+
+def test_a_drain_waits_inside_one_call_while_generation_goes_on(engines: list[ReferenceEngine], tmp_path: Path) -> None:
+    """max_staleness 1: the refit to version 3 pushes out version 1, which a long request still
+    uses. The engine parks the drain and answers when that request has ended: the run sends one
+    drain; the engine looked twice, with the request's last token (version 1 unloaded) between
+    the looks, so generation went on during the wait; version 3 goes live after it."""
+    from refit.invariants import check_trace
+
+    pm = _peft_model()
+    e0 = engines[0]
+    trace = tmp_path / "park.jsonl"
+    ctx = protocol.RefitContext(
+        LoraSource(pm, name="policy"), SharedMemoryTransport(), [e0], max_staleness=1, deadline_s=60, trace=trace
+    )
+    try:
+        protocol.run(ctx).raise_for_error()
+        long = e0.submit(PROMPTS[0], 200, adapter="policy")  # pinned to version 1
+        time.sleep(0.1)
+        _train_step(pm, 2)
+        protocol.run(ctx).raise_for_error()  # versions 1 and 2 live: nothing pushed out yet
+        _train_step(pm, 3)
+        since = time.monotonic()
+        protocol.run(ctx).raise_for_error()  # pushes version 1 out: waits for `long`
+        out = long.result(timeout=30)
+        audit = [r for r in e0.audit() if isinstance(r.get("t"), float) and r["t"] >= since]
+    finally:
+        ctx.close()
+    assert out["adapter_version"] == 1 and out["finish_reason"] == "length" and len(out["output"]) == 200
+    header, events, torn = load_trace(trace)
+    assert check_trace(events, torn=torn, header=header, whole=True) == []
+    drains = _drain_calls(events, 2)
+    assert len(drains) == 1 and drains[0]["outcome"] == "ok" and drains[0]["result"]["ready"] is True
+    assert drains[0]["duration_s"] > 0.01  # the call lasted the wait
+    looks = [r for r in audit if r.get("op") == "drain"]
+    assert len(looks) == 2 and all(r["ok"] for r in looks)
+    unload = [r for r in audit if r.get("op") == "adapter" and r["event"] == "unload" and r["adapter_version"] == 1]
+    publish = [r for r in audit if r.get("op") == "adapter" and r["event"] == "publish" and r["adapter_version"] == 3]
+    assert len(unload) == 1 and len(publish) == 1
+    assert looks[0]["t"] < unload[0]["t"] <= looks[1]["start"] < publish[0]["t"]
+    assert "answered" not in looks[0] and looks[1]["answered"] >= looks[1]["t"]  # only the second look answered
+
+
+def test_a_call_that_arrives_while_a_drain_waits_gets_the_drain_answered_first(
+    engines: list[ReferenceEngine], tmp_path: Path
+) -> None:
+    """A call that may change the engine (here another caller's drain) arriving while a drain is
+    parked: the parked drain answers first, not ready, and the run asks again (its next drain
+    parks once more) and publishes after the request on the going version ends. The other
+    caller's drain, with a short budget, answers not ready before that budget is spent."""
+    from refit.invariants import check_trace
+
+    pm = _peft_model()
+    e0 = engines[0]
+    trace = tmp_path / "super.jsonl"
+    ctx = protocol.RefitContext(
+        LoraSource(pm, name="policy"), SharedMemoryTransport(), [e0], max_staleness=1, deadline_s=60, trace=trace
+    )
+    try:
+        protocol.run(ctx).raise_for_error()
+        long = e0.submit(PROMPTS[0], 240, adapter="policy")
+        time.sleep(0.1)
+        _train_step(pm, 2)
+        protocol.run(ctx).raise_for_error()
+        _train_step(pm, 3)
+        result: list[Any] = []
+        since = time.monotonic()
+        runner = threading.Thread(target=lambda: result.append(protocol.run(ctx)), daemon=True)
+        runner.start()
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not any(
+            r.get("op") == "drain" and r["t"] >= since for r in e0.audit()[-6:]
+        ):  # the run's drain parked
+            time.sleep(0.002)
+        t0 = time.monotonic()
+        other = e0.client.call("steps", [("drain", (5.0,))], 0.3, None, timeout=10)  # the runner's answers first
+        other_s = time.monotonic() - t0
+        runner.join(30)
+        assert result and result[0].ok, result
+        out = long.result(timeout=30)
+    finally:
+        ctx.close()
+    assert len(other) == 1 and other[0][0] is True and other[0][1]["ready"] is False and other_s < 0.3
+    assert out["finish_reason"] == "length" and out["adapter_version"] == 1
+    header, events, torn = load_trace(trace)
+    assert check_trace(events, torn=torn, header=header, whole=True) == []
+    drains = _drain_calls(events, 2)
+    assert len(drains) >= 2 and all(d["outcome"] == "ok" for d in drains)
+    assert drains[0]["result"]["ready"] is False and drains[-1]["result"]["ready"] is True
+
+
+def test_a_drain_still_waiting_when_the_runs_time_runs_out_leaves_the_engine_on_its_old_versions(
+    tmp_path: Path,
+) -> None:
+    """A request on the going version outlasts the run: the parked drain answers not ready before
+    its call's budget (not a timeout), the engine leaves the attempt named for the requests still
+    there, its staged version is discarded and versions 1 and 2 serve on; all inside the deadline."""
+    import dataclasses
+
+    cfg = dataclasses.replace(CFG, max_seq_len=4096)
+    torch.manual_seed(0)
+    config = peft.LoraConfig(r=8, lora_alpha=16, target_modules=list(LORA_TARGETS), init_lora_weights=False)
+    pm = peft.get_peft_model(TinyLlama(cfg, seed=0), config).eval()
+    (e0,) = ReferenceEngine.spawn_many(["e0"], cfg, seed=0, max_running=8)
+    ctx = protocol.RefitContext(
+        LoraSource(pm, name="policy"), SharedMemoryTransport(), [e0], max_staleness=1, deadline_s=3, retries=0
+    )
+    try:
+        protocol.run(ctx).raise_for_error()
+        long = e0.submit(PROMPTS[0], 4000, adapter="policy")
+        time.sleep(0.1)
+        _train_step(pm, 2)
+        protocol.run(ctx).raise_for_error()
+        _train_step(pm, 3)
+        t0 = time.monotonic()
+        late = protocol.run(ctx)
+        took = time.monotonic() - t0
+        info = e0.info()
+        e0.client.call("abort_requests", timeout=10)
+        long.result(timeout=30)
+    finally:
+        ctx.close()
+        e0.close()
+    assert not late.ok and late.engines["e0"].status == "unchanged"  # on its old versions
+    assert "still had 1 requests when the run's time ran out" in str(late.error)
+    assert "did not answer" not in str(late.error)  # a drain's answer, in time: not a timeout
+    assert took < 3 + ctx.cleanup_grace_s
+    assert sorted(info["adapters"]["policy"]) == ["1", "2"]

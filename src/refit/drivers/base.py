@@ -581,7 +581,9 @@ class EngineDriver(ABC):
         """LoRA refits (`serves_adapters`), DRAINING: {"ready": whether the finalized adapter
         version may go live within max_staleness + 1 now, "pinned": requests still on the versions
         it would push out, optionally "eta_s": when they will have ended at the latest (the runner
-        asks again then instead of polling)}. Generation goes on; asked again until ready. Where the version to go
+        asks again then instead of polling)}. Generation goes on; asked again until ready. It may
+        wait inside the call for those requests to end, answering before `timeout` (the runner
+        gives DRAINING's calls a budget that leaves the publish its time). Where the version to go
         is the live one, new requests naming the adapter wait until the publish, the discard, or
         `hold_s` seconds (the run's time left and its cleanup grace), whichever comes first."""
         from refit.errors import EngineError

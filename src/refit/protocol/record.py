@@ -22,9 +22,11 @@ from refit.states import TRANSITIONS, RefitMachine, RefitState, Trigger
 _ORDER = {s: i for i, s in enumerate(RefitState)}
 
 
-def _next_trigger(state: RefitState) -> Trigger:
-    """The happy-path move out of `state`: the first the table lists from it."""
-    return next(trig for trig, sources, _ in TRANSITIONS if state in sources)
+def _next_trigger(state: RefitState, target: RefitState | None = None) -> Trigger:
+    """The happy-path move out of `state` towards `target`: the one straight into it where the
+    table has one (CONNECTING -> STAGING in an atomic or LoRA run), else the first it lists."""
+    moves = [(trig, dst) for trig, sources, dst in TRANSITIONS if state in sources]
+    return next((trig for trig, dst in moves if dst == target), moves[0][0])
 
 
 class Recording:
@@ -73,7 +75,7 @@ class Recording:
         while self.machine.state != target:
             if _ORDER[self.machine.state] > _ORDER[target]:
                 raise RuntimeError(f"a step of state {target} came after the run reached {self.machine.state}")
-            self.enter(_next_trigger(self.machine.state))
+            self.enter(_next_trigger(self.machine.state, target))
 
     def record(self, e: Engine, step: Step, res: StepResult, batch: int, state: str | None = None) -> None:
         self.ran_out = self.ran_out or isinstance(res.error, NoTimeLeft)

@@ -196,6 +196,16 @@ class _Run(Recording):
         self.enter(T.CONNECT)
         members = self.engines
         self.topology = self.session.topology
+        if self.ctx.adapter is not None and not self.needs_connect(members) and self.first_bucket_can_ride(members):
+            # a LoRA refit in steady state (no memory to check before staging: a version's slab is the
+            # engine's to find): the probe, the stage and bucket 0's load (with the finalize and
+            # verify of a one-bucket plan) go in one wave, one request per engine
+            self.ride_first_bucket({e: [self.probe_step("CONNECTING"), self.begin_step(e)] for e in members})
+            self.check_probes()
+            self.emit("run", "staging", memory={e.name: e.staging for e in self.engines if e.active})
+            self.require_engines("staging a version of the adapter")
+            self.update(E.STAGING, start=self.rode)
+            return
         self.wave({e: [self.probe_step("CONNECTING")] for e in members})
         self.check_probes()
         self.require_engines("after the probe")
@@ -701,16 +711,25 @@ class _Run(Recording):
     def drain(self, engines: list[Engine]) -> None:
         """DRAINING (a LoRA refit under a version policy): each engine says whether its staged
         version may go live within max_staleness + 1 versions (`drain`: the versions it pushes out
-        have no request left; while the live one is among them, its new requests wait). Engines not
-        ready are asked again when they said those requests will have ended (`eta_s`, an upper
-        bound), else after a pause (2 ms, doubling to 50 ms), while generation goes on,
+        have no request left; while the live one is among them, its new requests wait). The call may
+        wait for those requests inside it (its budget stops short of the reserve kept for the
+        publish: the reference engine answers once they end, SGLang's unload once they finish).
+        Engines not ready are asked again when they said those requests will have ended (`eta_s`,
+        an upper bound), else after a pause (2 ms, doubling to 50 ms), while generation goes on,
         until every one is or the run's time is spent: one still not ready then leaves the attempt
         (its staged version is discarded, the versions it has serve on)."""
         self.enter(T.DRAIN)
         waiting, pause = list(engines), 0.002
         while waiting:
             hold = self.deadline.remaining() + self.ctx.cleanup_grace_s  # new requests held this long at most
-            w = self.waves.start({e: [Step("drain", "DRAINING", (round(max(hold, 0.0), 3),))] for e in waiting})
+            # the engines that are ready still need the run's time for their publish: a straggler is let
+            # go while a tenth of the deadline (up to 1 s) is left. An engine may wait inside the call
+            # until its going versions' requests end (the call's budget leaves that much)
+            reserve = max(pause + 0.05, min(1.0, 0.1 * self.ctx.deadline_s))
+            w = self.waves.start(
+                {e: [Step("drain", "DRAINING", (round(max(hold, 0.0), 3),))] for e in waiting},
+                limit=max(self.deadline.remaining() - reserve, 0.05),
+            )  # fmt: skip
             results = self.waves.wait(w)
             still = []
             for e in waiting:
@@ -718,9 +737,6 @@ class _Run(Recording):
                     self.apply(e, step, res, w.batch)
                     if res.ok and e.active and not (isinstance(res.value, dict) and res.value.get("ready") is True):
                         still.append((e, step, res.value))
-            # the engines that are ready still need the run's time for their publish: a straggler is let
-            # go while a tenth of the deadline (up to 1 s) is left
-            reserve = max(pause + 0.05, min(1.0, 0.1 * self.ctx.deadline_s))
             if still and self.deadline.remaining() <= reserve:
                 for e, step, value in still:
                     pinned = value.get("pinned") if isinstance(value, dict) else None

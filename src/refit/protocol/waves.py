@@ -148,8 +148,14 @@ class Waves:
 
     # ---- engines -------------------------------------------------------------------------------
 
-    def start(self, plan: dict[Any, list[Step]], *, cleanup: bool = False, count: bool = True) -> Wave:
+    def start(
+        self, plan: dict[Any, list[Step]], *, cleanup: bool = False, count: bool = True, limit: float | None = None
+    ) -> Wave:
+        """Send `plan`'s steps, each engine's in one call, within the engine-call budget (at most
+        `limit` seconds: a wave whose engines may wait inside the call, DRAINING's)."""
         budget = self.budget.engine_call(cleanup)
+        if limit is not None:
+            budget = min(budget, limit)
         wave = Wave(next(self._batches), budget, time.monotonic(), [])
         self.budgets[wave.batch] = budget
         self.last_batch = wave.batch

@@ -1429,6 +1429,14 @@ class EngineCore:
             out["eta_s"] = round((max(left, default=0) + 1) * self.step_s * 1.1, 4)
         return {**out, "adapter_moves": self.lora.report()}
 
+    def drained(self) -> bool:
+        """Whether a drain would now answer ready, or has nothing to wait for (a parked drain's
+        look after a request ended: no state changes)."""
+        name = self._adapter_ready
+        if name is None or self.lora.staged(name) is None:
+            return True
+        return not any(g.pinned for g in self.lora.going(name))
+
     def load_adapter_dir(self, name: str, path: str) -> dict[str, Any]:
         """Load adapter `name` from a PEFT directory (adapter_config.json, adapter_model.safetensors)
         as its only version and serve it (as a server that loads adapters from paths: vLLM's worker

@@ -325,6 +325,13 @@ class AdapterTable:
             self._reported = out[-1]["n"]
         return out
 
+    def unsent(self, moves: list[dict[str, Any]]) -> None:
+        """An answer that `report` gave these moves to was never sent (a parked drain's first
+        look): the next report carries them again."""
+        first = moves[0].get("n") if moves and isinstance(moves[0], dict) else None
+        if isinstance(first, int):
+            self._reported = max(min(self._reported, first - 1), 0)
+
     def ack(self, epoch: str | None, n: int) -> None:
         """The caller recorded every move of `epoch` up to number `n` (at most the last one
         reported: it cannot have recorded more): they are dropped. Moves reported after `n` never

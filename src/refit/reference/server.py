@@ -18,6 +18,13 @@ Batches. `steps(list of (call, args))` runs consecutive protocol calls in one re
 the first that fails, and answers with one (ok, value-or-error, seconds) per step run: a refit's
 control calls take one round trip per wave instead of one per call.
 
+A drain that waits. A `steps` request whose `drain` is not ready (requests still on the versions
+its publish would push out) is parked, not answered: the engine goes on stepping generations and
+looks again whenever a request finishes, then runs the drain again (and any steps after it) and
+answers, or answers not ready a little before the call's budget is spent (`_park_margin`), or
+when another call that changes the engine arrives. The engine's turns are the two looks and the
+answer; the wait between them is generation's.
+
 Hosted in the caller's threads. `HostedEngine` runs a TP=1 engine without a channel, for a host
 that has threads of its own (a Ray actor): a call runs on the calling thread under the engine's
 lock, generation steps on a thread of its own between calls (one lock hand-off per call, instead
@@ -261,6 +268,33 @@ class _Killed(Exception):
     """An armed kill fired in an engine running on a thread: its loop ends as if the process died."""
 
 
+PARK_MIN_S = 0.005  # a drain parks only when it could wait at least this long
+
+
+def _park_margin(budget: float) -> float:
+    """How long before the call's budget (counted from when the engine took it up, a little after
+    the caller started its own clock) a parked drain answers, so the answer reaches the caller in time."""
+    return min(0.1 + 0.05 * budget, 2.0)
+
+
+def _ready(value: Any) -> bool:
+    return not isinstance(value, dict) or value.get("ready") is not False
+
+
+class Parked:
+    """A `steps` request held at a drain that was not ready: the steps, where it stopped, the
+    answers so far, the call's end (engine clock) and budget, when it answers at the latest
+    (`until`), and when the drain first ran."""
+
+    def __init__(
+        self, steps: list[tuple[str, tuple[Any, ...]]], index: int, out: list[tuple[bool, Any, float]],
+        end: float | None, budget: float | None,
+    ) -> None:  # fmt: skip
+        self.steps, self.index, self.out, self.end, self.budget = steps, index, out, end, budget
+        self.until = self.first = 0.0
+        self.resumed = False
+
+
 class EngineServer:
     """Maps request names onto the core; owns the engine side of the transport and armed faults."""
 
@@ -290,6 +324,7 @@ class EngineServer:
         # audit record to stamp with when its answer left (decode and answer are the thread's time too)
         self.received_at: float | None = None
         self._last_record: dict[str, Any] | None = None
+        self.parks = False  # whether a drain not ready may be parked (`serve` parks; a hosted engine does not)
 
     def handle(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if method not in self.METHODS:
@@ -370,17 +405,31 @@ class EngineServer:
 
     def _steps(
         self, steps: list[tuple[str, tuple[Any, ...]]], budget: float | None = None, moves_ack: Any = None
-    ) -> list[tuple[bool, Any, float]]:
+    ) -> list[tuple[bool, Any, float]] | Parked:
         """Run consecutive protocol calls, stopping at the first that fails. `budget`: seconds the
         caller gave the whole call, from when the engine takes it up; a step that would start after
         it is not run (an earlier one overran: the caller has given up on the call). `moves_ack`:
-        (epoch, n), the last adapter move the caller recorded (`EngineCore.ack_moves`)."""
+        (epoch, n), the last adapter move the caller recorded (`EngineCore.ack_moves`). A drain
+        not ready, where this server parks (`parks`), returns `Parked` (see the module doc)."""
         self.core.ack_moves(moves_ack)
-        out: list[tuple[bool, Any, float]] = []
         end = None if budget is None else time.monotonic() + budget
-        for call, args in steps:
+        return self._run_steps(Parked(steps, 0, [], end, budget))
+
+    def resume(self, parked: Parked) -> list[tuple[bool, Any, float]]:
+        """A parked drain's second look (ready, or its time is up, or another call came), then the
+        steps after it: the answer to its request."""
+        parked.resumed = True
+        out = self._run_steps(parked)
+        assert not isinstance(out, Parked)
+        return out
+
+    def _run_steps(self, p: Parked) -> list[tuple[bool, Any, float]] | Parked:
+        out, end, budget = p.out, p.end, p.budget
+        for i in range(p.index, len(p.steps)):
+            call, args = p.steps[i]
+            again = p.resumed and i == p.index  # the parked drain's second look
             t0 = time.monotonic()
-            if out and end is not None and t0 >= end:
+            if i > 0 and not again and end is not None and t0 >= end:
                 out.append((False, ("deadline", f"{call} not started: the call's {budget:.3g}s budget was spent"), 0.0))
                 break
             try:
@@ -397,9 +446,16 @@ class EngineServer:
             except _Killed:
                 raise
             except Exception as exc:
-                out.append((False, _error_value(exc), time.monotonic() - t0))
+                out.append((False, _error_value(exc), time.monotonic() - (p.first if again else t0)))
                 break
-            out.append((True, value, time.monotonic() - t0))
+            if call == "drain" and not again and self.parks and end is not None and not _ready(value):
+                until = end - _park_margin(budget or 0.0)
+                if until > time.monotonic() + PARK_MIN_S:
+                    p.index, p.until, p.first = i, until, t0
+                    self.core.lora.unsent(value.get("adapter_moves") or [])  # this answer is not sent
+                    self.received_at = self._last_record = None  # (the answer has not left: nothing to stamp)
+                    return p
+            out.append((True, value, time.monotonic() - (p.first if again else t0)))  # a drain's: its wait too
             self.received_at = time.monotonic()  # the next step's turn starts where this one's ended
         self.received_at = None
         return out
@@ -619,15 +675,36 @@ class _CallProfiles:
 def serve(channel: Channel, server: EngineServer) -> None:
     """Run the engine until SHUTDOWN or until the other side goes away."""
     core = server.core
+    server.parks = True
     waiters: dict[int, list[int]] = {}
+    parked: tuple[int, str, Parked] | None = None  # a drain waiting for its requests: (call id, method, state)
+
+    def answer(call_id: int, method: str, value: Any) -> None:
+        with server.profiles.call("send." + method):
+            channel.send((call_id, True, value))
+        server.answered(time.monotonic())
+
+    def unpark() -> None:  # the parked drain looks again and its request is answered
+        nonlocal parked
+        assert parked is not None
+        (call_id, method, p), parked = parked, None
+        server.received_at = time.monotonic()  # the engine's turn starts now (the wait was generation's)
+        answer(call_id, method, server.resume(p))
+
     try:
         while True:
-            if channel.poll(0 if core.has_work() else core.wake_in()):
+            wait = 0.0 if core.has_work() else core.wake_in()
+            if parked is not None:  # (it answers at `until` at the latest)
+                left = max(0.0, parked[2].until - time.monotonic())
+                wait = left if wait is None else min(wait, left)
+            if channel.poll(wait):
                 received = time.monotonic()
                 msg = channel.recv()
                 if msg == SHUTDOWN:
                     break
                 call_id, method, body = msg
+                if parked is not None and method not in HEAD_ONLY and method != "generate":
+                    unpark()  # a call that may change the engine: the parked drain answers first
                 try:
                     if method == "generate":
                         args, kwargs = safe_decode(body)
@@ -637,9 +714,10 @@ def serve(channel: Channel, server: EngineServer) -> None:
                     else:
                         server.received_at = received
                         value = server.dispatch(method, body)
-                        with server.profiles.call("send." + method):
-                            channel.send((call_id, True, value))
-                        server.answered(time.monotonic())
+                        if isinstance(value, Parked):
+                            parked = (call_id, method, value)
+                        else:
+                            answer(call_id, method, value)
                 except _Killed:
                     raise
                 except Exception as exc:  # the engine survives a bad request and says why
@@ -650,9 +728,14 @@ def serve(channel: Channel, server: EngineServer) -> None:
                 core.step(go)
             else:
                 core.step()
-            for rid in core.pop_finished():
+            finished = core.pop_finished()
+            for rid in finished:
                 for call_id in waiters.pop(rid, []):
                     channel.send((call_id, True, core.result(rid)))
+            if parked is not None and (
+                time.monotonic() >= parked[2].until or ((finished or not core.has_work()) and core.drained())
+            ):
+                unpark()
     except (EOFError, BrokenPipeError, ConnectionResetError, _Killed):
         pass
     finally:
