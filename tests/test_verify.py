@@ -482,7 +482,14 @@ def test_written_credits_only_whole_single_writes_and_reads_back_the_rest() -> N
     w, src = torch.zeros(4, 4), torch.randn(4, 4)
     written = Written({"top": w[0:2], "bottom": w[2:4]})
     written.copy([(w[0:2], src[0:2]), (w[2:4], src[2:4])])
-    assert written.missed() == [] and written.results()["bottom"] == host_digest(src[2:4])
+    assert written.missed() == [] and written.results() == {
+        "top": host_digest(src[0:2]),
+        "bottom": host_digest(src[2:4]),
+    }
+    again = Written({"top": w[0:2], "bottom": w[2:4]})
+    again.copy([(w[0:2], src[0:2]), (w[2:4], src[2:4])])
+    again.copy([(w[2:4], src[2:4])])  # all whole once, then one of them again: not once any more
+    assert again.missed() == ["bottom"] and again.results() == {"top": host_digest(src[0:2])}
     written.copy([(w[:, 0], torch.full((4,), 7.0))])  # a column: reaches both regions
     assert written.missed() == ["top", "bottom"] and written.results() == {}
     t, want = torch.zeros(8), torch.arange(8, dtype=torch.float32)

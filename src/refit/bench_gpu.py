@@ -595,6 +595,7 @@ def run_lora(
     first_ms = 0.0
     each: list[dict[str, Any]] = []  # per timed refit: its calls' ms by call, the copy's GPU ms, the load's host parts
     per_call: dict[str, list[float]] = {}  # each engine call's time, by call, over the timed refits
+    per_part: dict[str, list[float]] = {}  # by call: its summed time before, in and after the call
     done: list[dict[str, Any]] = []
     stop = threading.Event()
 
@@ -634,6 +635,12 @@ def run_lora(
                 continue
             for rec, d in zip(calls, durations, strict=True):
                 per_call.setdefault(str(rec.get("op")), []).append(d)
+                # its parts: before the call ran (the request's decoding, or the batch's previous step's
+                # end), the call itself, and after it (the answer's encoding and send: a batch's last step)
+                parts = per_part.setdefault(str(rec.get("op")), [0.0, 0.0, 0.0])
+                parts[0] += rec["start"] - rec.get("received", rec["start"])
+                parts[1] += rec["t"] - rec["start"]
+                parts[2] += rec.get("answered", rec["t"]) - rec["t"]
             # the adapter's copies run on the decode stream: a decode step queued behind them waits
             # for their GPU time, which no call's time need show. Counted in full (an upper bound:
             # finalize's sync may already have waited for part of it)
@@ -684,6 +691,11 @@ def run_lora(
         "ms_blocked_per_refit_by_call": {
             op: {"ms": round(sum(v) / max(refits, 1) * 1e3, 3), "calls": round(len(v) / max(refits, 1), 2)}
             for op, v in sorted(per_call.items())
+        },
+        # each call's time in parts, per refit: before it ran (decode), the call, after it (the answer's send)
+        "ms_blocked_per_refit_by_part": {
+            op: {k: round(v / max(refits, 1) * 1e3, 3) for k, v in zip(("before", "call", "after"), parts, strict=True)}
+            for op, parts in sorted(per_part.items())
         },
         "runner_phase_ms": {k: round(statistics.median(p.get(k, 0.0) for p in phases) * 1e3, 3) for k in phases[-1]},
         "per_refit": each,  # in order: the first ones stage into fresh slabs, later ones into freed ones

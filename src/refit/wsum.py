@@ -472,11 +472,15 @@ class Written:
         # per region, the (byte offset, length) of each write credited to it; None: it must be read back
         self.pieces: list[list[tuple[int, int]] | None] = [[] for _ in self.names]
         self._host: Any = None  # CUDA: the lanes staged in pinned host memory (`stage`), while current
+        # how many regions so far got exactly one write, of the whole region, and nothing else (while
+        # every credit was such a first whole write): when it is all of them, `report` looks at none
+        self._whole_once: int | None = 0
 
     def touched(self, dst: torch.Tensor) -> None:
         """A write not hashed: every region its bytes (strided or not) reach must be read back."""
         if not dst.numel():
             return
+        self._whole_once = None
         lo = dst.data_ptr()
         hi = lo + (sum((n - 1) * st for n, st in zip(dst.shape, dst.stride(), strict=True)) + 1) * dst.element_size()
         k = max(self._bisect(self._starts, lo) - 1, 0)
@@ -521,10 +525,16 @@ class Written:
                 a, b = host_lanes(_raw(dst), first)
                 self.lanes[slot][0] += a
                 self.lanes[slot][1] += b
+        once, sizes = self._whole_once, self.sizes
         for slot, offset, nbytes in plan.credits:
             kept = self.pieces[slot]
             if kept is not None:
+                if once is not None:
+                    once = once + 1 if not kept and offset == 0 and nbytes == sizes[slot] else None
                 kept.append((offset, nbytes))
+            else:
+                once = None
+        self._whole_once = once
         for dst, src in plan.plain:
             dst.copy_(src)
             self.touched(dst)
@@ -555,15 +565,21 @@ class Written:
         """(`results`, `missed`) in one pass over the regions."""
         import numpy as np
 
-        sizes, whole, missed = self.sizes, [], []
-        for k, pieces in enumerate(self.pieces):  # (the common case, one write of the whole region, inline)
-            ok = pieces is not None and (pieces == [(0, sizes[k])] if len(pieces) == 1 else self._whole(k))
-            (whole if ok else missed).append(k)
-        if not whole:
-            return {}, [self.names[k] for k in missed]
+        sizes = self.sizes
+        if self._whole_once == len(sizes):  # every region written whole, once (an adapter's load)
+            whole, missed = None, []
+        else:
+            whole, missed = [], []
+            for k, pieces in enumerate(self.pieces):  # (the common case, one write of the whole region, inline)
+                ok = pieces is not None and (pieces == [(0, sizes[k])] if len(pieces) == 1 else self._whole(k))
+                (whole if ok else missed).append(k)
+            if not whole:
+                return {}, [self.names[k] for k in missed]
         if self.cuda:
             lanes = (self._host if self._host is not None else self.lanes.cpu()).numpy()
         else:
             lanes = np.array(self.lanes, dtype=np.uint64).reshape(-1, 2)
-        digests = finish_all(lanes[whole], [self.sizes[k] for k in whole])
+        if whole is None:
+            return dict(zip(self.names, finish_all(lanes, sizes), strict=True)), []
+        digests = finish_all(lanes[whole], [sizes[k] for k in whole])
         return dict(zip([self.names[k] for k in whole], digests, strict=True)), [self.names[k] for k in missed]
