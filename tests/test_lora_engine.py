@@ -507,11 +507,12 @@ def test_a_bounded_adapter_reserves_its_versions_memory_once_and_a_kept_plan_is_
         slabs.add(id(core.lora.live("p").slab))
         if version == 1:  # two more reserved, written once (zeros) so first copies into them cost no more
             pooled = core.lora._free[next(iter(core.lora._free))]
+            first = {id(core.lora.live("p").slab)} | {id(s) for s in pooled}
             assert core.lora.pooled_bytes() == 2 * core.lora.live("p").nbytes
             assert all(not s.flat.any() for s in pooled)
             # and the copies of these very bucket lists into them already checked and planned
             assert all(id(lists[m.index]) in s.plans for s in pooled for m in plan)
-    assert len(slabs) == 3  # max_live + 1 slabs in all
+    assert len(first) == 3 and slabs <= first  # max_live + 1 slabs in all, none allocated after the first refit
     assert checks == [len(plan)]  # the same manifests: checked the first time only
     again = plan_buckets([TensorMeta.of(n, t) for n, t in weights], 16 << 10)  # equal, but other objects
     _refit(core, again, {m.index: [(n, by_name[n]) for n in m.names] for m in again}, {**adapter, "version": 7})
@@ -525,6 +526,43 @@ def test_a_bounded_adapter_reserves_its_versions_memory_once_and_a_kept_plan_is_
     fresh = _engine(model)
     fresh.begin(plan, "wsum", adapter={**adapter, "version": 1, "max_live": None})
     assert fresh.lora.pooled_bytes() == 0
+
+
+def test_versions_freed_two_at_a_time_keep_their_memory_for_the_next_stages() -> None:
+    """max_live 2 with requests pinned to each version: two versions may be freed between two
+    stages (a retired one's last request ends, then a publish unloads another) and none between
+    the next two. Every freed slab is kept for the stages to come, so a version never stages into
+    memory allocated on the serving thread after the first refit: three slabs in all (a freed slab
+    beyond the first kept was dropped, and a later stage allocated one, before)."""
+    _model, core, spec, _weights, plan, lists = _session_parts()
+    adapter = {"name": "p", **LoraSpec.from_dict(spec).to_dict(), "max_live": 2}
+
+    def until_done(rid: int) -> None:
+        while core.result(rid)["finish_reason"] is None:
+            core.step()
+
+    _refit(core, plan, lists, {**adapter, "version": 1})
+    first = {id(core.lora.live("p").slab)} | {id(s) for free in core.lora._free.values() for s in free}
+    a = core.submit([3, 4, 5], 4, adapter="p")  # on version 1
+    core.step()
+    _refit(core, plan, lists, {**adapter, "version": 2})
+    b = core.submit([3, 4, 5], 30, adapter="p")  # on version 2
+    core.step()
+    until_done(a)  # version 1 (retired) freed
+    _refit(core, plan, lists, {**adapter, "version": 3})
+    c = core.submit([3, 4, 5], 30, adapter="p")  # on version 3; version 2 retired, still serving b
+    core.step()
+    core.begin(plan, "wsum", adapter={**adapter, "version": 4})  # stages while 2 and 3 both serve
+    staged = core.lora.staged("p")
+    assert staged is not None and id(staged.slab) in first, "a fourth slab, allocated on the serving thread"
+    for m in plan:
+        core.load(m, lists[m.index], keep=True)
+    core.finalize()
+    until_done(b)  # version 2 drains: version 4 may go live within 2
+    core.publish(4)
+    until_done(c)
+    assert core.result(b)["adapter_version"] == 2 and core.result(c)["adapter_version"] == 3
+    assert sorted(core.info()["adapters"]["p"]) == ["4"]
 
 
 def test_adapter_moves_are_kept_until_acknowledged_and_acks_cannot_drop_unreported_ones() -> None:

@@ -50,11 +50,14 @@ LORA_TARGETS: dict[str, str] = {
 ROW_PARALLEL = frozenset({"o_proj", "down_proj"})  # sharded by input columns on TP ranks: A's columns split
 PEFT_PREFIX = "base_model.model."  # what PEFT's saved state dict puts before the model's own names
 MOVES_KEPT = 4096  # adapter moves kept for `AdapterTable.report` until the caller acknowledges them
-SLABS_KEPT = 1  # freed versions' memory kept per (spec, dtype) for the next version to stage into
 # the first version of a spec with a bound (`max_live`) also reserves the memory of min(max_live, this)
 # more versions: the versions that come while the bound's live ones serve stage into it, not into fresh
 # allocations on the serving thread (a steady stream of refits under max_live needs max_live + 1 slabs)
 SLABS_RESERVED = 2
+# freed versions' memory kept per (spec, dtype) for the versions to come to stage into: as many as a
+# steady stream under a reserved bound cycles through (two versions may be freed between two stages and
+# none before the next: a pool that dropped the second would allocate on the serving thread then)
+SLABS_KEPT = SLABS_RESERVED + 1
 PLANS_KEPT = 64  # per slab: the checked copies kept for receivers' stable bucket views
 # PEFT LoraConfig fields whose non-default values change the math this engine computes: refused by name
 _REFUSED: dict[str, Any] = {
