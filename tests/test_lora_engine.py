@@ -8,6 +8,7 @@ one loads and publishes, a retired version is freed once its last request finish
 from __future__ import annotations
 
 import re
+import time
 from typing import Any
 
 import peft
@@ -593,3 +594,35 @@ def test_adapter_moves_are_kept_until_acknowledged_and_acks_cannot_drop_unreport
         with pytest.raises(EngineError) as info:
             core.ack_moves(bad)
         assert info.value.kind == "bad_request"
+
+
+def test_a_parked_drains_hold_counts_from_its_first_look() -> None:
+    """max_live 1: the version to go is the live one, so the drain holds new requests naming the
+    adapter for `hold_s` at most. Parked (a request still on the live version) and looked at again
+    after it ends, the drain answers ready and its hold still ends `hold_s` after the first look:
+    the second look does not start the hold again (a caller that never follows up is not held
+    past what it asked)."""
+    from refit.reference.server import EngineServer, Parked, encode
+
+    _model, core, spec, _weights, plan, lists = _session_parts()
+    adapter = {"name": "p", **LoraSpec.from_dict(spec).to_dict(), "max_live": 1}
+    _refit(core, plan, lists, {**adapter, "version": 1})
+    rid = core.submit([3, 4, 5], 20, adapter="p")
+    core.step()
+    core.begin(plan, "wsum", adapter={**adapter, "version": 2})
+    for m in plan:
+        core.load(m, lists[m.index], keep=True)
+    core.finalize()
+    server = EngineServer(core, "e", in_process=True)
+    server.parks = True
+    parked = server.dispatch("steps", encode(([("drain", (2.0,))], 30.0, None), {}))
+    assert isinstance(parked, Parked)
+    first = core.lora.draining["p"]  # the hold the first look set
+    time.sleep(0.3)
+    while core.result(rid)["finish_reason"] is None:
+        core.step()
+    assert core.drained()
+    out = server.resume(parked)
+    assert out[0][0] is True and out[0][1]["ready"] is True and out[0][2] >= 0.3  # the call's time: its wait too
+    assert abs(core.lora.draining["p"] - first) < 0.05  # not 0.3 s (and more) later
+    assert len([r for r in core.audit if r.get("op") == "drain"]) == 2  # two looks on the engine's record

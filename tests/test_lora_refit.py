@@ -674,3 +674,78 @@ def test_a_drain_still_waiting_when_the_runs_time_runs_out_leaves_the_engine_on_
     assert "did not answer" not in str(late.error)  # a drain's answer, in time: not a timeout
     assert took < 3 + ctx.cleanup_grace_s
     assert sorted(info["adapters"]["policy"]) == ["1", "2"]
+
+
+class _SlowSteps(EngineCore):
+    """A busy engine: each decode step takes 80 ms more (a large batch's)."""
+
+    def _step(self) -> None:
+        time.sleep(0.08)
+        super()._step()
+
+
+def test_a_busy_engines_drain_answers_inside_its_budget_and_leaves_it_unchanged() -> None:
+    """Decode steps of about 80 ms: a drain parked until near its call's budget answers before a
+    step that would end past it, and a run whose going version's request outlasts it ends with the
+    engine unchanged on its old versions, named for the requests still there (not a drain that
+    did not answer in time, as when the engine's margin ignored its step time)."""
+    from refit.reference.client import start_thread
+
+    e0 = ReferenceEngine(start_thread("e0", CFG, 0, max_running=8, core=_SlowSteps))
+    pm = _peft_model()
+    ctx = protocol.RefitContext(
+        LoraSource(pm, name="policy"), SharedMemoryTransport(), [e0], max_staleness=1, deadline_s=3, retries=0
+    )
+    try:
+        protocol.run(ctx).raise_for_error()
+        long = e0.submit(PROMPTS[0], 200, adapter="policy")  # about 16 s on version 1
+        time.sleep(0.2)
+        _train_step(pm, 2)
+        protocol.run(ctx).raise_for_error()
+        _train_step(pm, 3)
+        t0 = time.monotonic()
+        late = protocol.run(ctx)
+        took = time.monotonic() - t0
+        info = e0.info()
+        for budget in (0.2, 0.5, 1.0):  # a caller's own drain on the busy engine: answered inside each budget
+            _train_step(pm, 4)
+            start = time.monotonic()
+            assert e0.client.call("steps", [("drain", (5.0,))], budget, None, timeout=budget) is not None
+            assert time.monotonic() - start < budget
+    finally:
+        e0.client.call("abort_requests", timeout=10)
+        ctx.close()
+        e0.close()
+    assert not late.ok and late.engines["e0"].status == "unchanged"
+    assert "still had 1 requests when the run's time ran out" in str(late.error), late.error
+    assert took < 3 + ctx.cleanup_grace_s
+    assert sorted(info["adapters"]["policy"]) == ["1", "2"]
+    assert long.result(timeout=30)["finish_reason"] == "abort"
+
+
+def test_a_lora_trace_recorded_before_runs_rode_still_replays(engines: list[ReferenceEngine], tmp_path: Path) -> None:
+    """A trace from before a steady LoRA run's probe and stage rode with bucket 0 (its start events
+    have no `lora_ride`: each run probes alone, then stages) replays: the replay does not ride it.
+    One recorded now (`lora_ride` true) replays too."""
+    from refit.replay import replay
+
+    for ride in (False, True):
+        pm = _peft_model()
+        trace = tmp_path / f"ride-{ride}.jsonl"
+        ctx = protocol.RefitContext(
+            LoraSource(pm, name=f"policy{int(ride)}"), SharedMemoryTransport(), engines, max_staleness=1,
+            deadline_s=30, trace=trace,
+        )  # fmt: skip
+        ctx.lora_ride = ride  # (what the runner did before the ride)
+        try:
+            for step in (1, 2, 3):
+                _train_step(pm, step)
+                protocol.run(ctx).raise_for_error()
+        finally:
+            ctx.close()
+        if not ride:  # as recorded then: no such key
+            lines = [json.loads(line) for line in trace.read_text().splitlines()]
+            assert all(e.pop("lora_ride", None) is False for e in lines if e.get("event") == "start")
+            trace.write_text("".join(json.dumps(e) + "\n" for e in lines))
+        report = replay(str(trace))
+        assert report.divergence is None, (ride, report.divergence)

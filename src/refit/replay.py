@@ -571,6 +571,7 @@ def replay(path: str | Path, loaded: tuple[dict[str, Any], list[dict[str, Any]],
         adapter = start.get("adapter")
         ctx.source.adapter = adapter if isinstance(adapter, dict) else None  # type: ignore[union-attr]
         ctx.colocated_ride = start.get("colocated_ride") is True  # none: recorded before colocated runs rode
+        ctx.lora_ride = start.get("lora_ride") is True  # none: recorded before LoRA runs' probe and stage rode
         ctx.verify = start.get("verify", "off")
         transport.digest_kind = start.get("digest") or "xxh3"
         ctx.digest_point = start.get("digest_point", "served")

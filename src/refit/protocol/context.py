@@ -181,6 +181,8 @@ class RefitContext:
     # bucket 0 may ride a colocated run's pause wave (`refit replay` turns it off for a trace
     # recorded before colocated runs rode it: its start event has no `colocated_ride`)
     colocated_ride: bool = field(default=True, init=False, repr=False)
+    # a steady LoRA run's probe and stage ride with bucket 0 (off for a trace recorded before they did)
+    lora_ride: bool = field(default=True, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.engines = list(self.engines)

@@ -196,7 +196,10 @@ class _Run(Recording):
         self.enter(T.CONNECT)
         members = self.engines
         self.topology = self.session.topology
-        if self.ctx.adapter is not None and not self.needs_connect(members) and self.first_bucket_can_ride(members):
+        if (
+            self.ctx.adapter is not None and self.ctx.lora_ride and not self.needs_connect(members)
+            and self.first_bucket_can_ride(members)
+        ):  # fmt: skip
             # a LoRA refit in steady state (no memory to check before staging: a version's slab is the
             # engine's to find): the probe, the stage and bucket 0's load (with the finalize and
             # verify of a one-bucket plan) go in one wave, one request per engine
@@ -726,9 +729,12 @@ class _Run(Recording):
             # go while a tenth of the deadline (up to 1 s) is left. An engine may wait inside the call
             # until its going versions' requests end (the call's budget leaves that much)
             reserve = max(pause + 0.05, min(1.0, 0.1 * self.ctx.deadline_s))
+            # (when that leaves little, the call still gets half the time left, up to 1 s: a busy engine
+            # needs a decode step or two to take it up and answer)
+            left = self.deadline.remaining()
             w = self.waves.start(
                 {e: [Step("drain", "DRAINING", (round(max(hold, 0.0), 3),))] for e in waiting},
-                limit=max(self.deadline.remaining() - reserve, 0.05),
+                limit=max(left - reserve, min(0.5 * left, 1.0)),
             )  # fmt: skip
             results = self.waves.wait(w)
             still = []
@@ -977,6 +983,7 @@ def _lead(ctx: RefitContext) -> RefitResult:
         pause_mode=ctx.pause_mode, bucket_bytes=ctx.bucket_bytes, deadline_s=ctx.deadline_s,
         cleanup_grace_s=ctx.cleanup_grace_s, retries=ctx.retries, call_timeout_s=ctx.call_timeout_s, verify=ctx.verify,
         digest=r.digest_kind, digest_point=ctx.digest_point, layout_heads=True, colocated_ride=ctx.colocated_ride,
+        lora_ride=ctx.lora_ride,
         digest_written=[e.name for e, k in zip(r.engines, r.written_kind, strict=True) if k],
         ranks=ctx.ranks.world if ctx.ranks else 1, transport=ctx.transport.kind, collective=ctx.transport.collective,
         shares_storages=ctx.transport.shares_storages or None,

@@ -271,10 +271,20 @@ class _Killed(Exception):
 PARK_MIN_S = 0.005  # a drain parks only when it could wait at least this long
 
 
-def _park_margin(budget: float) -> float:
-    """How long before the call's budget (counted from when the engine took it up, a little after
-    the caller started its own clock) a parked drain answers, so the answer reaches the caller in time."""
-    return min(0.1 + 0.05 * budget, 2.0)
+def _park_margin(budget: float, step_s: float) -> float:
+    """How long before the call's budget (counted from when the engine took it up: up to a decode
+    step after the caller started its own clock) a parked drain answers, so the answer reaches the
+    caller in time: a tenth of a second and a twentieth of the budget (at most 2 s), and two steps
+    (`step_s`, the engine's averaged one: the one it may have been in when the request came, and
+    one more of slack; the serve loop answers before a step that would end past `until`)."""
+    return min(0.1 + 0.05 * budget, 2.0) + 2 * step_s
+
+
+def _hold_left(args: Any, waited: float) -> Any:
+    """A drain's args (hold_s, ...) with `waited` seconds taken off its hold (never below 0)."""
+    if isinstance(args, list | tuple) and args and type(args[0]) in (int, float):
+        return (max(0.0, float(args[0]) - waited), *args[1:])
+    return args
 
 
 def _ready(value: Any) -> bool:
@@ -429,6 +439,8 @@ class EngineServer:
             call, args = p.steps[i]
             again = p.resumed and i == p.index  # the parked drain's second look
             t0 = time.monotonic()
+            if again:  # its hold counts from the first look: what is left of it, not a fresh one
+                args = _hold_left(args, t0 - p.first)
             if i > 0 and not again and end is not None and t0 >= end:
                 out.append((False, ("deadline", f"{call} not started: the call's {budget:.3g}s budget was spent"), 0.0))
                 break
@@ -449,7 +461,7 @@ class EngineServer:
                 out.append((False, _error_value(exc), time.monotonic() - (p.first if again else t0)))
                 break
             if call == "drain" and not again and self.parks and end is not None and not _ready(value):
-                until = end - _park_margin(budget or 0.0)
+                until = end - _park_margin(budget or 0.0, self.core.step_s)
                 if until > time.monotonic() + PARK_MIN_S:
                     p.index, p.until, p.first = i, until, t0
                     self.core.lora.unsent(value.get("adapter_moves") or [])  # this answer is not sent
@@ -693,9 +705,11 @@ def serve(channel: Channel, server: EngineServer) -> None:
 
     try:
         while True:
+            if parked is not None and time.monotonic() + core.step_s >= parked[2].until:
+                unpark()  # a step now would end past `until`: it answers first
             wait = 0.0 if core.has_work() else core.wake_in()
             if parked is not None:  # (it answers at `until` at the latest)
-                left = max(0.0, parked[2].until - time.monotonic())
+                left = max(0.0, parked[2].until - core.step_s - time.monotonic())
                 wait = left if wait is None else min(wait, left)
             if channel.poll(wait):
                 received = time.monotonic()
@@ -732,9 +746,7 @@ def serve(channel: Channel, server: EngineServer) -> None:
             for rid in finished:
                 for call_id in waiters.pop(rid, []):
                     channel.send((call_id, True, core.result(rid)))
-            if parked is not None and (
-                time.monotonic() >= parked[2].until or ((finished or not core.has_work()) and core.drained())
-            ):
+            if parked is not None and (finished or not core.has_work()) and core.drained():
                 unpark()
     except (EOFError, BrokenPipeError, ConnectionResetError, _Killed):
         pass
