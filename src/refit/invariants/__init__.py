@@ -557,14 +557,30 @@ def check_trace(
         out.append(Violation("complete", "the last line of the trace is cut off"))
     if not closed and not open_ok:
         last_ev = events[-1] if events else {}
-        out.append(
-            Violation(
+        cut_run = next(
+            (
+                i for i, v in enumerate(out)
+                if v.invariant == "complete" and v.message.startswith("run has no end event")
+                and (v.seq, v.run) == (last_ev.get("seq"), last_ev.get("run"))
+            ),
+            None,
+        )  # fmt: skip
+        if cut_run is not None:  # one cut: the last run's missing end and the trace's are the same fact
+            out[cut_run] = Violation(
                 "complete",
-                "the trace has no end line: it was cut off (or the job died)",
+                "the trace was cut off mid-run (or the job died): the run has no end event, the trace no end line",
                 last_ev.get("seq"),
                 last_ev.get("run"),
             )
-        )
+        else:
+            out.append(
+                Violation(
+                    "complete",
+                    "the trace has no end line: it was cut off (or the job died)",
+                    last_ev.get("seq"),
+                    last_ev.get("run"),
+                )
+            )
     elif connected is not None and closed:
         out.append(
             Violation(
