@@ -310,8 +310,16 @@ def _bench(args: argparse.Namespace) -> int:
                     f"  {name:<24} checksums {'on ' if v['checksums'] else 'off'} {v['gbps']:6.2f} GB/s "
                     f"({v['seconds'] * 1e3:6.1f} ms)  ratio {v['ratio']:.2f}"
                 )
-            verdict = "met" if report["ratio"] >= 0.7 else "MISSED"
-            print(f"  goal (zero_copy, checksums on): ratio >= 0.7; measured {report['ratio']:.2f}: {verdict}")
+            if args.small:  # a few MB: each refit's fixed cost (calls, checks) outweighs its copy, so its
+                # ratio to memcpy's bandwidth says nothing about the transport
+                print(
+                    f"  (--small: {report['bytes'] / 1e6:.1f} MB per refit, where each refit's fixed cost outweighs "
+                    "its copy: the ratios are no measure of the transport; the goal, zero_copy with checksums at "
+                    ">= 0.7 x memcpy, is judged on the full-size state, without --small)"
+                )
+            else:
+                verdict = "met" if report["ratio"] >= 0.7 else "MISSED"
+                print(f"  goal (zero_copy, checksums on): ratio >= 0.7; measured {report['ratio']:.2f}: {verdict}")
     bench.write_json(report, args.json)
     if args.json:
         print(f"wrote {args.json}")
