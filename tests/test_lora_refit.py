@@ -749,3 +749,44 @@ def test_a_lora_trace_recorded_before_runs_rode_still_replays(engines: list[Refe
             trace.write_text("".join(json.dumps(e) + "\n" for e in lines))
         report = replay(str(trace))
         assert report.divergence is None, (ride, report.divergence)
+
+
+def test_an_engine_restarted_under_its_name_starts_its_adapter_history_afresh_in_the_check(
+    tmp_path: Path,
+) -> None:
+    """An engine process killed and started again under the same name holds no adapter version:
+    its new table (another epoch) stages and publishes from nothing. `refit check` follows it
+    from there, as the engine's own moves say (it flagged the old process's live version and the
+    new one both LIVE, and too many servable, before)."""
+    import os
+    import signal
+
+    from refit.invariants import check_trace
+
+    pm = _peft_model()
+    trace = tmp_path / "restart.jsonl"
+    (e0,) = ReferenceEngine.spawn_many(["e0"], CFG, seed=0, max_running=8)
+    ctx = protocol.RefitContext(
+        LoraSource(pm, name="policy"), SharedMemoryTransport(), [e0], max_staleness=1, deadline_s=30, trace=trace
+    )
+    again = None
+    try:
+        for step in (1, 2):
+            _train_step(pm, step)
+            protocol.run(ctx).raise_for_error()
+        os.kill(e0.client.pid, signal.SIGKILL)
+        e0.client.close()
+        (again,) = ReferenceEngine.spawn_many(["e0"], CFG, seed=0, max_running=8)
+        ctx.engines[0] = again
+        for step in (3, 4):
+            _train_step(pm, step)
+            assert protocol.run(ctx).raise_for_error().engines["e0"].status == "updated"
+    finally:
+        ctx.close()
+        e0.close()
+        if again is not None:
+            again.close()
+    header, events, torn = load_trace(trace)
+    assert check_trace(events, torn=torn, header=header, whole=True) == []
+    epochs = list(dict.fromkeys(m["epoch"] for m in trace_adapter_moves(events)["e0"]))
+    assert len(epochs) == 2  # two tables, each followed from its first move

@@ -81,10 +81,16 @@ def check_adapter_records(records: Iterable[Mapping[str, Any]], *, engine: str =
     can be judged without the history before it: a version first seen mid-way is taken to be where
     its first record says it came from; from then on each move must start where the last one left
     it (a move lost, repeated or invented breaks the chain), be one the adapter table allows, and
-    leave at most one LIVE version of its adapter and no more servable than the bound."""
+    leave at most one LIVE version of its adapter and no more servable than the bound. A record of
+    another table epoch than the last (the engine restarted under the same name) starts afresh."""
     out: list[Violation] = []
     state: dict[tuple[Any, Any], Any] = {}
+    epoch: Any = None
     for r in records:
+        if r.get("epoch") is not None:
+            if epoch is not None and r["epoch"] != epoch:  # another table: the engine restarted under this
+                state = {}  # name, and every version it held went with the process that held it
+            epoch = r["epoch"]
         name, version, event = r.get("adapter"), r.get("adapter_version"), str(r.get("event"))
         src, dest, key = r.get("src"), r.get("state"), (r.get("adapter"), r.get("adapter_version"))
         known = state.get(key)
