@@ -509,6 +509,26 @@ def test_moves_an_answer_carried_too_late_are_reported_again_and_the_trace_check
     assert moves == audit  # every move the engine made, in the trace once, in order
 
 
+def _pushing_out(
+    engine: ReferenceEngine, tokens: int, *, deadline_s: float, trace: Path | None = None, pm: Any = None
+) -> tuple[Any, protocol.RefitContext, Any]:
+    """A LoRA context over `engine` (max_staleness 1) after two refits, with a request of `tokens`
+    tokens pinned to version 1 and the trainer one step on: its next refit pushes version 1 out.
+    (the PEFT model, the context, the request's future)"""
+    pm = _peft_model() if pm is None else pm
+    ctx = protocol.RefitContext(
+        LoraSource(pm, name="policy"), SharedMemoryTransport(), [engine], max_staleness=1, deadline_s=deadline_s,
+        retries=0, trace=trace,
+    )  # fmt: skip
+    protocol.run(ctx).raise_for_error()
+    long = engine.submit(PROMPTS[0], tokens, adapter="policy")  # pinned to version 1
+    time.sleep(0.1)
+    _train_step(pm, 2)
+    protocol.run(ctx).raise_for_error()  # versions 1 and 2 live: nothing pushed out yet
+    _train_step(pm, 3)
+    return pm, ctx, long
+
+
 def _drain_calls(events: list[dict[str, Any]], run: int) -> list[dict[str, Any]]:
     runs = list(dict.fromkeys(e["run"] for e in events if e.get("run") is not None))  # in order
     return [e for e in events if e.get("run") == runs[run] and e.get("kind") == "call" and e.get("event") == "drain"]
@@ -555,19 +575,10 @@ def test_a_drain_waits_inside_one_call_while_generation_goes_on(engines: list[Re
     the looks, so generation went on during the wait; version 3 goes live after it."""
     from refit.invariants import check_trace
 
-    pm = _peft_model()
     e0 = engines[0]
     trace = tmp_path / "park.jsonl"
-    ctx = protocol.RefitContext(
-        LoraSource(pm, name="policy"), SharedMemoryTransport(), [e0], max_staleness=1, deadline_s=60, trace=trace
-    )
+    _pm, ctx, long = _pushing_out(e0, 200, deadline_s=60, trace=trace)
     try:
-        protocol.run(ctx).raise_for_error()
-        long = e0.submit(PROMPTS[0], 200, adapter="policy")  # pinned to version 1
-        time.sleep(0.1)
-        _train_step(pm, 2)
-        protocol.run(ctx).raise_for_error()  # versions 1 and 2 live: nothing pushed out yet
-        _train_step(pm, 3)
         since = time.monotonic()
         protocol.run(ctx).raise_for_error()  # pushes version 1 out: waits for `long`
         out = long.result(timeout=30)
@@ -598,19 +609,10 @@ def test_a_call_that_arrives_while_a_drain_waits_gets_the_drain_answered_first(
     caller's drain, with a short budget, answers not ready before that budget is spent."""
     from refit.invariants import check_trace
 
-    pm = _peft_model()
     e0 = engines[0]
     trace = tmp_path / "super.jsonl"
-    ctx = protocol.RefitContext(
-        LoraSource(pm, name="policy"), SharedMemoryTransport(), [e0], max_staleness=1, deadline_s=60, trace=trace
-    )
+    _pm, ctx, long = _pushing_out(e0, 240, deadline_s=60, trace=trace)
     try:
-        protocol.run(ctx).raise_for_error()
-        long = e0.submit(PROMPTS[0], 240, adapter="policy")
-        time.sleep(0.1)
-        _train_step(pm, 2)
-        protocol.run(ctx).raise_for_error()
-        _train_step(pm, 3)
         result: list[Any] = []
         since = time.monotonic()
         runner = threading.Thread(target=lambda: result.append(protocol.run(ctx)), daemon=True)
@@ -650,16 +652,8 @@ def test_a_drain_still_waiting_when_the_runs_time_runs_out_leaves_the_engine_on_
     config = peft.LoraConfig(r=8, lora_alpha=16, target_modules=list(LORA_TARGETS), init_lora_weights=False)
     pm = peft.get_peft_model(TinyLlama(cfg, seed=0), config).eval()
     (e0,) = ReferenceEngine.spawn_many(["e0"], cfg, seed=0, max_running=8)
-    ctx = protocol.RefitContext(
-        LoraSource(pm, name="policy"), SharedMemoryTransport(), [e0], max_staleness=1, deadline_s=3, retries=0
-    )
+    _pm, ctx, long = _pushing_out(e0, 4000, deadline_s=3, pm=pm)
     try:
-        protocol.run(ctx).raise_for_error()
-        long = e0.submit(PROMPTS[0], 4000, adapter="policy")
-        time.sleep(0.1)
-        _train_step(pm, 2)
-        protocol.run(ctx).raise_for_error()
-        _train_step(pm, 3)
         t0 = time.monotonic()
         late = protocol.run(ctx)
         took = time.monotonic() - t0
@@ -692,17 +686,8 @@ def test_a_busy_engines_drain_answers_inside_its_budget_and_leaves_it_unchanged(
     from refit.reference.client import start_thread
 
     e0 = ReferenceEngine(start_thread("e0", CFG, 0, max_running=8, core=_SlowSteps))
-    pm = _peft_model()
-    ctx = protocol.RefitContext(
-        LoraSource(pm, name="policy"), SharedMemoryTransport(), [e0], max_staleness=1, deadline_s=3, retries=0
-    )
+    pm, ctx, long = _pushing_out(e0, 200, deadline_s=3)  # the request: about 16 s on version 1
     try:
-        protocol.run(ctx).raise_for_error()
-        long = e0.submit(PROMPTS[0], 200, adapter="policy")  # about 16 s on version 1
-        time.sleep(0.2)
-        _train_step(pm, 2)
-        protocol.run(ctx).raise_for_error()
-        _train_step(pm, 3)
         t0 = time.monotonic()
         late = protocol.run(ctx)
         took = time.monotonic() - t0
